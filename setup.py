@@ -1,0 +1,59 @@
+"""fastdecode: disaggregated LLM decoding (GPU S-worker, CPU R-workers over MPI).
+
+The attention kernel is compiled once per ISA into its own extension module
+(rworker._kernels_<isa>); rworker.isa picks one at import by what the CPU reports,
+so a CPU without AVX-512 never executes an AVX-512 instruction (no SIGILL).
+"""
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
+
+KERNEL_SOURCES = ["csrc/avx512/kernels.cpp"]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+
+# isa name -> compiler flags for that module; the source selects code paths by the macros these set
+ISA_FLAGS = {
+    "portable": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+}
+
+ext_modules = [
+    Pybind11Extension(
+        f"rworker._kernels_{isa}",
+        KERNEL_SOURCES,
+        define_macros=[("FD_MODULE_NAME", f"_kernels_{isa}")],
+        extra_compile_args=COMMON_FLAGS + flags,
+        extra_link_args=["-fopenmp"],
+    )
+    for isa, flags in ISA_FLAGS.items()
+]
+
+setup(
+    name="fastdecode",
+    version="0.1.0",
+    description="Throughput-oriented LLM batch decoding with attention disaggregated to CPU R-workers over MPI",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fastdecode", "fastdecode.*", "rworker", "rworker.*"]),
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    install_requires=[
+        # R-worker nodes need only these three
+        "numpy>=1.24",
+        "mpi4py>=3.1",
+        "psutil>=5.9",
+        # S-worker side. torch is a range so GPU sites keep their own build; on a CPU
+        # machine install torch==2.13.0 first (scripts/install.sh does) or pip fetches a CUDA build.
+        "torch>=2.4,<2.15",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "transformers>=4.45",
+        "gguf>=0.10",
+        "jinja2>=3.1",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "accelerate>=0.30", "matplotlib>=3.7"],
+        "bench": ["matplotlib>=3.7", "accelerate>=0.30"],
+    },
+    entry_points={"console_scripts": ["fastdecode=fastdecode.cli:main"]},
+)
