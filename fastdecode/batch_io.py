@@ -1,0 +1,172 @@
+"""OpenAI batch JSONL (what `vllm run-batch` reads and writes): parse request lines, build output lines.
+
+A line that cannot be served becomes a 400 output line naming the problem; it never stops the
+batch. Parsing is per line and streamed: the input is never read whole into memory.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .sampling_params import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "min_tokens", "n")
+_TYPES = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "min_p": (int, float),
+          "seed": int, "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "n": int,
+          "max_tokens": int, "max_completion_tokens": int}
+
+
+class LineError(ValueError):
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class BatchLine:
+    line_no: int                     # 1-based line number in the input file
+    custom_id: str | None
+    url: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    params: SamplingParams | None = None
+    error: LineError | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.url == CHAT
+
+
+def _check_type(body: dict, name: str) -> None:
+    if name in body and body[name] is not None:
+        val, want = body[name], _TYPES.get(name)
+        if want is None:
+            return
+        ok = isinstance(val, want) and not (want in (int, (int, float)) and isinstance(val, bool))
+        if not ok:
+            kind = want.__name__ if isinstance(want, type) else "number"
+            raise LineError(f"body.{name} must be {kind}, got {type(val).__name__}")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise LineError("body.messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise LineError(f"body.messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):      # OpenAI content parts: keep the text parts
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise LineError(f"body.messages[{i}].content: only text parts are supported")
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise LineError(f"body.messages[{i}].content must be a string")
+        out.append({**m, "content": content})
+    return out
+
+
+def parse_line(line_no: int, text: str) -> BatchLine:
+    """One input line -> BatchLine; problems are recorded in .error, never raised."""
+    custom_id = None
+    try:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LineError(f"line {line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise LineError(f"line {line_no}: expected a JSON object")
+        custom_id = obj.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            custom_id = None
+            raise LineError(f"line {line_no}: missing or non-string custom_id")
+        url = obj.get("url")
+        if url not in (COMPLETIONS, CHAT):
+            raise LineError(f"unsupported url {url!r}: expected {COMPLETIONS} or {CHAT}", code="invalid_url")
+        method = obj.get("method", "POST")
+        if method != "POST":
+            raise LineError(f"unsupported method {method!r}: expected POST")
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise LineError("missing or non-object body")
+        for name in list(_TYPES):
+            _check_type(body, name)
+        line = BatchLine(line_no, custom_id, url)
+        if url == CHAT:
+            line.messages = _messages(body)
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+                line.prompt = prompt           # token ids
+            elif isinstance(prompt, str) and prompt:
+                line.prompt = prompt
+            else:
+                raise LineError("body.prompt must be a non-empty string or a list of token ids")
+            max_tokens = body.get("max_tokens", 16)   # the completions API's default
+        kwargs = {k: body[k] for k in _PARAM_FIELDS if body.get(k) is not None}
+        stop = kwargs.get("stop")
+        if stop is not None and not isinstance(stop, (str, list)):
+            raise LineError("body.stop must be a string or a list of strings")
+        try:
+            line.params = SamplingParams(max_tokens=max_tokens, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise LineError(f"body: {e}") from None
+        return line
+    except LineError as e:
+        return BatchLine(line_no, custom_id, error=e)
+
+
+def read_lines(path: str) -> Iterator[BatchLine]:
+    """Stream the input file; blank lines are skipped (their numbers still count)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, text in enumerate(f, start=1):
+            if text.strip():
+                yield parse_line(line_no, text)
+
+
+# ---------------------------------------------------------------------------- output lines
+
+def _ids() -> tuple[str, str]:
+    return f"batch-{uuid.uuid4().hex}", uuid.uuid4().hex
+
+
+def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: int) -> dict:
+    """output: a RequestOutput."""
+    line_id, request_id = _ids()
+    choices = []
+    completion_tokens = 0
+    for c in output.outputs:
+        completion_tokens += len(c.token_ids)
+        choice = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choices.append(choice)
+    body = {"id": ("chatcmpl-" if chat else "cmpl-") + request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {"id": line_id, "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def error_line(custom_id: str | None, code: str, message: str, status: int = 400) -> dict:
+    line_id, request_id = _ids()
+    return {"id": line_id, "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": request_id,
+                         "body": {"error": {"message": message, "type": "BadRequestError", "code": code}}},
+            "error": {"code": code, "message": message}}

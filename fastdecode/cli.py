@@ -1,0 +1,183 @@
+"""The `fastdecode` command: generate | profile | plan | info.
+
+Every rank of `mpirun -n 1+R fastdecode generate ...` runs this: rank 0 becomes the S-worker,
+ranks 1..R R-workers (which never import torch). Usage and config errors are found on rank 0
+before any compute and end every rank with exit code 2; failures end the whole job with exit 1
+and a message naming the rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import mpi_env
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _bytes(text: str) -> int:
+    from rworker.capacity import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default="smollm2-135m",
+                   help="HF model directory, .gguf file, or embedded name (default: smollm2-135m)")
+    p.add_argument("--device", default="auto", help="S-worker device: auto | cpu | cuda[:N] (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16)")
+    p.add_argument("--max-batch", type=_positive_int, default=256, help="most sequences decoding at once")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=8192,
+                   help="prompt tokens prefilled per step")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
+    p.add_argument("--s-threads", type=_positive_int, default=None, help="torch threads on a CPU S-worker")
+    p.add_argument("--r-threads", type=_positive_int, default=None,
+                   help="kernel threads per R-worker (default: the physical cores it may use)")
+    p.add_argument("--rworker-mem", type=_bytes, default=None,
+                   help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a rank may stay silent before the job aborts naming it")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastdecode", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,info}")
+    sub.required = True
+    g = sub.add_parser("generate", help="batch generation: OpenAI batch JSONL in, JSONL out",
+                       description="Batch generation. Under mpirun -n 1+R: rank 0 S-worker, 1..R R-workers.")
+    g.add_argument("-i", "--input", required=True, help="OpenAI batch JSONL file of requests")
+    g.add_argument("-o", "--output", required=True, help="JSONL file of results (one line per input line)")
+    add_engine_options(g)
+    g.add_argument("--no-sort-output", dest="sort_output", action="store_false",
+                   help="leave output lines in completion order (default: input order)")
+    g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
+    g.add_argument("--quiet", action="store_true", help="no progress output")
+    sub.add_parser("info", help="versions, ISA path, MPI, devices")
+    return parser
+
+
+# ---------------------------------------------------------------------------- validation (no MPI, no torch)
+
+def validate_generate(args) -> None:
+    from .config import ConfigError
+    from .model_source import read_config, resolve_model
+
+    if os.path.isdir(args.input):
+        raise UsageError(f"input {args.input} is a directory, expected a JSONL file")
+    if not os.path.isfile(args.input):
+        raise UsageError(f"input file {args.input} not found")
+    if os.path.getsize(args.input) == 0:
+        raise UsageError(f"input file {args.input} is empty")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output):
+        raise UsageError(f"output {args.output} is a directory, expected a file path")
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
+    if os.path.exists(args.output) and not os.access(args.output, os.W_OK):
+        raise UsageError(f"output {args.output} is not writable")
+    try:
+        read_config(resolve_model(args.model))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def agree_on_usage(comm, error: str | None) -> str | None:
+    """Collective: rank 0's validation verdict reaches every rank (so all exit 2 together)."""
+    import numpy as np
+    flag = np.array([1 if error else 0], dtype=np.int64)
+    comm.Bcast(flag, root=0)
+    return error if flag[0] == 0 or comm.Get_rank() == 0 else "rank 0 rejected the command line"
+
+
+# ---------------------------------------------------------------------------- commands
+
+def cmd_generate(args) -> int:
+    rank = mpi_env.launched_rank()
+    error = None
+    if rank == 0:
+        try:
+            validate_generate(args)
+        except UsageError as e:
+            error = str(e)
+    if mpi_env.launched_size() <= 1 and error:          # a singleton: stop before MPI starts
+        print(f"fastdecode: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    comm = mpi_env.world()
+    if comm is not None:
+        error = agree_on_usage(comm, error)
+        if error:
+            if comm.Get_rank() == 0:
+                print(f"fastdecode: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        if comm.Get_rank() != 0:
+            from rworker.worker import run
+            return run(comm, args.r_threads, args.rworker_mem, args.timeout)
+    elif error:
+        print(f"fastdecode: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return run_s_worker(args, comm)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - must end the MPI job, not hang it
+        mpi_env.fail(comm, e)
+        return EXIT_FAILURE
+
+
+def run_s_worker(args, comm) -> int:
+    from .engine import EngineArgs, LLMEngine
+    from .generate import BatchRunner, print_summary
+
+    eargs = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, seed=args.seed,
+                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
+                       timeout=args.timeout)
+    engine = LLMEngine(eargs, comm)
+    try:
+        if os.path.exists(args.output):
+            os.truncate(args.output, 0)
+        runner = BatchRunner(engine, args.input, args.output)
+        summary = runner.run(sort_output=args.sort_output, show_progress=not args.quiet)
+    finally:
+        engine.close()
+    if args.stats_json:
+        engine.recorder.write(args.stats_json, summary)
+    print_summary(summary)
+    return EXIT_OK
+
+
+def cmd_info(args) -> int:
+    from .info import collect, render
+    print(render(collect()))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"generate": cmd_generate, "info": cmd_info}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""LLMEngine: requests in, finished requests out; `step()` = schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .model.llama import LlamaSPart
+from .model_source import ModelSource, read_config, resolve_model
+from .placement import Placement
+from .rpart.base import RBackend
+from .runner import ModelRunner
+from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from .scheduler import FifoAdmission, Scheduler
+from .sequence import Request, Sequence, Status
+from .stats import Reservoir, StepRecorder
+from .tokenizer import Tokenizer
+from .weights import load_weights, source_digest
+
+KV_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class RequestError(ValueError):
+    """A request that cannot be served (bad parameters, too long): reported per request, never fatal."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str = "smollm2-135m"
+    device: str = "auto"              # auto | cpu | cuda[:i]
+    dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16
+    max_batch: int = 256              # most sequences decoding at once
+    max_prefill_tokens: int = 8192    # prompt tokens per prefill step
+    seed: int = 0                     # seeds requests that name none
+    s_threads: int | None = None      # torch threads on the S-worker (CPU)
+    r_threads: int | None = None      # kernel threads per R-worker
+    rworker_mem: int | None = None    # KV bytes per R-worker (default: available memory less a reserve)
+    timeout: float | None = None      # seconds an R-worker may stay silent before the job aborts
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype, str]:
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    dtype = (torch.float32 if device.type == "cpu" else torch.bfloat16) if args.dtype == "auto" \
+        else names[args.dtype]
+    kv = args.kv_dtype
+    if kv == "auto":
+        kv = "fp32" if dtype == torch.float32 else "bf16"
+    return dtype, kv
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, comm=None):
+        self.args = args
+        self.source: ModelSource = resolve_model(args.model)
+        self.config: ModelConfig = read_config(self.source)
+        self.device = resolve_device(args.device)
+        self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
+        if args.s_threads and self.device.type == "cpu":
+            torch.set_num_threads(args.s_threads)
+        digest = source_digest(self.source) if self.source.kind == "gguf" else None
+        self.tokenizer = Tokenizer(self.source, digest)
+        weights = load_weights(self.source, self.config, self.dtype, self.device)
+        self.model = LlamaSPart(self.config, weights, self.device, self.dtype)
+        del weights
+        self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
+        self.backend: RBackend = self._make_backend(comm)
+        self.kv_bytes_per_token = self.config.kv_bytes_per_token(KV_ITEMSIZE[self.kv_dtype])
+        self.placement = Placement(self.backend.workers, self.kv_bytes_per_token)
+        self.scheduler = Scheduler(FifoAdmission(args.max_batch), self.placement,
+                                   args.max_batch, args.max_prefill_tokens)
+        self.runner = ModelRunner(self.model, self.backend, self.eos_ids)
+        self.recorder = StepRecorder(len(self.backend.workers))
+        self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
+        self.step_no = 0
+        self._next_seq_id = 1
+        self.num_prompt_tokens = self.num_output_tokens = 0
+
+    def _make_backend(self, comm) -> RBackend:
+        scale = self.config.head_dim ** -0.5
+        if comm is None or comm.Get_size() == 1:
+            from .rpart.local import LocalBackend
+            return LocalBackend(self.config, self.kv_dtype, self.args.r_threads, self.args.rworker_mem)
+        from .rpart.mpi import MPIBackend
+        from rworker.wait import choose_policy, node_layout
+        ranks_here, _ = node_layout(comm)          # collective with the R-workers' call
+        policy = choose_policy(ranks_here, ranks_here)
+        return MPIBackend(comm, self.config, self.kv_dtype, scale, self.args.r_threads,
+                          self.args.rworker_mem, policy, self.args.timeout)
+
+    # ------------------------------------------------------------------ requests
+
+    def request_seed(self, params: SamplingParams, request_id: str) -> int:
+        if params.seed is not None:
+            return params.seed & ((1 << 63) - 1)
+        digest = hashlib.sha256(f"{self.args.seed}:{request_id}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    def add_request(self, index: int, request_id: str, prompt: str | None, prompt_ids: list[int],
+                    params: SamplingParams, meta: dict | None = None) -> Request:
+        """Queue a request; raise RequestError if it can never be served."""
+        n_prompt = len(prompt_ids)
+        limit = self.config.max_context
+        if n_prompt == 0:
+            raise RequestError("the prompt is empty (no tokens)")
+        if any(not 0 <= t < self.config.vocab_size for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
+        if n_prompt + max_tokens > limit or max_tokens < 1:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the messages, "
+                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
+                code="context_length_exceeded")
+        req = Request(index, request_id, prompt, list(prompt_ids), params,
+                      self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no)
+        for i in range(params.n):
+            seq = Sequence(self._next_seq_id, req, i, max_tokens)
+            if not self.placement.fits_anywhere_alone(seq):
+                raise RequestError(f"the request needs {seq.total_len_bound} KV tokens, more than any R-worker "
+                                   f"can hold", code="kv_capacity_exceeded")
+            self._next_seq_id += 1
+            req.sequences.append(seq)
+        for seq in req.sequences:
+            self.scheduler.add(seq)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[Request]:
+        """Admit and prefill, decode one token for every running sequence, return finished requests."""
+        self.step_no += 1
+        t0 = time.perf_counter()
+        finished: list[Request] = []
+        new = self.scheduler.schedule_prefill(self.step_no)
+        if new:
+            seqs, first = self.runner.prefill(new)
+            self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
+            self._postprocess(seqs, first, finished)
+        t_prefill = time.perf_counter() - t0
+        running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        stats = None
+        if running:
+            seqs, tokens, stats = self.runner.decode(running)
+            self._postprocess(seqs, tokens, finished)
+        done = self.scheduler.drop_finished()
+        if done:
+            by_worker = [[] for _ in self.backend.workers]
+            for s in done:
+                by_worker[s.worker].append(s.seq_id)
+            self.backend.free(by_worker)
+        self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
+                             t_prefill, time.perf_counter() - t0, decode=bool(running))
+        return finished
+
+    def _postprocess(self, seqs: list[Sequence], tokens: np.ndarray, finished: list[Request]) -> None:
+        now = time.perf_counter()
+        for seq, tok in zip(seqs, tokens.tolist()):
+            seq.output_ids.append(tok)
+            seq.token_times.append(now)
+            self.num_output_tokens += 1
+            if self._check_stop(seq, tok):
+                self.scheduler.finish(seq)
+                self.token_gaps.add(np.diff(seq.token_times))
+                if seq.request.finished:
+                    finished.append(seq.request)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> bool:
+        p = seq.request.params
+        n = len(seq.output_ids)
+        if n >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                return True
+            if not p.ignore_eos and tok in self.eos_ids:
+                seq.finish_reason = "stop"
+                return True
+            if p.stop:
+                text = self.tokenizer.decode(seq.output_ids)
+                hits = [(text.find(s), s) for s in p.stop if s in text]
+                if hits:
+                    pos, stop = min(hits)
+                    seq.text, seq.finish_reason, seq.stop_reason = text[:pos], "stop", stop
+                    return True
+        if n >= seq.max_tokens:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    # ------------------------------------------------------------------ outputs
+
+    def output_of(self, req: Request) -> RequestOutput:
+        outs = []
+        for s in req.sequences:
+            text = s.text if isinstance(s.stop_reason, str) else self.tokenizer.decode(s.output_ids)
+            outs.append(CompletionOutput(s.sample_index, text, list(s.output_ids), s.finish_reason, s.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs)
+
+    def close(self) -> None:
+        self.backend.close()

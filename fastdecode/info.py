@@ -1,0 +1,52 @@
+"""`fastdecode info`: what this machine offers the S-worker and the R-workers."""
+from __future__ import annotations
+
+import os
+import platform
+
+
+def collect() -> dict:
+    import psutil
+
+    import fastdecode
+    info = {"fastdecode": fastdecode.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+    try:
+        import rworker
+        info["kernel_isa"] = rworker.selected_isa()
+        info["kernel_isas_available"] = rworker.available_isas()
+        feats = rworker.cpu_features()
+        info["cpu_features"] = sorted(k for k, v in feats.items() if v) if isinstance(feats, dict) else feats
+        if os.environ.get("FASTDECODE_ISA"):
+            info["kernel_isa_forced_by"] = f"FASTDECODE_ISA={os.environ['FASTDECODE_ISA']}"
+    except Exception as e:  # a broken build must still let info report the rest
+        info["kernel_isa"] = f"unavailable ({type(e).__name__}: {e})"
+    info["cpu_cores_physical"] = psutil.cpu_count(logical=False)
+    info["cpu_cores_logical"] = psutil.cpu_count(logical=True)
+    if hasattr(os, "sched_getaffinity"):
+        info["cpu_affinity"] = len(os.sched_getaffinity(0))
+    info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
+    info["memory_available_gb"] = round(psutil.virtual_memory().available / 2**30, 1)
+    try:
+        import mpi4py
+        from mpi4py import MPI
+        info["mpi4py"] = mpi4py.__version__
+        info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        info["mpi_world_size"] = MPI.COMM_WORLD.Get_size()
+    except Exception as e:
+        info["mpi4py"] = f"unavailable ({type(e).__name__}: {e})"
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        info["torch"] = "not installed (R-worker-only node)"
+    return info
+
+
+def render(info: dict) -> str:
+    width = max(len(k) for k in info)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in info.items())

@@ -1,0 +1,81 @@
+"""The vLLM-shaped Python API: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+In a singleton process the R-part runs in-process (local mode). Under `mpirun -n 1+R` every rank
+runs the same script: rank 0 returns an LLM (the S-worker); on ranks 1..R the constructor serves
+as an R-worker until rank 0 closes, then ends the process.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+from collections.abc import Sequence as Seq
+
+from . import mpi_env
+from .engine import EngineArgs, LLMEngine, RequestError
+from .progress import Progress
+from .sampling_params import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **kwargs):
+        args = EngineArgs(model=model, **kwargs)
+        comm = mpi_env.world()
+        if comm is not None and comm.Get_rank() != 0:
+            from rworker.worker import run
+            run(comm, args.r_threads, args.rworker_mem, args.timeout)
+            sys.exit(0)
+        try:
+            self.engine = LLMEngine(args, comm)
+        except Exception as e:
+            if comm is not None:
+                mpi_env.fail(comm, e)
+            raise
+        self._closed = False
+        self._requests_seen = 0
+        atexit.register(self.close)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer.hf
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists. Outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [(p, self.engine.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
+                   for p in prompts]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        encoded = [(None, self.engine.tokenizer.encode_chat(c)) for c in convs]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def _run(self, encoded, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        n = len(encoded)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        eng = self.engine
+        base, self._requests_seen = self._requests_seen, self._requests_seen + n   # unique request ids
+        for i, ((text, ids), p) in enumerate(zip(encoded, params)):
+            try:
+                eng.add_request(i, str(base + i), text, ids, p)
+            except RequestError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        results: list[RequestOutput | None] = [None] * n
+        with Progress(n, enabled=use_tqdm) as progress:
+            while eng.has_unfinished():
+                for req in eng.step():
+                    results[req.index] = eng.output_of(req)
+                    progress.update(1, eng.num_output_tokens)
+        return results
+
+    def close(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self.engine.close()

@@ -1,0 +1,158 @@
+"""The S-part of a Llama-family decoder: every layer except attention over the KV-cache.
+
+A layer is cut at attention: `qkv()` (RMSNorm, fused QKV projection, RoPE) gives the rows the
+R-workers need; `post_attn()` (O projection, residual, RMSNorm, SwiGLU MLP, residual) consumes
+what they return. Numerics follow HF transformers' Llama (RMSNorm and RoPE in float32) so
+greedy outputs match it token for token in float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as HF's LlamaRMSNorm: normalize in float32, cast back, then scale
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope:
+    """cos/sin tables for the model's RoPE, indexed by absolute position."""
+
+    def __init__(self, config: ModelConfig, device, rope_freqs: torch.Tensor | None = None):
+        dim = config.head_dim
+        if config.rope_type == "default":
+            inv_freq = 1.0 / (config.rope_theta ** (
+                torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+            self.scaling = 1.0
+        else:
+            inv_freq, self.scaling = _hf_rope_init(config, device)
+        if rope_freqs is not None:           # GGUF llama3: per-frequency factors stored as a tensor
+            inv_freq = inv_freq / rope_freqs.to(device=device, dtype=torch.float)
+        self.inv_freq = inv_freq              # [D/2] float32
+        self.max_position = config.max_position
+        self._cos = self._sin = None
+        self._extend(min(config.max_position, 4096), device)
+
+    def _extend(self, length: int, device):
+        pos = torch.arange(length, device=device, dtype=torch.float)
+        freqs = pos[:, None] * self.inv_freq[None, :]          # [L, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                # [L, D]
+        self._cos = emb.cos() * self.scaling
+        self._sin = emb.sin() * self.scaling
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [n] int64 -> cos, sin: [n, 1, D] float32
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0]:
+            self._extend(max(need, 2 * self._cos.shape[0]), positions.device)
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+
+def _hf_rope_init(config: ModelConfig, device):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = {k: v for k, v in config.hf_config.items() if not k.startswith("gguf_")}
+    hf_config = AutoConfig.for_model(**hf)
+    return ROPE_INIT_FUNCTIONS[config.rope_type](hf_config, device)
+
+
+class LlamaSPart:
+    """Weights and dense compute of one model on one device.
+
+    Shapes: n = rows in the call (sequences in decode, prompt tokens in prefill),
+    h = hidden, Hq/Hkv = query/KV heads, D = head_dim, I = intermediate.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype):
+        c = self.config = config
+        self.device, self.dtype = torch.device(device), dtype
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items() if k != "rope_freqs"}
+        self.embed = w["model.embed_tokens.weight"]                       # [V, h]
+        self.lm_head = self.embed if c.tie_word_embeddings else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]                          # [h]
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer = {
+                "ln1": w[p + "input_layernorm.weight"],                   # [h]
+                "w_qkv": torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
+                                    w[a + "v_proj.weight"]]).contiguous(),   # [Hq*D + 2*Hkv*D, h]
+                "b_qkv": torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+                if c.qkv_bias else None,
+                "w_o": w[a + "o_proj.weight"],                            # [h, Hq*D]
+                "ln2": w[p + "post_attention_layernorm.weight"],          # [h]
+                "w_gate_up": torch.cat([w[p + "mlp.gate_proj.weight"],
+                                        w[p + "mlp.up_proj.weight"]]).contiguous(),  # [2I, h]
+                "w_down": w[p + "mlp.down_proj.weight"],                  # [h, I]
+            }
+            self.layers.append(layer)
+        self.rope = Rope(c, self.device, weights.get("rope_freqs"))
+        self.scale = c.head_dim ** -0.5
+
+    # ------------------------------------------------------------------ per-layer halves
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[token_ids]                                       # [n] -> [n, h]
+
+    def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [n, h] residual stream -> q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] (RoPE applied)."""
+        c, L = self.config, self.layers[i]
+        h = rms_norm(x, L["ln1"], c.rms_norm_eps)
+        qkv = F.linear(h, L["w_qkv"], L["b_qkv"])                         # [n, (Hq + 2 Hkv) D]
+        n = x.shape[0]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(n, c.num_heads, c.head_dim)
+        k = k.view(n, c.num_kv_heads, c.head_dim)
+        v = v.view(n, c.num_kv_heads, c.head_dim)
+        q = (q * cos + rotate_half(q) * sin).to(self.dtype)
+        k = (k * cos + rotate_half(k) * sin).to(self.dtype)
+        return q, k, v.contiguous()
+
+    def post_attn(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x: [n, h], o: [n, Hq, D] attention output -> next layer's residual stream [n, h]."""
+        c, L = self.config, self.layers[i]
+        x = x + F.linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"])
+        h = rms_norm(x, L["ln2"], c.rms_norm_eps)
+        gate, up = F.linear(h, L["w_gate_up"]).chunk(2, dim=-1)          # [n, I] each
+        return x + F.linear(F.silu(gate) * up, L["w_down"])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, h] -> float32 logits [n, V]."""
+        h = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    # ------------------------------------------------------------------ prefill attention
+
+    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         lengths: list[int]) -> torch.Tensor:
+        """Causal attention within each prompt of a packed batch.
+
+        q: [T, Hq, D], k/v: [T, Hkv, D] with T = sum(lengths) -> o: [T, Hq, D]
+        """
+        rep = self.config.num_heads // self.config.num_kv_heads
+        out = torch.empty_like(q)
+        start = 0
+        for n in lengths:
+            qs = q[start:start + n].transpose(0, 1)                        # [Hq, n, D]
+            ks = k[start:start + n].transpose(0, 1)                        # [Hkv, n, D]
+            vs = v[start:start + n].transpose(0, 1)
+            if rep > 1:
+                ks = ks.repeat_interleave(rep, dim=0)
+                vs = vs.repeat_interleave(rep, dim=0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+            out[start:start + n] = o.transpose(0, 1)
+            start += n
+        return out

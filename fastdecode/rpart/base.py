@@ -1,0 +1,64 @@
+"""What the engine needs from the R-part, wherever it runs (in-process or on MPI ranks).
+
+Rows of every batch handed to a backend are grouped by R-worker: `counts[w]` consecutive rows
+belong to worker w, in worker order. The backend slices, never gathers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    rank: int                 # MPI rank (0 in local mode)
+    host: str
+    threads: int
+    isa: str
+    capacity_bytes: int
+    page_tokens: int = 1      # KV is allocated in pages of this many tokens per (seq, layer, head)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One decode step as the R-workers saw it (per worker, seconds and bytes)."""
+    attend_s: list[float] = field(default_factory=list)   # time inside the kernel
+    busy_s: list[float] = field(default_factory=list)     # time handling the step's messages
+    kv_bytes: list[int] = field(default_factory=list)     # KV bytes held after the step
+
+
+class RBackend:
+    workers: list[WorkerInfo]
+
+    # prefill: rows are prompt tokens; row_ids[r] = seq id of row r (a prompt's rows consecutive)
+    def prefill_begin(self, row_ids: np.ndarray, counts: list[int]) -> None: ...
+    def prefill_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def prefill_end(self) -> None: ...
+
+    # decode: one row per sequence; per mini-batch its seq ids and per-worker counts
+    def decode_begin(self, minibatches: list[tuple[np.ndarray, list[int]]]) -> None: ...
+    def decode_submit(self, layer: int, mb: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def decode_wait(self, layer: int, mb: int) -> torch.Tensor: ...
+    def decode_end(self) -> StepStats | None: ...
+
+    def free(self, seq_ids_by_worker: list[list[int]]) -> None: ...
+    def close(self) -> None: ...
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A host numpy view of an activation; bf16 is reinterpreted as uint16 bits (no conversion)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy() if hasattr(torch, "uint16") else t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t.numpy()

@@ -1,0 +1,62 @@
+"""Local mode: the R-part runs in-process on the same KV store and kernel an R-worker uses."""
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import torch
+
+from rworker import KVStore
+from rworker.capacity import default_capacity_bytes
+
+from ..config import ModelConfig
+from .base import RBackend, StepStats, WorkerInfo, as_numpy
+
+
+class LocalBackend(RBackend):
+    def __init__(self, config: ModelConfig, kv_dtype: str, threads: int | None = None,
+                 capacity_bytes: int | None = None):
+        capacity = capacity_bytes or default_capacity_bytes()
+        self.store = KVStore(config.num_layers, config.num_kv_heads, config.head_dim,
+                             kv_dtype=kv_dtype, threads=threads, capacity_bytes=capacity)
+        self.workers = [WorkerInfo(rank=0, host=socket.gethostname(), threads=self.store.threads,
+                                   isa=self.store.isa, capacity_bytes=capacity,
+                                   page_tokens=getattr(self.store, "page_tokens", 1))]
+        self.num_heads = config.num_heads
+        self._row_ids = None
+        self._mb_ids: list[np.ndarray] = []
+        self._out: dict[int, torch.Tensor] = {}
+        self._attend_s = 0.0
+
+    def prefill_begin(self, row_ids, counts):
+        self._row_ids = row_ids
+
+    def prefill_layer(self, layer, k, v):
+        self.store.append(layer, self._row_ids, as_numpy(k), as_numpy(v))
+
+    def prefill_end(self):
+        self._row_ids = None
+
+    def decode_begin(self, minibatches):
+        self._mb_ids = [ids for ids, _ in minibatches]
+        self._attend_s = 0.0
+
+    def decode_submit(self, layer, mb, q, k, v):
+        t = time.perf_counter()
+        o = self.store.append_attend(layer, self._mb_ids[mb], as_numpy(q), as_numpy(k), as_numpy(v))
+        self._attend_s += time.perf_counter() - t
+        self._out[mb] = torch.from_numpy(o).to(q.device)
+
+    def decode_wait(self, layer, mb):
+        return self._out.pop(mb)
+
+    def decode_end(self):
+        return StepStats(attend_s=[self._attend_s], busy_s=[self._attend_s], kv_bytes=[self.store.bytes_used()])
+
+    def free(self, seq_ids_by_worker):
+        for sid in seq_ids_by_worker[0]:
+            self.store.free(int(sid))
+
+    def close(self):
+        pass

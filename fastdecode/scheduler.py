@@ -1,0 +1,75 @@
+"""Continuous batching: which waiting sequences start (prefill) this step, and who is running.
+
+Admission is delegated to a controller with one method,
+`admit(step, waiting, running, capacity_tokens) -> k` (admit the first k waiting, FIFO), so the
+load-stabilizing controller and plain FIFO plug in alike. Placement then finds each admitted
+sequence an R-worker; a sequence that fits nowhere right now waits (FIFO order is kept).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .placement import Placement
+from .sequence import Sequence, Status
+
+
+class FifoAdmission:
+    """Admit from the head of the queue while fewer than max_batch sequences run."""
+
+    def __init__(self, max_batch: int):
+        self.max_batch = max_batch
+
+    def admit(self, step, waiting, running, capacity_tokens=None) -> int:
+        return max(0, min(len(waiting), self.max_batch - len(running)))
+
+    def describe(self) -> dict:
+        return {"schedule": "fifo", "max_batch": self.max_batch}
+
+
+class Scheduler:
+    def __init__(self, admission, placement: Placement, max_batch: int, max_prefill_tokens: int):
+        self.admission = admission
+        self.placement = placement
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule_prefill(self, step: int) -> list[Sequence]:
+        """Sequences to prefill now; they are placed and counted as running from here on."""
+        if not self.waiting:
+            return []
+        waiting = [(s.prompt_len, s.max_tokens) for s in self.waiting]
+        running = [(s.kv_len, s.max_tokens - len(s.output_ids)) for s in self.running]
+        k = self.admission.admit(step, waiting, running, self.placement.free_tokens())
+        k = min(k, self.max_batch - len(self.running))
+        chosen, tokens = [], 0
+        while self.waiting and len(chosen) < k:
+            seq = self.waiting[0]
+            if chosen and tokens + seq.prompt_len > self.max_prefill_tokens:
+                break                       # the rest waits for the next step's prefill
+            if self.placement.place(seq) is None:
+                break                       # no worker has room now; keep FIFO order
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            seq.start_step = step
+            chosen.append(seq)
+            tokens += seq.prompt_len
+        self.running.extend(chosen)
+        return chosen
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.placement.release(seq)
+
+    def drop_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.status is Status.FINISHED]
+        if done:
+            self.running = [s for s in self.running if s.status is not Status.FINISHED]
+        return done

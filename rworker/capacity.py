@@ -1,0 +1,26 @@
+"""How much host memory an R-worker may fill with KV-cache."""
+from __future__ import annotations
+
+import psutil
+
+RESERVE_FRACTION = 0.10      # leave room for the OS, MPI buffers and the S-worker if it shares the node
+RESERVE_MIN_BYTES = 1 << 30
+
+
+def default_capacity_bytes(share: int = 1) -> int:
+    """Available memory less a reserve, split among `share` R-workers on this node."""
+    vm = psutil.virtual_memory()
+    reserve = max(int(vm.total * RESERVE_FRACTION), RESERVE_MIN_BYTES)
+    return max(vm.available - reserve, 0) // max(share, 1)
+
+
+def parse_bytes(text: str) -> int:
+    """'64G', '512M', '1.5T', '1000000' -> bytes (binary units)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if s and s[-1] in units:
+            return int(float(s[:-1]) * units[s[-1]])
+        return int(float(s))
+    except ValueError:
+        raise ValueError(f"cannot read a memory size from {text!r} (examples: 64G, 512M)") from None

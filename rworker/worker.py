@@ -1,0 +1,138 @@
+"""The R-worker's MPI loop: hold the KV-cache, append K/V, attend, return O. Never imports torch.
+
+Rank 0 (the S-worker) drives everything; see protocol.py for the message order. A step's data
+messages have sizes known from its control message, so the next mini-batch's receive is posted
+before the current one is attended.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import protocol as P
+from .capacity import default_capacity_bytes
+from .kvstore import KVStore
+from .wait import choose_policy, node_layout, wait_all, wait_message
+
+
+class RWorker:
+    def __init__(self, comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
+                 timeout: float | None = None, ranks_here: int = 1, s_worker_here: bool = False):
+        self.comm, self.rank = comm, comm.Get_rank()
+        self.ranks_here, self.s_worker_here = ranks_here, s_worker_here
+        self.threads_arg, self.capacity_arg = threads, capacity_bytes
+        self.timeout = timeout       # seconds without any message from rank 0 before giving up
+        self.policy = "adaptive"
+        self.store: KVStore | None = None
+        self.stats = np.zeros(4, dtype=np.float64)   # per step: attend_s, busy_s, kv_bytes, steps
+
+    # ------------------------------------------------------------------ control
+
+    def recv_control(self) -> np.ndarray:
+        status = wait_message(self.comm, 0, P.TAG_CTRL, self.policy, self.timeout, who="rank 0 (S-worker)")
+        msg = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
+        self.comm.Recv([msg, MPI.INT64_T], source=0, tag=P.TAG_CTRL)
+        return msg
+
+    def serve(self) -> None:
+        while True:
+            kind, step, hdr, body = P.parse(self.recv_control())
+            if kind == P.HELLO:
+                self.hello(hdr, body)
+            elif kind == P.PREFILL:
+                self.prefill(hdr, body)
+            elif kind == P.DECODE:
+                self.decode(step, hdr, body)
+            elif kind == P.FREE:
+                for sid in body[: hdr[0]]:
+                    self.store.free(int(sid))
+            elif kind in (P.SHUTDOWN, P.ABORT):
+                return
+            else:
+                raise ValueError(f"protocol error: unknown control kind {kind}")
+
+    def hello(self, hdr: np.ndarray, body: np.ndarray) -> None:
+        num_layers, num_kv_heads, head_dim, kv_code, num_heads = (int(x) for x in hdr)
+        scale = struct.unpack("<d", struct.pack("<q", int(body[0])))[0]
+        threads = self.threads_arg or (int(body[1]) or None)
+        # R-workers on one node split its memory (the S-worker, if here, is covered by the reserve)
+        r_here = self.ranks_here - (1 if self.s_worker_here else 0)
+        capacity = self.capacity_arg or int(body[2]) or default_capacity_bytes(share=max(r_here, 1))
+        self.store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=P.KV_DTYPES[kv_code],
+                             threads=threads, scale=scale, capacity_bytes=capacity)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_layers = num_layers
+        self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)
+        info = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "threads": self.store.threads, "isa": self.store.isa, "capacity_bytes": capacity,
+                "page_tokens": int(getattr(self.store, "page_tokens", 1)), "wait_policy": self.policy}
+        payload = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
+        self.comm.Send([payload, MPI.BYTE], dest=0, tag=P.TAG_INFO)
+
+    # ------------------------------------------------------------------ prefill: append prompt K/V
+
+    def prefill(self, hdr: np.ndarray, body: np.ndarray) -> None:
+        rows, act = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])]
+        ids = body[:rows].copy()
+        kv = self.num_kv_heads * self.head_dim
+        buf = np.empty(2 * rows * kv, dtype=act)
+        for layer in range(self.num_layers):
+            req = self.comm.Irecv(buf, source=0, tag=P.TAG_KV)
+            wait_all([req], self.policy, self.timeout, who="rank 0 (S-worker)")
+            k = buf[: rows * kv].reshape(rows, self.num_kv_heads, self.head_dim)
+            v = buf[rows * kv:].reshape(rows, self.num_kv_heads, self.head_dim)
+            self.store.append(layer, ids, k, v)
+
+    # ------------------------------------------------------------------ decode: append + attend per layer
+
+    def decode(self, step: int, hdr: np.ndarray, body: np.ndarray) -> None:
+        n_mb, act = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])]
+        counts = body[:n_mb]
+        offsets = np.concatenate([[0], np.cumsum(counts)]) + n_mb
+        ids = [body[offsets[m]:offsets[m + 1]].copy() for m in range(n_mb)]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        inbufs = [np.empty(int(c) * (hq + 2 * hkv) * d, dtype=act) for c in counts]
+        outbufs = [np.empty((int(c), hq, d), dtype=act) for c in counts]
+        active = [m for m in range(n_mb) if counts[m] > 0]     # the S-worker sends nothing for empty ones
+        recvs = {m: self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m) for m in active}
+        sends: list[MPI.Request | None] = [None] * n_mb
+        t_step = time.perf_counter()
+        attend_s = 0.0
+        for layer in range(self.num_layers):
+            for m in active:
+                wait_all([recvs[m]], self.policy, self.timeout, who="rank 0 (S-worker)")
+                n = int(counts[m])
+                q = inbufs[m][: n * hq * d].reshape(n, hq, d)
+                k = inbufs[m][n * hq * d: n * (hq + hkv) * d].reshape(n, hkv, d)
+                v = inbufs[m][n * (hq + hkv) * d:].reshape(n, hkv, d)
+                if sends[m] is not None:
+                    sends[m].Wait()          # the previous layer's output left this buffer long ago
+                t = time.perf_counter()
+                self.store.append_attend(layer, ids[m], q, k, v, out=outbufs[m])
+                attend_s += time.perf_counter() - t
+                sends[m] = self.comm.Isend(outbufs[m], dest=0, tag=P.TAG_OUT + m)
+                if layer + 1 < self.num_layers:
+                    recvs[m] = self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m)
+        wait_all([s for s in sends if s is not None], self.policy, self.timeout, who="rank 0 (S-worker)")
+        self.stats[:] = (attend_s, time.perf_counter() - t_step, self.store.bytes_used(), step)
+        self.comm.Send(self.stats, dest=0, tag=P.TAG_INFO)
+
+
+def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
+        timeout: float | None = None) -> int:
+    """Serve rank 0 until it says SHUTDOWN. Any exception aborts the whole job, naming this rank."""
+    try:
+        ranks_here, s_here = node_layout(comm)    # collective: rank 0 calls it too
+        RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here).serve()
+    except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
+        print(f"fastdecode: rank {comm.Get_rank()} (R-worker on {socket.gethostname()}) failed: "
+              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        comm.Abort(1)
+    return 0
