@@ -1,0 +1,2 @@
+from .kvstore import KVStore
+from .isa import selected_isa, available_isas, cpu_features
