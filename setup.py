@@ -7,23 +7,30 @@ so a CPU without AVX-512 never executes an AVX-512 instruction (no SIGILL).
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-KERNEL_SOURCES = ["csrc/avx512/kernels.cpp"]
-COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+import glob
+import platform
 
-# isa name -> compiler flags for that module; the source selects code paths by the macros these set
-ISA_FLAGS = {
-    "portable": [],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
-}
+KERNEL_SOURCES = ["csrc/avx512/kernels.cpp"]
+KERNEL_HEADERS = sorted(glob.glob("csrc/avx512/*.h"))  # rebuild when a header changes
+COMMON_FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-pthread"]
+
+# isa name -> compiler flags for that module; the source selects code paths by the macros these set.
+# rworker/isa.py lists the CPU features each module needs (keep the two in step). AVX512-BF16 is
+# not required: Skylake-X/Ice Lake servers have AVX-512 without it and must still get the fast path.
+ISA_FLAGS = {"portable": []}
+if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+    ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
+    ISA_FLAGS["avx512"] = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                         "-Wno-uninitialized", "-Wno-maybe-uninitialized"]  # gcc 12 false alarms in avx512fintrin.h
 
 ext_modules = [
     Pybind11Extension(
         f"rworker._kernels_{isa}",
         KERNEL_SOURCES,
+        depends=KERNEL_HEADERS,
         define_macros=[("FD_MODULE_NAME", f"_kernels_{isa}")],
         extra_compile_args=COMMON_FLAGS + flags,
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-pthread"],
     )
     for isa, flags in ISA_FLAGS.items()
 ]

@@ -1,5 +1,5 @@
 """The R-worker: KV-cache in host memory and decode attention over it. Never imports torch."""
 from .isa import available_isas, cpu_features, selected_isa
-from .kvstore import KVStore
+from .kvstore import KVCapacityError, KVStore
 
-__all__ = ["KVStore", "available_isas", "cpu_features", "selected_isa"]
+__all__ = ["KVCapacityError", "KVStore", "available_isas", "cpu_features", "selected_isa"]

@@ -1,0 +1,284 @@
+// kernels.cpp — Python bindings of the R-worker KV store and decode attention.
+//
+// Compiled three times by setup.py (portable / avx2 / avx512 flags) into rworker._kernels_<isa>;
+// FD_MODULE_NAME names the module, the compiler flags pick the simd.h branch. rworker/isa.py
+// imports a module only after checking the CPU (and OS) support its instructions: no SIGILL.
+//
+// Every call that touches KV data releases the GIL. Shapes and dtypes are checked here, before
+// any work, and raise ValueError.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+#include "kvstore.h"
+
+#ifndef FD_MODULE_NAME
+#define FD_MODULE_NAME _kernels
+#endif
+
+namespace py = pybind11;
+
+namespace FD_NS {
+
+// ============================================================================
+// argument checks
+// ============================================================================
+
+// float32 -> F32, uint16 (raw bf16 bits, as the S-worker ships them) -> BF16
+static int io_dtype(const py::array& a, const char* what) {
+    py::dtype dt = a.dtype();
+    bool native = dt.attr("isnative").cast<bool>();
+    if (native && dt.kind() == 'f' && dt.itemsize() == 4) return F32;
+    if (native && dt.kind() == 'u' && dt.itemsize() == 2) return BF16;
+    throw py::value_error(std::string(what) + " must be float32 or uint16 (bf16 bits), got " +
+                          py::str(dt).cast<std::string>());
+}
+
+static void need_contiguous(const py::array& a, const char* what) {
+    if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(what) + " must be C-contiguous");
+}
+
+static std::string shape_str(const py::array& a) {
+    std::string s = "(";
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+    return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+static const int64_t* ids_ptr(const py::array& ids) {
+    py::dtype dt = ids.dtype();
+    if (ids.ndim() != 1 || dt.kind() != 'i' || dt.itemsize() != 8 || !dt.attr("isnative").cast<bool>())
+        throw py::value_error("seq_ids must be a 1-d int64 array, got " + py::str(dt).cast<std::string>() + " " + shape_str(ids));
+    need_contiguous(ids, "seq_ids");
+    return static_cast<const int64_t*>(ids.data());
+}
+
+// x must be [n, H, D] (H == heads unless heads < 0: any multiple checked later)
+static void need_shape(const py::array& x, const char* what, py::ssize_t n, py::ssize_t heads, py::ssize_t D) {
+    bool ok = x.ndim() == 3 && x.shape(0) == n && x.shape(2) == D && (heads < 0 || x.shape(1) == heads);
+    if (!ok) {
+        std::string want = "(" + std::to_string(n) + ", " + (heads < 0 ? std::string("Hq") : std::to_string(heads)) + ", " +
+                           std::to_string(D) + ")";
+        throw py::value_error(std::string(what) + " has shape " + shape_str(x) + ", expected " + want);
+    }
+    need_contiguous(x, what);
+}
+
+// ============================================================================
+// Python-facing store
+// ============================================================================
+
+struct PyStore {
+    int L, Hkv, D, dtype;
+    Store st;
+
+    PyStore(int L_, int Hkv_, int D_, const std::string& dts, double scale, int64_t capacity, int threads,
+            std::vector<int> cpus, int spin_us)
+        : L(L_), Hkv(Hkv_), D(D_), dtype(parse_dtype(dts)),
+          st(L_, Hkv_, D_, parse_dtype(dts), scale, capacity, threads, std::move(cpus), spin_us) {}
+
+    static int parse_dtype(const std::string& s) {
+        if (s == "fp32" || s == "float32") return F32;
+        if (s == "bf16" || s == "bfloat16") return BF16;
+        if (s == "fp16" || s == "float16") return F16;
+        throw py::value_error("kv_dtype must be 'bf16', 'fp16' or 'fp32', got '" + s + "'");
+    }
+
+    bool append(int layer, const py::array& ids, const py::array& k, const py::array& v) {
+        const int64_t* idp = ids_ptr(ids);
+        const int64_t n = ids.shape(0);
+        need_shape(k, "k", n, Hkv, D);
+        need_shape(v, "v", n, Hkv, D);
+        int kdt = io_dtype(k, "k"), vdt = io_dtype(v, "v");
+        if (kdt != vdt) throw py::value_error("k and v must have the same dtype");
+        const void *kp = k.data(), *vp = v.data();
+        py::gil_scoped_release nogil;
+        return st.append(layer, n, idp, kp, vp, kdt);
+    }
+
+    int check_out(const py::array& out, int64_t n, py::ssize_t Hq) {
+        need_shape(out, "out", n, Hq, D);
+        if (!out.writeable()) throw py::value_error("out must be writeable");
+        return io_dtype(out, "out");
+    }
+
+    void attend(int layer, const py::array& ids, const py::array& q, py::array& out) {
+        const int64_t* idp = ids_ptr(ids);
+        const int64_t n = ids.shape(0);
+        need_shape(q, "q", n, -1, D);
+        int qdt = io_dtype(q, "q");
+        const int Hq = (int)q.shape(1);
+        int odt = check_out(out, n, Hq);
+        const void* qp = q.data();
+        void* op = out.mutable_data();
+        py::gil_scoped_release nogil;
+        st.attend(layer, n, idp, qp, qdt, Hq, op, odt);
+    }
+
+    bool append_attend(int layer, const py::array& ids, const py::array& q, const py::array& k, const py::array& v,
+                       py::array& out) {
+        const int64_t* idp = ids_ptr(ids);
+        const int64_t n = ids.shape(0);
+        need_shape(q, "q", n, -1, D);
+        need_shape(k, "k", n, Hkv, D);
+        need_shape(v, "v", n, Hkv, D);
+        int qdt = io_dtype(q, "q"), kdt = io_dtype(k, "k"), vdt = io_dtype(v, "v");
+        if (kdt != vdt) throw py::value_error("k and v must have the same dtype");
+        const int Hq = (int)q.shape(1);
+        int odt = check_out(out, n, Hq);
+        const void *qp = q.data(), *kp = k.data(), *vp = v.data();
+        void* op = out.mutable_data();
+        py::gil_scoped_release nogil;
+        return st.append_attend(layer, n, idp, qp, qdt, Hq, kp, vp, kdt, op, odt);
+    }
+};
+
+// ============================================================================
+// CPU features (cpuid + xgetbv: what the CPU has AND the OS saves/restores)
+// ============================================================================
+
+static std::vector<std::string> cpu_features() {
+    std::vector<std::string> f;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+    bool osxsave = (c >> 27) & 1;
+    uint64_t xcr0 = 0;
+    if (osxsave) {
+        uint32_t lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        xcr0 = ((uint64_t)hi << 32) | lo;
+    }
+    const bool os_avx = (xcr0 & 0x6) == 0x6;         // XMM + YMM state
+    const bool os_avx512 = (xcr0 & 0xe6) == 0xe6;    // + opmask, ZMM_Hi256, Hi16_ZMM
+    if (d & (1u << 26)) f.push_back("sse2");
+    if (os_avx && (c >> 28 & 1)) f.push_back("avx");
+    if (os_avx && (c >> 12 & 1)) f.push_back("fma");
+    if (os_avx && (c >> 29 & 1)) f.push_back("f16c");
+    unsigned a7 = 0, b7 = 0, c7 = 0, d7 = 0;
+    if (__get_cpuid_count(7, 0, &a7, &b7, &c7, &d7)) {
+        if (os_avx && (b7 >> 5 & 1)) f.push_back("avx2");
+        if (os_avx512) {
+            if (b7 >> 16 & 1) f.push_back("avx512f");
+            if (b7 >> 17 & 1) f.push_back("avx512dq");
+            if (b7 >> 30 & 1) f.push_back("avx512bw");
+            if (b7 >> 31 & 1) f.push_back("avx512vl");
+            if (c7 >> 11 & 1) f.push_back("avx512vnni");
+        }
+        unsigned a71 = 0, b71 = 0, c71 = 0, d71 = 0;
+        if (a7 >= 1 && __get_cpuid_count(7, 1, &a71, &b71, &c71, &d71) && os_avx512 && (a71 >> 5 & 1))
+            f.push_back("avx512bf16");
+    }
+#endif
+    return f;
+}
+
+// ============================================================================
+// read bandwidth: the same pool streams a buffer and sums it (the roofline of attention)
+// ============================================================================
+
+static uint64_t sum_bytes(const char* p, size_t n) {
+#if defined(__AVX512F__)
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_load_si512((const void*)(p + i)));
+        a1 = _mm512_add_epi64(a1, _mm512_load_si512((const void*)(p + i + 64)));
+        a2 = _mm512_add_epi64(a2, _mm512_load_si512((const void*)(p + i + 128)));
+        a3 = _mm512_add_epi64(a3, _mm512_load_si512((const void*)(p + i + 192)));
+    }
+    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+#elif defined(__AVX2__)
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i*)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i*)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i*)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i*)(p + i + 96)));
+    }
+    __m256i s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    alignas(32) uint64_t t[4];
+    _mm256_store_si256((__m256i*)t, s);
+    return t[0] + t[1] + t[2] + t[3];
+#else
+    const uint64_t* q = reinterpret_cast<const uint64_t*>(p);
+    uint64_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (size_t i = 0; i + 8 <= n / 8; i += 8)
+        for (int u = 0; u < 8; ++u) s[u] += q[i + u];
+    return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+#endif
+}
+
+// returns GB/s of each repetition
+static std::vector<double> read_bandwidth(size_t nbytes, int threads, int reps, std::vector<int> cpus) {
+    const size_t slice = size_t(4) << 20;               // items of 4 MiB, handed out dynamically
+    nbytes = std::max(slice, nbytes / slice * slice);
+    Arena arena(nbytes);                                 // one hugepage-advised chunk
+    char* buf = arena.get();
+    Pool pool(threads, std::move(cpus), 50);
+    std::vector<double> out;
+    {
+        py::gil_scoped_release nogil;
+        const int64_t items = (int64_t)(nbytes / slice);
+        auto touch = [&](int64_t i) { std::memset(buf + i * slice, 1, slice); };  // first touch by the readers
+        pool.parallel_for(items, touch);
+        std::vector<uint64_t> sink(items);
+        auto read = [&](int64_t i) { sink[i] = sum_bytes(buf + i * slice, slice); };
+        for (int r = 0; r < reps; ++r) {
+            auto t0 = std::chrono::steady_clock::now();
+            pool.parallel_for(items, read);
+            double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            out.push_back((double)nbytes / s / 1e9);
+        }
+        volatile uint64_t keep = 0;
+        for (auto x : sink) keep = keep + x;
+    }
+    return out;
+}
+
+}  // namespace FD_NS
+
+using namespace FD_NS;
+
+// ============================================================================
+// module
+// ============================================================================
+
+PYBIND11_MODULE(FD_MODULE_NAME, m) {
+    m.doc() = "fastdecode R-worker KV store and decode attention (" FD_ISA_NAME " build)";
+    m.attr("ISA") = FD_ISA_NAME;
+    m.attr("PAGE_TOKENS") = Store::P;
+    m.attr("CHUNK_TOKENS") = Store::CH;
+
+    py::class_<PyStore>(m, "Store", py::module_local())
+        .def(py::init<int, int, int, const std::string&, double, int64_t, int, std::vector<int>, int>(),
+             py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("kv_dtype"), py::arg("scale"),
+             py::arg("capacity_bytes"), py::arg("threads"), py::arg("cpus"), py::arg("spin_us"))
+        .def("append", &PyStore::append, "append rows; False if the capacity would be passed (nothing stored)")
+        .def("attend", &PyStore::attend)
+        .def("append_attend", &PyStore::append_attend)
+        .def("free", [](PyStore& s, int64_t id) { return s.st.free_seq(id); })
+        .def("num_tokens", [](PyStore& s, int64_t id, int layer) { return s.st.num_tokens(id, layer); })
+        .def("num_seqs", [](PyStore& s) { return s.st.num_seqs(); })
+        .def("bytes_used", [](PyStore& s) { return s.st.bytes_used(); })
+        .def("bytes_reserved", [](PyStore& s) { return s.st.bytes_reserved(); })
+        .def_property_readonly("page_bytes", [](PyStore& s) { return s.st.page_bytes(); })
+        .def_property(
+            "threads", [](PyStore& s) { return s.st.threads(); },
+            [](PyStore& s, int n) {
+                py::gil_scoped_release nogil;
+                s.st.set_threads(n);
+            });
+
+    m.def("cpu_features", &cpu_features, "x86 features usable here (CPU has them and the OS enabled their state)");
+    m.def("read_bandwidth", &read_bandwidth, py::arg("nbytes"), py::arg("threads"), py::arg("reps"),
+          py::arg("cpus") = std::vector<int>{}, "stream-read nbytes with the kernel thread pool; GB/s per repetition");
+}

@@ -1,0 +1,468 @@
+// kvstore.h — the paged KV store of one R-worker and decode attention over it.
+//
+// Layout. A page holds P = 64 consecutive tokens of one (sequence, layer), all KV heads:
+//
+//   page: [Hkv][ K run: P rows x Dp | V run: P rows x Dp ]     dtype = kv dtype, 64-byte aligned
+//
+// so every (sequence, layer, kv-head) is a list of contiguous K and V runs. Pages come from an
+// arena of big chunks that never move (hugepage-advised); freed pages go on a free list and are
+// reused first. Appending a token writes one row per head; nothing is ever copied to grow.
+//
+// Attention. Work items are (sequence, kv-head, chunk of CH = 512 tokens). One item streams its
+// K/V rows once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax
+// in base 2, fp32 accumulators. Items of a multi-chunk sequence write partial (m, l, acc); the
+// item that finishes last merges them in chunk order (log-sum-exp). Chunk boundaries depend only
+// on the sequence length, and an item's arithmetic does not depend on which thread runs it, so
+// a sequence's output is bitwise the same whatever the batch, the thread count or the history.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#if defined(__linux__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
+
+#include "common.h"
+#include "pool.h"
+#include "simd.h"
+
+namespace FD_NS {
+
+// ============================================================================
+// Arena: big chunks carved into equal pages; a LIFO free list of returned pages
+// ============================================================================
+
+class Arena {
+public:
+    explicit Arena(size_t page_bytes) : page_bytes_(page_bytes) {
+        // chunks of >= 64 MiB (and whole pages): few system calls, 2 MiB hugepages inside
+        size_t per = std::max<size_t>(1, (size_t(64) << 20) / page_bytes_);
+        chunk_pages_ = per;
+    }
+    ~Arena() {
+        for (auto& c : chunks_) release(c.first, c.second);
+    }
+    Arena(const Arena&) = delete;
+    Arena& operator=(const Arena&) = delete;
+
+    char* get() {
+        if (!free_.empty()) {
+            char* p = free_.back();
+            free_.pop_back();
+            ++in_use_;
+            return p;
+        }
+        if (next_ == end_) grow();
+        char* p = next_;
+        next_ += page_bytes_;
+        ++in_use_;
+        return p;
+    }
+    void put(char* p) {
+        free_.push_back(p);
+        --in_use_;
+    }
+    size_t pages_in_use() const { return in_use_; }
+    size_t bytes_reserved() const { return reserved_.load(std::memory_order_relaxed); }
+
+private:
+    void grow() {
+        size_t bytes = chunk_pages_ * page_bytes_;
+        char* p = nullptr;
+#if defined(__linux__) || defined(__APPLE__)
+        // over-map by 2 MiB so the chunk can start on a hugepage boundary
+        const size_t huge = size_t(2) << 20;
+        size_t len = bytes + huge;
+        void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) throw std::bad_alloc();
+        uintptr_t a = ((uintptr_t)m + huge - 1) & ~(uintptr_t)(huge - 1);
+        p = (char*)a;
+#if defined(MADV_HUGEPAGE)
+        madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+        chunks_.push_back({(char*)m, len});
+#else
+        p = static_cast<char*>(std::aligned_alloc(64, bytes));
+        if (!p) throw std::bad_alloc();
+        chunks_.push_back({p, 0});
+#endif
+        next_ = p;
+        end_ = p + bytes;
+        reserved_.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    static void release(char* p, size_t len) {
+#if defined(__linux__) || defined(__APPLE__)
+        munmap(p, len);
+#else
+        (void)len;
+        std::free(p);
+#endif
+    }
+
+    const size_t page_bytes_;
+    size_t chunk_pages_;
+    std::vector<std::pair<char*, size_t>> chunks_;
+    char* next_ = nullptr;
+    char* end_ = nullptr;
+    std::vector<char*> free_;
+    size_t in_use_ = 0;
+    std::atomic<size_t> reserved_{0};
+};
+
+// ============================================================================
+// Store
+// ============================================================================
+
+struct Seq {
+    std::vector<int32_t> len;                // [L] tokens per layer
+    std::vector<std::vector<char*>> pages;   // [L][npages]
+    int32_t pending = 0;                     // rows of the append call in progress
+};
+
+class Store {
+public:
+    static constexpr int P = 64;    // tokens per page
+    static constexpr int CH = 512;  // tokens per split-KV chunk (a multiple of P)
+
+    Store(int L, int Hkv, int D, int dtype, double scale, int64_t capacity_bytes, int threads,
+          std::vector<int> cpus, int spin_us)
+        : L_(L), Hkv_(Hkv), D_(D), Dp_((int)round_up(D, 16)), dt_(dtype), isz_(dtype_size(dtype)),
+          scale_((float)scale), capacity_(capacity_bytes), cpus_(std::move(cpus)), spin_us_(spin_us),
+          head_bytes_(2 * (size_t)P * round_up(D, 16) * dtype_size(dtype)),
+          page_bytes_(head_bytes_ * Hkv), arena_(page_bytes_),
+          pool_(new Pool(threads, cpus_, spin_us)) {
+        if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
+        if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
+    }
+
+    // ---- geometry / accounting ------------------------------------------------
+    int threads() const { return pool_->size(); }
+    void set_threads(int n) {
+        std::lock_guard<std::mutex> lk(mu_);
+        pool_.reset(new Pool(n, cpus_, spin_us_));
+    }
+    size_t page_bytes() const { return page_bytes_; }
+    size_t bytes_used() const { return used_pages_.load(std::memory_order_relaxed) * page_bytes_; }
+    size_t bytes_reserved() const { return arena_.bytes_reserved(); }
+    int64_t num_seqs() {
+        std::lock_guard<std::mutex> lk(mu_);
+        return (int64_t)seqs_.size();
+    }
+
+    int64_t num_tokens(int64_t id, int layer) {
+        std::lock_guard<std::mutex> lk(mu_);
+        check_layer(layer);
+        auto it = seqs_.find(id);
+        return it == seqs_.end() ? 0 : it->second.len[layer];
+    }
+
+    bool free_seq(int64_t id) {
+        std::lock_guard<std::mutex> lk(mu_);
+        auto it = seqs_.find(id);
+        if (it == seqs_.end()) return false;
+        for (auto& pl : it->second.pages)
+            for (char* p : pl) arena_.put(p);
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+        seqs_.erase(it);
+        return true;
+    }
+
+    // ---- append -------------------------------------------------------------
+    // rows i = 0..n-1 in order: token (k[i], v[i]) [Hkv][D] goes to the end of sequence ids[i].
+    // Returns false (and stores nothing) when the pages it needs would pass the capacity.
+    bool append(int layer, int64_t n, const int64_t* ids, const void* k, const void* v, int sdt) {
+        std::lock_guard<std::mutex> lk(mu_);
+        return append_locked(layer, n, ids, k, v, sdt);
+    }
+
+    // ---- attend -------------------------------------------------------------
+    // q [n][Hq][D] (sdt F32 or BF16) -> out [n][Hq][D] (odt F32 or BF16), over all stored tokens.
+    void attend(int layer, int64_t n, const int64_t* ids, const void* q, int qdt, int Hq, void* out, int odt) {
+        std::lock_guard<std::mutex> lk(mu_);
+        attend_locked(layer, n, ids, q, qdt, Hq, out, odt);
+    }
+
+    // fused decode step: append one token per sequence, then attend. false = capacity (nothing done)
+    bool append_attend(int layer, int64_t n, const int64_t* ids, const void* q, int qdt, int Hq,
+                       const void* k, const void* v, int kvdt, void* out, int odt) {
+        std::lock_guard<std::mutex> lk(mu_);
+        check_layer(layer);
+        check_heads(Hq);
+        if (!append_locked(layer, n, ids, k, v, kvdt)) return false;
+        attend_locked(layer, n, ids, q, qdt, Hq, out, odt);
+        return true;
+    }
+
+    Pool& pool() { return *pool_; }
+
+private:
+    void check_layer(int layer) const {
+        if (layer < 0 || layer >= L_)
+            throw std::invalid_argument("layer " + std::to_string(layer) + " out of range [0, " + std::to_string(L_) + ")");
+    }
+    void check_heads(int Hq) const {
+        if (Hq < Hkv_ || Hq % Hkv_ != 0)
+            throw std::invalid_argument("q has " + std::to_string(Hq) + " heads, not a multiple of num_kv_heads=" +
+                                        std::to_string(Hkv_));
+    }
+
+    Seq& get_or_create(int64_t id, std::vector<int64_t>& created) {
+        auto it = seqs_.find(id);
+        if (it != seqs_.end()) return it->second;
+        Seq& s = seqs_[id];
+        s.len.assign(L_, 0);
+        s.pages.resize(L_);
+        created.push_back(id);
+        return s;
+    }
+
+    bool append_locked(int layer, int64_t n, const int64_t* ids, const void* k, const void* v, int sdt) {
+        check_layer(layer);
+        if (n == 0) return true;
+
+        // 1. resolve rows -> sequences, count rows per sequence (consecutive ids share a lookup)
+        std::vector<int64_t> created;
+        rows_.resize(n);
+        touched_.clear();
+        Seq* last = nullptr;
+        for (int64_t i = 0; i < n; ++i) {
+            Seq* s = (i > 0 && ids[i] == ids[i - 1]) ? last : &get_or_create(ids[i], created);
+            if (s->pending++ == 0) touched_.push_back(s);
+            rows_[i].seq = s;
+            last = s;
+        }
+
+        // 2. capacity: count the new pages before touching anything
+        size_t new_pages = 0;
+        for (Seq* s : touched_) {
+            size_t have = s->pages[layer].size();
+            size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            new_pages += need - have;
+        }
+        if (capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_) {
+            for (Seq* s : touched_) s->pending = 0;
+            for (int64_t id : created) seqs_.erase(id);
+            return false;
+        }
+
+        // 3. allocate pages and give each row its destination (serial, cheap)
+        for (Seq* s : touched_) s->pending = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            Seq* s = rows_[i].seq;
+            int32_t pos = s->len[layer]++;
+            auto& pl = s->pages[layer];
+            if ((size_t)(pos / P) == pl.size()) pl.push_back(arena_.get());
+            rows_[i].dst = pl[pos / P] + (size_t)(pos % P) * Dp_ * isz_;
+        }
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+
+        // 4. copy + convert rows; parallel when there is enough to move
+        const size_t sisz = dtype_size(sdt);
+        auto copy_row = [&](int64_t i) {
+            char* base = rows_[i].dst;
+            const char* kr = static_cast<const char*>(k) + (size_t)i * Hkv_ * D_ * sisz;
+            const char* vr = static_cast<const char*>(v) + (size_t)i * Hkv_ * D_ * sisz;
+            for (int h = 0; h < Hkv_; ++h) {
+                char* hk = base + h * head_bytes_;
+                store_row(kr + (size_t)h * D_ * sisz, sdt, hk, dt_, D_, Dp_);
+                store_row(vr + (size_t)h * D_ * sisz, sdt, hk + (size_t)P * Dp_ * isz_, dt_, D_, Dp_);
+            }
+        };
+        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1) pool_->parallel_for(n, copy_row);
+        else for (int64_t i = 0; i < n; ++i) copy_row(i);
+        return true;
+    }
+
+    // ---- attention driver ------------------------------------------------------
+    struct Item {
+        int32_t i, h, c, nc;   // batch row, kv head, chunk, chunks of this sequence
+        int64_t part;          // first partial slot of this (row, head) if nc > 1, else -1
+        int64_t counter;       // index of the merge counter if nc > 1
+    };
+
+    struct Call {
+        int layer, g, Hq;
+        const void* q;
+        int qdt;
+        void* out;
+        int odt;
+        std::vector<Seq*> seqs;
+    };
+
+    void attend_locked(int layer, int64_t n, const int64_t* ids, const void* q, int qdt, int Hq, void* out, int odt) {
+        check_layer(layer);
+        check_heads(Hq);
+        if (n == 0) return;
+        const int g = Hq / Hkv_;
+        Call C{layer, g, Hq, q, qdt, out, odt, {}};
+        C.seqs.resize(n);
+
+        // 1. resolve sequences and build the work list
+        items_.clear();
+        int64_t nparts = 0, ncounters = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            auto it = seqs_.find(ids[i]);
+            if (it == seqs_.end()) throw std::invalid_argument("unknown sequence id " + std::to_string(ids[i]));
+            Seq* s = &it->second;
+            int32_t len = s->len[layer];
+            if (len == 0)
+                throw std::invalid_argument("sequence " + std::to_string(ids[i]) + " has no tokens at layer " +
+                                            std::to_string(layer));
+            C.seqs[i] = s;
+            int32_t nc = (len + CH - 1) / CH;
+            for (int h = 0; h < Hkv_; ++h) {
+                int64_t part = nc > 1 ? nparts : -1, ctr = nc > 1 ? ncounters++ : -1;
+                if (nc > 1) nparts += nc;
+                for (int c = 0; c < nc; ++c) items_.push_back({(int32_t)i, h, c, nc, part, ctr});
+            }
+        }
+        // partial slot: [g][Dp] acc, then g m, then g l
+        part_stride_ = (size_t)g * Dp_ + 2 * (size_t)g;
+        if (nparts) parts_.get((size_t)nparts * part_stride_);
+        if (ncounters > (int64_t)ncounters_cap_) {
+            counters_.reset(new std::atomic<int>[ncounters]);
+            ncounters_cap_ = ncounters;
+        }
+        for (int64_t c = 0; c < ncounters; ++c) counters_[c].store(0, std::memory_order_relaxed);
+
+        // 2. run (longest items are already bounded by CH, so plain dynamic order balances)
+        auto body = [&](int64_t w) { run_item(C, items_[w]); };
+        pool_->parallel_for((int64_t)items_.size(), body);
+    }
+
+    void run_item(const Call& C, const Item& it) const {
+        const int g = C.g, Dp = Dp_, D = D_;
+        const Seq& s = *C.seqs[it.i];
+        const int32_t len = s.len[C.layer];
+        const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
+
+        // scratch: qf [g][Dp] | acc [g][Dp] | Kf [16][Dp] | Vf [16][Dp] | S [g][16] | m [g] | l [g]
+        thread_local AlignedBuf buf;
+        float* qf = buf.get((size_t)2 * g * Dp + 2 * BT * (size_t)Dp + (size_t)g * BT + 2 * (size_t)g + 64);
+        float* acc = qf + (size_t)g * Dp;
+        float* Kf = acc + (size_t)g * Dp;
+        float* Vf = Kf + (size_t)BT * Dp;
+        float* S = Vf + (size_t)BT * Dp;
+        float* m = S + (size_t)g * BT;
+        float* l = m + g;
+
+        // 1. queries of this group, pre-scaled so that scores are already in log2 units
+        const size_t qisz = dtype_size(C.qdt);
+        const char* qbase = static_cast<const char*>(C.q) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * qisz;
+        for (int j = 0; j < g; ++j) {
+            q_row(qbase + (size_t)j * D * qisz, C.qdt, D, Dp, scale_ * LOG2E, qf + (size_t)j * Dp);
+            std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
+            m[j] = -INFINITY;
+            l[j] = 0.f;
+        }
+
+        // 2. stream the chunk block by block
+        const size_t row_bytes = (size_t)Dp * isz_;
+        const size_t run_bytes = (size_t)P * row_bytes;
+        for (int32_t t = t0; t < t1; t += BT) {
+            const int nvalid = std::min(BT, t1 - t);
+            const char* kb = s.pages[C.layer][t / P] + (size_t)it.h * head_bytes_ + (size_t)(t % P) * row_bytes;
+            const char* vb = kb + run_bytes;
+
+            // 2a. prefetch the next block (it may sit in another page)
+            if (t + BT < t1) {
+                int32_t tn = t + BT;
+                const char* kn = s.pages[C.layer][tn / P] + (size_t)it.h * head_bytes_ + (size_t)(tn % P) * row_bytes;
+                const size_t nb = (size_t)std::min(BT, t1 - tn) * row_bytes;
+                for (size_t o = 0; o < nb; o += 64) {
+                    __builtin_prefetch(kn + o, 0, 3);
+                    __builtin_prefetch(kn + run_bytes + o, 0, 3);
+                }
+            }
+
+            // 2b. scores for every query head of the group, from one pass over the K rows
+            const float* K;
+            if (dt_ == F32 && nvalid == BT) K = reinterpret_cast<const float*>(kb);
+            else { cvt_rows(kb, dt_, nvalid, Dp, Kf); K = Kf; }
+            for (int j = 0; j < g; ++j) scores16(qf + (size_t)j * Dp, K, Dp, S + (size_t)j * BT);
+
+            // 2c. online softmax: rescale the accumulators when the running max moves
+            for (int j = 0; j < g; ++j) {
+                float alpha = softmax16(S + (size_t)j * BT, nvalid, m[j], l[j]);
+                if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
+            }
+
+            // 2d. acc += p V, again one pass over the V rows for all heads
+            const float* V;
+            if (dt_ == F32 && nvalid == BT) V = reinterpret_cast<const float*>(vb);
+            else { cvt_rows(vb, dt_, nvalid, Dp, Vf); V = Vf; }
+            for (int j = 0; j < g; ++j) pv16(S + (size_t)j * BT, V, Dp, acc + (size_t)j * Dp);
+        }
+
+        // 3. single chunk: normalise and write; else publish the partial, last one merges
+        const size_t oisz = dtype_size(C.odt);
+        char* obase = static_cast<char*>(C.out) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * oisz;
+        if (it.nc == 1) {
+            for (int j = 0; j < g; ++j) out_row(acc + (size_t)j * Dp, 1.f / l[j], D, obase + (size_t)j * D * oisz, C.odt);
+            return;
+        }
+        float* slot = parts_.p + (size_t)(it.part + it.c) * part_stride_;
+        std::memcpy(slot, acc, sizeof(float) * g * Dp);
+        std::memcpy(slot + (size_t)g * Dp, m, sizeof(float) * g);
+        std::memcpy(slot + (size_t)g * Dp + g, l, sizeof(float) * g);
+        if (counters_[it.counter].fetch_add(1, std::memory_order_acq_rel) != it.nc - 1) return;
+        merge(it, g, obase, C.odt, acc);
+    }
+
+    // log-sum-exp merge of nc partials in chunk order (base 2); acc is scratch [g][Dp]
+    void merge(const Item& it, int g, char* obase, int odt, float* acc) const {
+        const int Dp = Dp_;
+        const size_t oisz = dtype_size(odt);
+        const float* first = parts_.p + (size_t)it.part * part_stride_;
+        for (int j = 0; j < g; ++j) {
+            float M = -INFINITY;
+            for (int c = 0; c < it.nc; ++c) M = std::fmax(M, first[c * part_stride_ + (size_t)g * Dp + j]);
+            float* a = acc + (size_t)j * Dp;
+            std::memset(a, 0, sizeof(float) * Dp);
+            float lsum = 0.f;
+            for (int c = 0; c < it.nc; ++c) {
+                const float* sl = first + c * part_stride_;
+                float w = exp2_1(sl[(size_t)g * Dp + j] - M);
+                lsum += w * sl[(size_t)g * Dp + g + j];
+                const float* pa = sl + (size_t)j * Dp;
+                for (int d = 0; d < Dp; ++d) a[d] += w * pa[d];
+            }
+            out_row(a, 1.f / lsum, D_, obase + (size_t)j * D_ * oisz, odt);
+        }
+    }
+
+    // geometry
+    const int L_, Hkv_, D_, Dp_, dt_;
+    const size_t isz_;
+    const float scale_;
+    const int64_t capacity_;
+    const std::vector<int> cpus_;
+    const int spin_us_;
+    const size_t head_bytes_, page_bytes_;
+
+    // state (guarded by mu_)
+    std::mutex mu_;
+    Arena arena_;
+    std::atomic<size_t> used_pages_{0};
+    std::unordered_map<int64_t, Seq> seqs_;
+    std::unique_ptr<Pool> pool_;
+
+    // per-call scratch, reused
+    struct RowDst { Seq* seq; char* dst; };
+    std::vector<RowDst> rows_;
+    std::vector<Seq*> touched_;
+    std::vector<Item> items_;
+    AlignedBuf parts_;
+    size_t part_stride_ = 0;
+    std::unique_ptr<std::atomic<int>[]> counters_;
+    size_t ncounters_cap_ = 0;
+};
+
+}  // namespace FD_NS

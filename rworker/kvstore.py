@@ -1,0 +1,143 @@
+"""KVStore: the R-worker's paged KV-cache in host memory and decode attention over it.
+
+Thin Python over the C++ extension (csrc/avx512/): all shape/dtype checks and all work happen
+in C++, with the GIL released. Arrays cross as numpy buffers; bf16 travels as raw uint16 bits.
+
+    store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype="bf16")
+    store.append(layer, seq_ids, k, v)             # k, v [n, Hkv, D] float32 | uint16 (bf16 bits)
+    o = store.attend(layer, seq_ids, q)            # q [n, Hq, D] -> o [n, Hq, D] float32
+    o = store.append_attend(layer, seq_ids, q, k, v, out=np.empty(..., np.uint16))  # bf16 out
+
+Determinism: a sequence's output is bitwise identical whatever else is in the batch, the thread
+count, and the history of other sequences' appends/frees (split points depend only on its length).
+Not thread-safe for concurrent calls on one store: calls from several threads are serialized.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from . import isa as _isa
+from ._threads import default_threads, pin_cpus
+
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+class KVCapacityError(MemoryError):
+    """An append would take the store past its capacity_bytes; nothing of that call was stored."""
+
+
+class KVStore:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bf16",
+                 threads: int | None = None, scale: float | None = None, capacity_bytes: int | None = None,
+                 isa: str | None = None):
+        kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
+        if kv_dtype not in _ITEMSIZE:
+            raise ValueError(f"kv_dtype must be 'bf16', 'fp16' or 'fp32', got {kv_dtype!r}")
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if int(val) != val or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes!r}")
+        self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        self.kv_dtype = kv_dtype
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.capacity_bytes = capacity_bytes
+        self._mod = _isa.load(isa)
+        self.isa: str = self._mod.ISA
+        n = default_threads() if threads is None else int(threads)
+        if n < 1:
+            raise ValueError(f"threads must be >= 1, got {threads!r}")
+        spin_us = int(os.environ.get("FASTDECODE_SPIN_US", "50"))
+        self._st = self._mod.Store(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, self.scale,
+                                   int(capacity_bytes or 0), n, pin_cpus(n), spin_us)
+
+    # ---- data path ------------------------------------------------------------------------
+    def append(self, layer: int, seq_ids, k: np.ndarray, v: np.ndarray) -> None:
+        """Append rows in order: row i is the next token of sequence seq_ids[i]."""
+        if not self._st.append(layer, _ids(seq_ids), k, v):
+            raise self._capacity_error(len(_ids(seq_ids)))
+
+    def attend(self, layer: int, seq_ids, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """o[i] = softmax(q[i] K_i^T * scale) V_i over all stored tokens of seq_ids[i] at `layer`."""
+        ids = _ids(seq_ids)
+        if out is None:
+            out = np.empty(q.shape, np.float32)
+        self._st.attend(layer, ids, q, out)
+        return out
+
+    def append_attend(self, layer: int, seq_ids, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """Fused decode step: append one token per (unique) sequence, then attend."""
+        ids = _ids(seq_ids)
+        if out is None:
+            out = np.empty(q.shape, np.float32)
+        if not self._st.append_attend(layer, ids, q, k, v, out):
+            raise self._capacity_error(len(ids))
+        return out
+
+    def free(self, seq_id: int) -> bool:
+        """Release the sequence's pages (all layers) for reuse; False if the id is unknown."""
+        return self._st.free(int(seq_id))
+
+    # ---- accounting -----------------------------------------------------------------------
+    def num_tokens(self, seq_id: int, layer: int = 0) -> int:
+        return self._st.num_tokens(int(seq_id), layer)
+
+    def num_seqs(self) -> int:
+        return self._st.num_seqs()
+
+    def bytes_used(self) -> int:
+        """Bytes of pages in use (whole pages: a page holds 64 tokens of one sequence and layer)."""
+        return self._st.bytes_used()
+
+    def bytes_reserved(self) -> int:
+        """Bytes of arena allocated (virtual; grows in chunks of >= 64 MiB, never shrinks)."""
+        return self._st.bytes_reserved()
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _ITEMSIZE[self.kv_dtype]
+
+    @property
+    def page_tokens(self) -> int:
+        return self._mod.PAGE_TOKENS
+
+    @property
+    def threads(self) -> int:
+        return self._st.threads
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"threads must be >= 1, got {n}")
+        self._st = self._rethread(n)
+
+    def _rethread(self, n: int):
+        self._st.threads = n
+        return self._st
+
+    def _capacity_error(self, rows: int) -> KVCapacityError:
+        return KVCapacityError(
+            f"KV store capacity {self.capacity_bytes} bytes reached ({self.bytes_used()} in use); "
+            f"append of {rows} rows refused, nothing stored"
+        )
+
+    def __repr__(self) -> str:
+        return (f"KVStore(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"kv_dtype={self.kv_dtype}, isa={self.isa}, threads={self.threads}, "
+                f"seqs={self.num_seqs()}, bytes_used={self.bytes_used()})")
+
+
+def _ids(seq_ids) -> np.ndarray:
+    if type(seq_ids) is np.ndarray and seq_ids.dtype == np.int64 and seq_ids.ndim == 1:
+        return seq_ids if seq_ids.flags.c_contiguous else np.ascontiguousarray(seq_ids)
+    a = np.asarray(seq_ids)
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"seq_ids must be integers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
