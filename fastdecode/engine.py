@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rworker import faults
+
 from .config import ModelConfig
 from .model.llama import LlamaSPart
 from .model_source import ModelSource, read_config, resolve_model
@@ -148,6 +150,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Admit and prefill, decode one token for every running sequence, return finished requests."""
         self.step_no += 1
+        faults.check(0, "step")
         t0 = time.perf_counter()
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)

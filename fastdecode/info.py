@@ -16,7 +16,7 @@ def collect() -> dict:
         info["kernel_isa"] = rworker.selected_isa()
         info["kernel_isas_available"] = rworker.available_isas()
         feats = rworker.cpu_features()
-        info["cpu_features"] = sorted(k for k, v in feats.items() if v) if isinstance(feats, dict) else feats
+        info["cpu_features"] = " ".join(sorted(feats))
         if os.environ.get("FASTDECODE_ISA"):
             info["kernel_isa_forced_by"] = f"FASTDECODE_ISA={os.environ['FASTDECODE_ISA']}"
     except Exception as e:  # a broken build must still let info report the rest

@@ -16,6 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from . import faults
 from . import protocol as P
 from .capacity import default_capacity_bytes
 from .kvstore import KVStore
@@ -44,6 +45,7 @@ class RWorker:
     def serve(self) -> None:
         while True:
             kind, step, hdr, body = P.parse(self.recv_control())
+            faults.check(self.rank, P.KIND_NAMES.get(kind, "?").lower())
             if kind == P.HELLO:
                 self.hello(hdr, body)
             elif kind == P.PREFILL:

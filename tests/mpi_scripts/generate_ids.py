@@ -1,0 +1,24 @@
+"""Run under mpiexec (or alone): generate with the Python API and write token ids from rank 0.
+
+usage: generate_ids.py REQUESTS.json OUT.json [engine kwargs as JSON]
+REQUESTS.json: [{"prompt": str | null, "messages": [...] | null, "params": {SamplingParams fields}}]
+"""
+import json
+import sys
+
+from fastdecode import LLM, SamplingParams
+
+requests = json.load(open(sys.argv[1]))
+kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+llm = LLM("smollm2-135m", **kwargs)           # ranks 1..R serve as R-workers and exit here
+tok = llm.engine.tokenizer
+prompts = [tok.encode(r["prompt"]) if r.get("prompt") is not None else tok.encode_chat(r["messages"])
+           for r in requests]
+params = [SamplingParams(**r["params"]) for r in requests]
+outs = llm.generate(prompts, params, use_tqdm=False)
+result = {"workers": len(llm.engine.backend.workers),
+          "outputs": [[c.token_ids for c in o.outputs] for o in outs],
+          "texts": [[c.text for c in o.outputs] for o in outs],
+          "finish": [[c.finish_reason for c in o.outputs] for o in outs]}
+json.dump(result, open(sys.argv[2], "w"))
+llm.close()
