@@ -71,16 +71,16 @@ def largest_prefix(w_run: np.ndarray, items: np.ndarray, w_lim: float, k_max: in
 def earliest_step(running: Sequence[tuple[int, int]], items: Sequence[tuple[int, int]],
                   w_lim: float) -> int:
     """GETEARLIESTSTEP: the fewest steps from now after which `items` can start together with
-    the running sequences without the projected workload passing w_lim. Between two finishes
-    the running curve only grows, so only 0 and the finish offsets are candidates. If the items
-    exceed w_lim even alone, returns the offset at which nothing runs any more."""
+    the running sequences without the projected workload passing w_lim. If the items exceed
+    w_lim even alone, returns the offset at which nothing runs any more. Not used by admit()
+    (which only asks "now?" and retries next step); for ETAs and logs."""
     run = _as_pairs(running)
     w_run = projected_workload(run[:, 0], run[:, 1])
     new_items = _as_pairs(items)
     new = projected_workload(new_items[:, 0], new_items[:, 1])
-    for d in [0, *np.unique(run[:, 1][run[:, 1] > 0]).tolist()]:
+    for d in range(w_run.size):
         if _peak_with(w_run, new, d) <= w_lim:
-            return int(d)
+            return d
     return int(w_run.size)
 
 
