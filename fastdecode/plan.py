@@ -196,6 +196,9 @@ def run(args) -> int:
               f"{r['rworkers']} R-workers; R-workers needed: {_fmt_p(r)}")
         print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms, R {r['r_layer_s'] * 1e3:.3f} ms, "
               f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
+        if r["prefill_s"]:
+            print(f"prefill of {r['batch_run'] * args.prompt_len / args.context:,.0f} prompt tokens per step: "
+                  f"{r['prefill_s'] * 1e3:.1f} ms on the S-worker")
         print(f"step latency {r['step_latency_s'] * 1e3:.1f} ms (depth 1: {r['step_latency_depth1_s'] * 1e3:.1f} ms), "
               f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_depth1']:,.0f} at depth 1), "
               f"{r['step_latency_s'] * 1e3:.1f} ms/token per sequence; bound: {r['bound']}")

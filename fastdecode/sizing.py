@@ -11,6 +11,11 @@ holds. Prompt length: with the stabilized schedule a running sequence's age is u
 [0, S), so its average KV length is prompt + S/2; every "½·S" of the paper becomes prompt + S/2:
     balance   P = B·(prompt + S/2)·R / T(B)      (= ½·S·R·E(B) when prompt = 0)
     capacity  B·(prompt + S/2) <= C·P            (the admission controller's W_lim adds B·F/2)
+Prompts also cost the S-worker a prefill: in steady state B/S sequences start per step, so
+B·prompt/S prompt tokens per step run the dense layers (at the best E, chunks being large) and
+their K, V cross the link with the step's Q, K, V. Attention over the prompt on the GPU is left
+out (2·prompt·heads·head_dim FLOPs per token against ~12·hidden² for the dense part: 2% at
+Llama-7B, prompt 1024). The balance count above ignores prefill (it errs towards more R-workers).
 """
 from __future__ import annotations
 
@@ -291,6 +296,7 @@ class Prediction:
     r_layer_s: float
     link_layer_s: float
     layer_s: float                  # per layer with the pipeline
+    prefill_s: float                # S-worker prefill per step, amortized (s)
     step_latency_s: float           # one token for every running sequence
     tokens_per_s: float
     bound: str                      # "S" | "R" | "link" | "capacity"
@@ -314,6 +320,11 @@ def _r_time(profile: Profile, workers: list[RWorkerProfile], kv_tokens: float) -
     return max(w.call_overhead_s for w in workers) + kv_bytes / total_bw
 
 
+def _prefill_tokens(batch: float, gen_len: int, prompt_len: int) -> float:
+    """Prompt tokens prefilled per step in steady state: batch/gen_len sequences start per step."""
+    return batch * prompt_len / gen_len
+
+
 def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int,
                 depth: int) -> dict:
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
@@ -321,12 +332,13 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
     cycle: layer = max(depth*s, depth*r, depth*link, s + r + link). Depth 1 gives s + r + link;
     depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the link is too
-    slow to hide behind the other mini-batch."""
+    slow to hide behind the other mini-batch. The step's prompt K, V travel with the Q, K, V."""
     m = profile.model
     mini = batch / depth
     s = profile.s_worker.layer_time(mini)
     r = _r_time(profile, profile.workers(rworkers), mini * _avg_kv_len(gen_len, prompt_len))
-    link = (profile.link.time(mini * m.to_rworker_bytes_per_token())
+    prompt_kv = _prefill_tokens(mini, gen_len, prompt_len) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    link = (profile.link.time(mini * m.to_rworker_bytes_per_token() + prompt_kv)
             + profile.link.time(mini * m.from_rworker_bytes_per_token()))
     parts = {"S": s, "R": r, "link": link}
     layer = max(depth * max(parts.values()), s + r + link)
@@ -348,12 +360,19 @@ def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int 
     t_s = profile.s_worker.layer_time(mini)
     kv_bytes = mini * _avg_kv_len(gen_len, prompt_len) * profile.model.kv_bytes_per_token_layer(
         profile.kv_dtype_bytes)
-    ws = profile.workers(max_workers)
-    # [P] running totals for the first P workers
-    bw = np.cumsum([w.bandwidth() for w in ws])
-    overhead = np.maximum.accumulate([w.call_overhead_s for w in ws])
-    held = np.cumsum([w.capacity_bytes for w in ws]) / (
+    # [P] totals over the first P workers (the profiled list repeated): q full rounds + a prefix
+    ws = profile.r_workers
+    q, r = np.divmod(np.arange(1, max_workers + 1), len(ws))
+
+    def total(values):
+        prefix = np.concatenate([[0.0], np.cumsum(values)])
+        return q * prefix[-1] + prefix[r]
+
+    bw = total([w.bandwidth() for w in ws])
+    held = total([w.capacity_bytes for w in ws]) / (
         profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes))
+    first_max = np.maximum.accumulate([w.call_overhead_s for w in ws])
+    overhead = first_max[np.minimum(np.arange(max_workers), len(ws) - 1)]
     ok = (overhead + kv_bytes / bw <= t_s * (1 + 1e-9)) & (held >= batch * _avg_kv_len(gen_len, prompt_len))
     return int(np.argmax(ok)) + 1 if ok.any() else None
 
@@ -373,13 +392,20 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     cap = kv_tokens_capacity(profile, rworkers)
     need = batch * avg
     batch_run = batch if need <= cap else int(cap // avg)
+    common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, rworkers=rworkers,
+                  rworkers_needed=needed, pipeline_depth=depth, kv_tokens_needed=need,
+                  kv_tokens_capacity=cap)
     if batch_run < 1:
-        return Prediction(batch, 0, gen_len, prompt_len, rworkers, needed, depth, need, cap,
-                          0.0, 0.0, 0.0, math.inf, math.inf, 0.0, "capacity", 0.0)
+        return Prediction(**common, batch_run=0, s_layer_s=0.0, r_layer_s=0.0, link_layer_s=0.0,
+                          layer_s=math.inf, prefill_s=0.0, step_latency_s=math.inf, tokens_per_s=0.0,
+                          bound="capacity", efficiency=0.0)
     t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth)
-    step = profile.model.num_layers * t["layer"] + profile.s_worker.head_time(batch_run)
+    n = profile.model.num_layers
     grid_best = max(b / x for b, x in zip(profile.s_worker.batch_grid, profile.s_worker.layer_time_s))
-    return Prediction(batch, batch_run, gen_len, prompt_len, rworkers, needed, depth, need, cap,
-                      t["s"], t["r"], t["link"], t["layer"], step, batch_run / step,
-                      "capacity" if batch_run < batch else t["bound"],
-                      profile.s_worker.efficiency(batch_run / depth) / grid_best)
+    prefill = n * _prefill_tokens(batch_run, gen_len, prompt_len) / grid_best
+    step = n * t["layer"] + profile.s_worker.head_time(batch_run) + prefill
+    return Prediction(**common, batch_run=batch_run, s_layer_s=t["s"], r_layer_s=t["r"],
+                      link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,
+                      step_latency_s=step, tokens_per_s=batch_run / step,
+                      bound="capacity" if batch_run < batch else t["bound"],
+                      efficiency=profile.s_worker.efficiency(batch_run / depth) / grid_best)

@@ -260,3 +260,18 @@ def test_plan_reads_an_hf_config(tmp_path, capsys):
     d = json.loads(out)
     expected = stated_profile(GPU_PRESETS["a10"], MODEL_PRESETS["smollm2-135m"], 30, 256)
     assert d["tokens_per_s"] == pytest.approx(predict(expected, 64, 1024).tokens_per_s)
+
+
+def test_prompts_add_prefill_to_the_s_worker_and_their_kv_to_the_link():
+    # prompt 512, S = 1024, B = 1024: 1024/1024 = 1 sequence starts per step -> 512 prompt tokens.
+    # Prefill: 32 layers * 512 tokens / 512,000 tokens/s (best E) = 32 ms per step.
+    # Link, depth 1: out = 10 us + (1024 * 24576 + 512 * 16384) B / 10 GB/s = 3.3655 ms,
+    # back = 0.8489 ms. Average context 512 + 1024/2 = 1024 tokens on 86 workers:
+    # r = 1024 * 1024 * 16384 / 8.6e12 = 1.9976 ms; s = T(1024) = 2 ms.
+    p = predict(hand_profile(), 1024, 1024, prompt_len=512, rworkers=86, depth=1)
+    assert p.prefill_s == pytest.approx(32 * 512 / 512_000)
+    out = 10e-6 + (1024 * 24576 + 512 * KVB) / 10e9
+    back = 10e-6 + 1024 * 8192 / 10e9
+    r = 1024 * 1024 * KVB / (86 * 100e9)
+    assert p.layer_s == pytest.approx(2e-3 + r + out + back)
+    assert p.step_latency_s == pytest.approx(32 * p.layer_s + 1e-3 + 0.032)
