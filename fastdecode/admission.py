@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import islice
 from typing import Sequence
 
 import numpy as np
@@ -84,7 +85,9 @@ def earliest_step(running: Sequence[tuple[int, int]], items: Sequence[tuple[int,
     return int(w_run.size)
 
 
-def _as_pairs(rows: Sequence[tuple[int, int]]) -> np.ndarray:
+def _as_pairs(rows: Sequence[tuple[int, int]], limit: int | None = None) -> np.ndarray:
+    """[n, 2] int64; only the first `limit` rows (a long queue is not converted every step)."""
+    rows = rows if limit is None else list(islice(rows, limit))
     return np.asarray(rows, dtype=np.int64).reshape(-1, 2)
 
 
@@ -106,14 +109,13 @@ class FifoAdmission:
         if k and capacity_tokens is not None:
             run = _as_pairs(running)
             w_run = projected_workload(run[:, 0], run[:, 1])
-            k = largest_prefix(w_run, _as_pairs(waiting[:k]), capacity_tokens, k)
-        if k == 0 and waiting and not running:
+            k = largest_prefix(w_run, _as_pairs(waiting, k), capacity_tokens, k)
+        if k == 0 and len(waiting) and not len(running):
             k = 1       # a request too big for capacity alone is the engine's to reject; never deadlock
         return k
 
     def describe(self) -> dict:
-        return {"schedule": "fifo", "max_batch": self.max_batch,
-                "w_lim": self._capacity if self._capacity is not None else math.inf}
+        return {"schedule": "fifo", "max_batch": self.max_batch, "w_lim": self._capacity}
 
 
 class StabilizedAdmission:
@@ -172,11 +174,11 @@ class StabilizedAdmission:
 
     def admit(self, step: int, waiting: Sequence[tuple[int, int]],
               running: Sequence[tuple[int, int]], capacity_tokens: float | None = None) -> int:
-        if not waiting:
+        if len(waiting) == 0:
             self._open = min(self._open, len(running))
             return 0
-        queue = _as_pairs(waiting)
         B = self.target_batch
+        queue = _as_pairs(waiting, max(HEAD_WINDOW, B))
         S, prompt_mean = self._estimates(queue)
         F = self.admit_every or max(1, math.ceil(S / 16))
         M = max(1, round(B * F / S))
@@ -193,10 +195,10 @@ class StabilizedAdmission:
             slots = B
         else:
             slots = min(B, self._open + M) if due else self._open
-        k = max(0, min(len(queue), slots - len(running)))
+        k = max(0, min(len(queue), slots - len(running)))      # len(queue) >= B >= slots when long
         run = _as_pairs(running)
         k = largest_prefix(projected_workload(run[:, 0], run[:, 1]), queue, w_lim, k)
-        if k == 0 and not running:
+        if k == 0 and len(running) == 0:
             k = 1                           # lone oversized request: never deadlock
         if k:
             if due and slots > self._open:

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from .sizing import (DTYPE_BYTES, GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelDims, Profile,
+from .sizing import (DTYPE_BYTES, GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelDims, Profile, _known,
                      predict, s_worker_from_spec, stated_profile)
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
@@ -75,10 +75,8 @@ def _gpu(name: str) -> GpuSpec:
         return GPU_PRESETS[name]
     if not os.path.isfile(name):
         raise PlanError(f"unknown GPU {name!r}: not a preset ({', '.join(GPU_PRESETS)}) nor a JSON file")
-    fields = {f.name for f in dataclasses.fields(GpuSpec)}
-    d = _load_json(name)
     try:
-        return GpuSpec(**{k: v for k, v in d.items() if k in fields})
+        return _known(GpuSpec, _load_json(name))
     except TypeError as e:
         raise PlanError(f"{name}: {e}") from None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -103,6 +103,8 @@ class SWorkerProfile:
             return float(t[0])
         if batch >= grid[-1]:
             return float(t[-1] * batch / grid[-1])
+        if (t <= 0).any():      # e.g. a head time not measured (0): no logs
+            return float(np.interp(batch, grid, t))
         return float(np.exp(np.interp(np.log(batch), np.log(grid), np.log(t))))
 
     def layer_time(self, batch: float) -> float:
@@ -173,23 +175,34 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
+        """Keys a part does not know (measurement metadata, raw samples) are ignored."""
         if d.get("schema", SCHEMA) != SCHEMA:
             raise ValueError(f"profile schema {d.get('schema')!r} is not {SCHEMA!r}")
         if not d.get("r_workers"):
             raise ValueError("profile lists no r_workers")
-        s = SWorkerProfile(**d["s_worker"])
+        s = _known(SWorkerProfile, d["s_worker"])
         if len(s.batch_grid) < 1 or not (len(s.batch_grid) == len(s.layer_time_s) == len(s.head_time_s)):
             raise ValueError("s_worker: batch_grid, layer_time_s and head_time_s must have equal, nonzero length")
         if list(s.batch_grid) != sorted(s.batch_grid) or min(s.layer_time_s) <= 0:
-            raise ValueError("s_worker: batch_grid must ascend and times be positive")
-        return cls(model=ModelDims(**d["model"]), s_worker=s,
-                   r_workers=[RWorkerProfile(**w) for w in d["r_workers"]],
-                   link=LinkProfile(**d["link"]), kv_dtype_bytes=d.get("kv_dtype_bytes", 2),
-                   source=d.get("source", "measured"), notes=d.get("notes", ""))
+            raise ValueError("s_worker: batch_grid must ascend and layer times be positive")
+        workers = [_known(RWorkerProfile, w) for w in d["r_workers"]]
+        if any(w.seconds_per_kv_byte <= 0 or w.capacity_bytes < 0 for w in workers):
+            raise ValueError("r_workers: seconds_per_kv_byte must be > 0 and capacity_bytes >= 0")
+        link = _known(LinkProfile, d["link"])
+        if link.bandwidth_Bps <= 0 or len(link.message_bytes) != len(link.message_time_s):
+            raise ValueError("link: bandwidth must be > 0, message_bytes and message_time_s equal length")
+        return cls(model=_known(ModelDims, d["model"]), s_worker=s, r_workers=workers, link=link,
+                   kv_dtype_bytes=d.get("kv_dtype_bytes", 2), source=d.get("source", "measured"),
+                   notes=d.get("notes", ""))
 
     @classmethod
     def from_json(cls, text: str) -> "Profile":
         return cls.from_dict(json.loads(text))
+
+
+def _known(cls, d: dict):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
 
 
 # ---------------------------------------------------------------- stated hardware

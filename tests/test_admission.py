@@ -101,10 +101,11 @@ def test_head_of_queue_waits_at_most_max_tokens(wl, B, F):
 
 
 @SETTINGS
-@given(st.integers(2, 24), st.integers(8, 64), st.integers(1, 8), st.data())
-def test_slots_freed_at_eos_are_refilled_at_once(B, S, F, data):
-    n = 6 * B
-    eos = data.draw(st.lists(st.integers(1, S), min_size=n, max_size=n))
+@given(st.integers(2, 24), st.integers(8, 64), st.integers(1, 8), st.integers(0, 2 ** 32 - 1),
+       st.integers(1, 64))
+def test_slots_freed_at_eos_are_refilled_at_once(B, S, F, seed, eos_max):
+    n = B * (S + 4)         # enough to outlast the ramp even if everything ends after one step
+    eos = np.random.default_rng(seed).integers(1, min(eos_max, S) + 1, n)
     r = simulate(StabilizedAdmission(B, admit_every=F, max_gen=S, w_lim=1e12), [(5, S)] * n, eos)
     full = np.flatnonzero(r.running == B)
     assert full.size                                     # the ramp reaches B

@@ -169,8 +169,15 @@ def test_profile_json_round_trip_and_validation(tmp_path):
     assert back == prof
     assert back.link.time(1024) == pytest.approx(12e-6)            # measured table
     assert back.link.time(1 << 30) == pytest.approx(10e-6 + (1 << 30) / 10e9)
+    extra = json.loads(prof.to_json())
+    extra["r_workers"][0]["measured_at"] = "2026-11-22"          # metadata is ignored
+    assert Profile.from_dict(extra) == prof
     bad = json.loads(prof.to_json())
     bad["schema"] = "something-else/9"
+    with pytest.raises(ValueError):
+        Profile.from_dict(bad)
+    bad = json.loads(prof.to_json())
+    bad["r_workers"][0]["seconds_per_kv_byte"] = 0
     with pytest.raises(ValueError):
         Profile.from_dict(bad)
 
