@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from .sizing import (DTYPE_BYTES, GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelDims, Profile, _known,
+from .sizing import (DTYPE_BYTES, GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelDims, Profile, from_known_keys,
                      predict, s_worker_from_spec, stated_profile)
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
@@ -76,7 +76,7 @@ def _gpu(name: str) -> GpuSpec:
     if not os.path.isfile(name):
         raise PlanError(f"unknown GPU {name!r}: not a preset ({', '.join(GPU_PRESETS)}) nor a JSON file")
     try:
-        return _known(GpuSpec, _load_json(name))
+        return from_known_keys(GpuSpec, _load_json(name))
     except TypeError as e:
         raise PlanError(f"{name}: {e}") from None
 

@@ -180,18 +180,18 @@ class Profile:
             raise ValueError(f"profile schema {d.get('schema')!r} is not {SCHEMA!r}")
         if not d.get("r_workers"):
             raise ValueError("profile lists no r_workers")
-        s = _known(SWorkerProfile, d["s_worker"])
+        s = from_known_keys(SWorkerProfile, d["s_worker"])
         if len(s.batch_grid) < 1 or not (len(s.batch_grid) == len(s.layer_time_s) == len(s.head_time_s)):
             raise ValueError("s_worker: batch_grid, layer_time_s and head_time_s must have equal, nonzero length")
         if list(s.batch_grid) != sorted(s.batch_grid) or min(s.layer_time_s) <= 0:
             raise ValueError("s_worker: batch_grid must ascend and layer times be positive")
-        workers = [_known(RWorkerProfile, w) for w in d["r_workers"]]
+        workers = [from_known_keys(RWorkerProfile, w) for w in d["r_workers"]]
         if any(w.seconds_per_kv_byte <= 0 or w.capacity_bytes < 0 for w in workers):
             raise ValueError("r_workers: seconds_per_kv_byte must be > 0 and capacity_bytes >= 0")
-        link = _known(LinkProfile, d["link"])
+        link = from_known_keys(LinkProfile, d["link"])
         if link.bandwidth_Bps <= 0 or len(link.message_bytes) != len(link.message_time_s):
             raise ValueError("link: bandwidth must be > 0, message_bytes and message_time_s equal length")
-        return cls(model=_known(ModelDims, d["model"]), s_worker=s, r_workers=workers, link=link,
+        return cls(model=from_known_keys(ModelDims, d["model"]), s_worker=s, r_workers=workers, link=link,
                    kv_dtype_bytes=d.get("kv_dtype_bytes", 2), source=d.get("source", "measured"),
                    notes=d.get("notes", ""))
 
@@ -200,7 +200,8 @@ class Profile:
         return cls.from_dict(json.loads(text))
 
 
-def _known(cls, d: dict):
+def from_known_keys(cls, d: dict):
+    """cls(**d) without the keys cls does not have (forward-compatible JSON)."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
 
