@@ -12,8 +12,8 @@ import json
 import os
 import sys
 
-from .sizing import (DTYPE_BYTES, GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelDims, Profile, from_known_keys,
-                     predict, s_worker_from_spec, stated_profile)
+from .sizing import (DTYPE_BYTES, GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelDims, Profile,
+                     from_known_keys, predict, s_worker_from_spec, stated_profile)
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
 KV_DTYPES = ["bf16", "fp16", "fp32", "fp8", "int8"]
