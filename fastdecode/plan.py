@@ -115,10 +115,11 @@ def build_profile(args) -> Profile:
             w.capacity_bytes = args.cpu_mem * 1e9 * 0.9
         if args.rworker_overhead_us is not None:
             w.call_overhead_s = overhead * 1e-6
-    if args.link_bw is not None:
-        prof.link = dataclasses.replace(prof.link, bandwidth_Bps=args.link_bw * 1e9, message_bytes=[], message_time_s=[])
-    if args.link_latency is not None:
-        prof.link = dataclasses.replace(prof.link, latency_s=args.link_latency * 1e-6, message_bytes=[], message_time_s=[])
+    if args.link_bw is not None or args.link_latency is not None:    # the measured table no longer holds
+        prof.link = dataclasses.replace(
+            prof.link, message_bytes=[], message_time_s=[],
+            bandwidth_Bps=prof.link.bandwidth_Bps if args.link_bw is None else args.link_bw * 1e9,
+            latency_s=prof.link.latency_s if args.link_latency is None else args.link_latency * 1e-6)
     if args.kv_dtype:
         prof.kv_dtype_bytes = DTYPE_BYTES[args.kv_dtype]
     return prof
@@ -154,7 +155,8 @@ def _header(prof: Profile, knee: int, depth: int) -> list[str]:
              f"S-worker {prof.s_worker.device}: E(B) reaches 90% of its best at B = {knee // depth} per S-part "
              f"call, so B = {knee} with {depth} mini-batch(es)",
              f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "
-             f"{w.call_overhead_s * 1e6:.0f} us/call" + (f" (+{len(prof.r_workers) - 1} more profiled)" if len(prof.r_workers) > 1 else ""),
+             f"{w.call_overhead_s * 1e6:.0f} us/call"
+             + (f" (+{len(prof.r_workers) - 1} more profiled)" if len(prof.r_workers) > 1 else ""),
              f"link: {link.bandwidth_Bps / 1e9:.1f} GB/s, {link.latency_s * 1e6:.0f} us"]
     mem = prof.s_worker.mem_bytes
     if mem and m.weight_bytes() > mem:
