@@ -1,0 +1,285 @@
+"""Admission control: how many queued requests start decoding at this step.
+
+The engine calls `admit(step, waiting, running, capacity_tokens)` once per decode step and
+admits `waiting[:k]`. Both controllers keep FIFO order (a prefix is admitted or nothing), so a
+request can only wait for those ahead of it and nobody starves.
+
+Workload = total KV tokens the R-workers hold during a step; R-part time is proportional to it.
+Conventions shared with the engine (fastdecode/scheduler.py):
+- waiting[i] = (prompt_len, max_tokens), FIFO order.
+- running[i] = (kv_tokens_now, tokens_left_at_most): KV tokens held before this step's decode,
+  and how many more decode steps the sequence may run (its max_tokens bound; EOS may come sooner).
+- A running sequence holds kv + t + 1 tokens during step now+t (one appended per step) while
+  t < left. An admitted request (p, m) is projected as running (p, m): at most p + m tokens,
+  one step more than an engine that samples the first token at prefill needs (an upper bound).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import islice
+from typing import Sequence
+
+import numpy as np
+
+HEAD_WINDOW = 4096     # queued requests looked at for the S / prompt estimates (the next to start)
+
+
+def projected_workload(kv: np.ndarray, left: np.ndarray, horizon: int | None = None) -> np.ndarray:
+    """W[t] = sum_i (kv_i + t + 1) * [t < left_i]: KV tokens held during step now+t if all
+    sequences run to their bound and nothing new starts. Returns [horizon] float64 (tokens)."""
+    kv = np.asarray(kv, dtype=np.float64)
+    left = np.clip(np.asarray(left, dtype=np.int64), 0, None)
+    if horizon is None:
+        horizon = int(left.max()) if left.size else 0
+    if horizon <= 0:
+        return np.zeros(0)
+    r = np.minimum(left, horizon)
+    # sequences still alive at t: those with left > t; difference arrays over their end steps
+    ended = np.cumsum(np.bincount(r, minlength=horizon + 1))[:horizon]
+    ended_kv = np.cumsum(np.bincount(r, weights=kv + 1.0, minlength=horizon + 1))[:horizon]
+    alive = left.size - ended
+    base = (kv + 1.0).sum() - ended_kv
+    return base + np.arange(horizon) * alive
+
+
+def _peak_with(w_run: np.ndarray, new: np.ndarray, offset: int = 0) -> float:
+    """Peak of the running projection shifted by `offset` steps plus a new curve starting now."""
+    tail = w_run[offset:]
+    n = max(tail.size, new.size)
+    total = np.zeros(n)
+    total[:tail.size] += tail
+    total[:new.size] += new
+    return float(total.max()) if n else 0.0
+
+
+def largest_prefix(w_run: np.ndarray, items: np.ndarray, w_lim: float, k_max: int) -> int:
+    """Largest k <= k_max such that running + items[:k] keep the projection <= w_lim.
+    Adding a request only raises the curve, so feasibility is monotone in k: binary search."""
+    lo, hi = 0, min(k_max, len(items))
+    if hi <= 0 or (w_run.size and w_run.max() > w_lim):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        new = projected_workload(items[:mid, 0], items[:mid, 1])
+        if _peak_with(w_run, new) <= w_lim:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def earliest_step(running: Sequence[tuple[int, int]], items: Sequence[tuple[int, int]],
+                  w_lim: float) -> int:
+    """GETEARLIESTSTEP: the fewest steps from now after which `items` can start together with
+    the running sequences without the projected workload passing w_lim. If the items exceed
+    w_lim even alone, returns the offset at which nothing runs any more. Not used by admit()
+    (which only asks "now?" and retries next step); for ETAs and logs."""
+    run = _as_pairs(running)
+    w_run = projected_workload(run[:, 0], run[:, 1])
+    new_items = _as_pairs(items)
+    new = projected_workload(new_items[:, 0], new_items[:, 1])
+    for d in range(w_run.size):
+        if _peak_with(w_run, new, d) <= w_lim:
+            return d
+    return int(w_run.size)
+
+
+def _as_pairs(rows: Sequence[tuple[int, int]], limit: int | None = None) -> np.ndarray:
+    """[n, 2] int64; only the first `limit` rows (a long queue is not converted every step)."""
+    rows = rows if limit is None else list(islice(rows, limit))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+
+
+class FifoAdmission:
+    """Baseline: admit from the queue head while fewer than max_batch sequences run (vLLM-like
+    continuous batching without preemption). With capacity_tokens it also keeps the worst-case
+    projection within capacity, since nothing can be preempted later."""
+
+    def __init__(self, max_batch: int):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.max_batch = max_batch
+        self._capacity: float | None = None
+
+    def admit(self, step: int, waiting: Sequence[tuple[int, int]],
+              running: Sequence[tuple[int, int]], capacity_tokens: float | None = None) -> int:
+        self._capacity = capacity_tokens
+        k = max(0, min(len(waiting), self.max_batch - len(running)))
+        if k and capacity_tokens is not None:
+            run = _as_pairs(running)
+            w_run = projected_workload(run[:, 0], run[:, 1])
+            k = largest_prefix(w_run, _as_pairs(waiting, k), capacity_tokens, k)
+        if k == 0 and len(waiting) and not len(running):
+            k = 1       # a request too big for capacity alone is the engine's to reject; never deadlock
+        return k
+
+    def describe(self) -> dict:
+        return {"schedule": "fifo", "max_batch": self.max_batch, "w_lim": self._capacity}
+
+
+class StabilizedAdmission:
+    """Load-stabilizing schedule (FastDecode §3, DESIGN.md §3).
+
+    B = target_batch sequences, S = max generation length, F = admit_every steps.
+    - Slots: at most B sequences run. Every F steps a micro-batch of M = B*F/S new slots opens
+      (the ramp), so ages spread evenly over [0, S) and the workload settles near B*(S+F)/2
+      instead of swinging between ~0 and B*S as a fixed batch does (the start-up spike).
+    - A slot freed (at max_tokens or early at EOS) stays open and is refilled at the next step,
+      under the W_lim check below, so the workload keeps tracking its target instead of
+      decaying. With equal lengths the freed slots are exactly the micro-batch admitted F steps
+      earlier, so this is the paper's schedule. When the queue is empty unused slots close, so a
+      later burst ramps up again instead of spiking.
+    - GETEARLIESTSTEP/ADDMICROBATCH: the projection of the running sequences (rebuilt from
+      `running` every call, so it never drifts from the engine's truth at EOS) plus the
+      candidates, each assumed to run to max_tokens (an upper bound), must stay <= W_lim at every
+      future step; its peak comes just before a running sequence finishes. A micro-batch that
+      does not fit is retried at every step, i.e. it starts at its earliest step.
+    - W_lim = B*(prompt_mean + (S+F)/2): the steady state of the schedule plus the prompts'
+      KV, never above capacity_tokens (total KV tokens the R-workers can hold).
+    - No deadlock: when nothing runs, the head is admitted even if it alone exceeds W_lim.
+    - Fairness: FIFO prefix only. While the head waits nothing else joins, so the running
+      sequences are gone within S_max steps and then the head starts: the head waits at most
+      S_max steps (max over max_tokens) and everyone is served.
+    Defaults: S = length-biased mean of max_tokens seen (sum m^2 / sum m, which makes
+    B*(S+F)/2 the mean projected load of B requests with those bounds); F = ceil(S/16), a
+    ripple of about F/S = 6% around the target.
+    """
+
+    def __init__(self, target_batch: int, admit_every: int | None = None, max_gen: int | None = None,
+                 w_lim: float | None = None, ramp: bool = True):
+        if target_batch < 1:
+            raise ValueError("target_batch must be >= 1")
+        if admit_every is not None and admit_every < 1:
+            raise ValueError("admit_every must be >= 1")
+        if max_gen is not None and max_gen < 1:
+            raise ValueError("max_gen must be >= 1")
+        self.target_batch = target_batch
+        self.admit_every = admit_every
+        self.max_gen = max_gen
+        self.w_lim = w_lim
+        self.ramp = ramp
+        self._open = 0                      # slots opened so far (<= B)
+        self._last_open: int | None = None   # step the last micro-batch of slots opened
+        self._seen = np.zeros(4)            # admitted requests: count, sum m, sum m^2, sum prompt
+        self._used: dict = {}
+
+    def _estimates(self, waiting: np.ndarray) -> tuple[int, float]:
+        """(S, prompt_mean) from admitted requests plus the head of the queue."""
+        head = waiting[:HEAD_WINDOW].astype(np.float64)
+        n, sm, sm2, sp = self._seen + [len(head), head[:, 1].sum(), (head[:, 1] ** 2).sum(),
+                                       head[:, 0].sum()]
+        s = self.max_gen if self.max_gen is not None else max(1, math.ceil(sm2 / max(sm, 1.0)))
+        return s, sp / max(n, 1.0)
+
+    def admit(self, step: int, waiting: Sequence[tuple[int, int]],
+              running: Sequence[tuple[int, int]], capacity_tokens: float | None = None) -> int:
+        if len(waiting) == 0:
+            self._open = min(self._open, len(running))
+            return 0
+        B = self.target_batch
+        queue = _as_pairs(waiting, max(HEAD_WINDOW, B))
+        S, prompt_mean = self._estimates(queue)
+        F = self.admit_every or max(1, math.ceil(S / 16))
+        M = max(1, round(B * F / S))
+        w_lim = self.w_lim if self.w_lim is not None else B * (prompt_mean + (S + F) / 2)
+        if capacity_tokens is not None:
+            w_lim = min(w_lim, capacity_tokens)
+        self._used = {"schedule": "stabilized", "target_batch": B, "max_gen": S,
+                      "max_gen_source": "given" if self.max_gen else "estimated",
+                      "admit_every": F, "micro_batch": M, "w_lim": float(w_lim),
+                      "prompt_mean": float(prompt_mean), "ramp": self.ramp,
+                      "capacity_tokens": capacity_tokens}
+        due = self._last_open is None or step - self._last_open >= F
+        if not self.ramp:
+            slots = B
+        else:
+            slots = min(B, self._open + M) if due else self._open
+        k = max(0, min(len(queue), slots - len(running)))      # len(queue) >= B >= slots when long
+        run = _as_pairs(running)
+        k = largest_prefix(projected_workload(run[:, 0], run[:, 1]), queue, w_lim, k)
+        if k == 0 and len(running) == 0:
+            k = 1                           # lone oversized request: never deadlock
+        if k:
+            if due and slots > self._open:
+                self._last_open = step
+            self._open = max(slots, len(running) + k)
+            got = queue[:k].astype(np.float64)
+            self._seen += [k, got[:, 1].sum(), (got[:, 1] ** 2).sum(), got[:, 0].sum()]
+        return k
+
+    def describe(self) -> dict:
+        return dict(self._used) or {"schedule": "stabilized", "target_batch": self.target_batch,
+                                    "admit_every": self.admit_every, "max_gen": self.max_gen,
+                                    "w_lim": self.w_lim, "ramp": self.ramp}
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Trace of a simulated run. Per step (decode steps 0..T-1): workload [T] KV tokens held
+    during the step, running [T] sequences decoding, waiting [T] queued after admission,
+    admitted_now [T], w_lim [T] the limit in force at the latest admission.
+    Per request [n]: arrival, head_since (first step at the queue head), admitted, finished
+    (last decode step); -1 where it never happened."""
+    workload: np.ndarray
+    running: np.ndarray
+    waiting: np.ndarray
+    admitted_now: np.ndarray
+    w_lim: np.ndarray
+    arrival: np.ndarray
+    head_since: np.ndarray
+    admitted: np.ndarray
+    finished: np.ndarray
+
+
+def simulate(controller, requests: Sequence[tuple[int, int]], eos_steps: Sequence[int] | None = None,
+             arrivals: Sequence[int] | None = None, capacity_tokens: float | None = None,
+             max_steps: int = 100_000) -> SimResult:
+    """Drive a controller over a request set with the engine's conventions (module docstring).
+    requests[i] = (prompt_len, max_tokens); eos_steps[i] = decode steps it really runs
+    (<= max_tokens; default max_tokens); arrivals[i] = step it joins the queue (default 0).
+    An admitted request decodes from its admission step on, holding prompt + t + 1 tokens in
+    its t-th step."""
+    req = _as_pairs(requests)
+    n = len(req)
+    eos = np.minimum(req[:, 1], eos_steps if eos_steps is not None else req[:, 1]).astype(np.int64)
+    arrival = np.zeros(n, np.int64) if arrivals is None else np.asarray(arrivals, np.int64)
+    order = np.lexsort((np.arange(n), arrival))        # FIFO: by arrival, then input order
+    head_since, admitted, finished = (np.full(n, -1, np.int64) for _ in range(3))
+    # running state, one entry per sequence: index, kv held, bound left, real steps left
+    r_idx, r_kv, r_left, r_todo = (np.zeros(0, np.int64) for _ in range(4))
+    trace = {k: [] for k in ("workload", "running", "waiting", "admitted_now", "w_lim")}
+    nxt, limit = 0, math.inf                          # next position in `order` not yet admitted
+    for step in range(max_steps):
+        if nxt == n and r_idx.size == 0:
+            break
+        end = nxt + int(np.searchsorted(arrival[order[nxt:]], step, side="right"))
+        queue = order[nxt:end]
+        if queue.size and head_since[queue[0]] < 0:
+            head_since[queue[0]] = step
+        k = controller.admit(step, [tuple(x) for x in req[queue].tolist()],
+                             list(zip(r_kv.tolist(), r_left.tolist())), capacity_tokens)
+        if k:
+            new = queue[:k]
+            admitted[new] = step
+            limit = controller.describe().get("w_lim") or math.inf
+            head_since[new[head_since[new] < 0]] = step
+            r_idx = np.concatenate([r_idx, new])
+            r_kv = np.concatenate([r_kv, req[new, 0]])
+            r_left = np.concatenate([r_left, req[new, 1]])
+            r_todo = np.concatenate([r_todo, eos[new]])
+            nxt += k
+            if nxt < end and head_since[order[nxt]] < 0:
+                head_since[order[nxt]] = step
+        # decode: every running sequence appends one token
+        r_kv, r_left, r_todo = r_kv + 1, r_left - 1, r_todo - 1
+        trace["workload"].append(int(r_kv.sum()))
+        trace["running"].append(r_idx.size)
+        trace["waiting"].append(end - nxt)
+        trace["admitted_now"].append(k)
+        trace["w_lim"].append(limit)
+        done = r_todo <= 0
+        finished[r_idx[done]] = step
+        r_idx, r_kv, r_left, r_todo = r_idx[~done], r_kv[~done], r_left[~done], r_todo[~done]
+    return SimResult(**{k: np.asarray(v) for k, v in trace.items()}, arrival=arrival,
+                     head_since=head_since, admitted=admitted, finished=finished)

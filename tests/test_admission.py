@@ -1,0 +1,203 @@
+"""Admission controllers: workload limit, fairness, refill, ramp, FIFO vs stabilized."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fastdecode.admission import (FifoAdmission, StabilizedAdmission, earliest_step,
+                                  projected_workload, simulate)
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+def brute_projection(running, horizon):
+    return [sum(k + t + 1 for k, left in running if t < left) for t in range(horizon)]
+
+
+@st.composite
+def workloads(draw, max_n=50):
+    """Random requests: (prompt, max_tokens), EOS steps <= max_tokens, arrival steps."""
+    n = draw(st.integers(1, max_n))
+    max_gen = draw(st.integers(1, 80))
+    reqs = [(draw(st.integers(0, 60)), draw(st.integers(1, max_gen))) for _ in range(n)]
+    eos = [draw(st.integers(1, m)) for _, m in reqs]
+    arrivals = [draw(st.integers(0, 150)) for _ in range(n)]
+    return reqs, eos, arrivals
+
+
+# ---- projection and GETEARLIESTSTEP against brute force
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 30)), max_size=12))
+def test_projection_matches_brute_force(running):
+    arr = np.array(running, dtype=np.int64).reshape(-1, 2)
+    got = projected_workload(arr[:, 0], arr[:, 1], horizon=35)
+    assert got.tolist() == brute_projection(running, 35)
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 20)), max_size=8),
+       st.lists(st.tuples(st.integers(0, 30), st.integers(1, 20)), min_size=1, max_size=4),
+       st.integers(1, 400))
+def test_earliest_step_is_first_feasible_offset(running, items, w_lim):
+    d = earliest_step(running, items, w_lim)
+    horizon = 60
+
+    def peak_at(offset):
+        shifted = [(k + offset, left - offset) for k, left in running if left > offset]
+        return max(brute_projection(shifted + items, horizon))
+
+    feasible = [o for o in range(horizon) if peak_at(o) <= w_lim]
+    if feasible:
+        assert d == feasible[0]
+    else:   # too big even alone: starts when nothing runs any more
+        assert d == max([left for _, left in running], default=0)
+
+
+# ---- the stabilized controller in simulation
+
+@SETTINGS
+@given(workloads(), st.integers(1, 16), st.integers(1, 10), st.integers(50, 2000))
+def test_workload_never_exceeds_w_lim_but_for_a_lone_oversized_request(wl, B, F, w_lim):
+    reqs, eos, arrivals = wl
+    ctl = StabilizedAdmission(B, admit_every=F, w_lim=w_lim)
+    r = simulate(ctl, reqs, eos, arrivals)
+    assert (r.finished >= 0).all()                       # everyone served
+    over = r.workload > w_lim
+    # the only excess allowed: one request bigger than W_lim admitted into an empty system
+    assert (r.running[over] == 1).all()
+    oversized = {i for i, (p, m) in enumerate(reqs) if p + m > w_lim}
+    for t in np.flatnonzero(over):
+        alone = np.flatnonzero((r.admitted <= t) & (r.finished >= t))
+        assert len(alone) == 1 and alone[0] in oversized
+
+
+@SETTINGS
+@given(workloads(), st.integers(1, 16), st.booleans())
+def test_default_w_lim_bounds_the_workload_until_the_next_admission(wl, B, ramp):
+    """With estimated S and prompt mean W_lim moves; the projection made at each admission
+    still bounds the workload until the next one."""
+    reqs, eos, arrivals = wl
+    r = simulate(StabilizedAdmission(B, ramp=ramp), reqs, eos, arrivals)
+    ok = (r.workload <= r.w_lim) | (r.running == 1)
+    assert ok.all()
+    assert (r.running <= B).all()
+
+
+@SETTINGS
+@given(workloads(), st.integers(1, 16), st.integers(1, 10))
+def test_head_of_queue_waits_at_most_max_tokens(wl, B, F):
+    """FIFO bound: while the head waits nobody else starts, the running sequences end within
+    max_tokens steps, and an empty system admits the head. So no one waits forever: request i
+    waits at most (its queue position + 1) * max_tokens steps."""
+    reqs, eos, arrivals = wl
+    for ctl in (StabilizedAdmission(B, admit_every=F), FifoAdmission(B)):
+        r = simulate(ctl, reqs, eos, arrivals)
+        bound = max(m for _, m in reqs)
+        assert (r.head_since >= r.arrival).all()
+        assert (r.admitted - r.head_since <= bound).all()
+        # FIFO: admission order follows arrival order
+        order = np.lexsort((np.arange(len(reqs)), r.arrival))
+        assert (np.diff(r.admitted[order]) >= 0).all()
+
+
+@SETTINGS
+@given(st.integers(2, 24), st.integers(8, 64), st.integers(1, 8), st.integers(0, 2 ** 32 - 1),
+       st.integers(1, 64))
+def test_slots_freed_at_eos_are_refilled_at_once(B, S, F, seed, eos_max):
+    n = B * (S + 4)         # enough to outlast the ramp even if everything ends after one step
+    eos = np.random.default_rng(seed).integers(1, min(eos_max, S) + 1, n)
+    r = simulate(StabilizedAdmission(B, admit_every=F, max_gen=S, w_lim=1e12), [(5, S)] * n, eos)
+    full = np.flatnonzero(r.running == B)
+    assert full.size                                     # the ramp reaches B
+    after = np.arange(len(r.running)) >= full[0]
+    queued = r.waiting > 0                               # requests left over after admission
+    assert (r.running[after & queued] == B).all()
+
+
+@pytest.mark.parametrize("B,S,F", [(64, 256, 16), (32, 100, 7), (10, 40, 1)])
+def test_ramp_opens_at_most_one_micro_batch_per_F_steps(B, S, F):
+    ctl = StabilizedAdmission(B, admit_every=F, max_gen=S)
+    r = simulate(ctl, [(0, S)] * (3 * B))
+    M = ctl.describe()["micro_batch"]
+    assert M == max(1, round(B * F / S))
+    steps = np.arange(S)                                 # nothing finishes before step S
+    assert (np.cumsum(r.admitted_now[:S]) <= M * (steps // F + 1)).all()
+    # without the ramp the first step takes as many as W_lim allows: the start-up spike
+    spike = simulate(StabilizedAdmission(B, admit_every=F, max_gen=S, ramp=False), [(0, S)] * (3 * B))
+    assert spike.admitted_now[0] > M
+
+
+def test_burst_after_idle_ramps_up_again():
+    B, S, F = 32, 64, 8
+    reqs = [(0, S)] * 64
+    arrivals = [0] * 32 + [1000] * 32                    # queue empty long before the burst
+    ctl = StabilizedAdmission(B, admit_every=F, max_gen=S)
+    r = simulate(ctl, reqs, arrivals=arrivals)
+    assert r.admitted_now[1000] == ctl.describe()["micro_batch"]
+
+
+def test_steady_stream_workload_is_flat_for_stabilized_and_a_sawtooth_for_fifo():
+    """Equal lengths, a long queue: a fixed batch restarts together every S steps (workload
+    from B to B*S, CV ~ 1/sqrt(3)); the stabilized schedule keeps it between B(S-F)/2 and
+    W_lim = B(S+F)/2 once ramped."""
+    B, S, F = 64, 256, 16
+    reqs = [(0, S)] * (12 * B)
+    stab = simulate(StabilizedAdmission(B, admit_every=F, max_gen=S), reqs)
+    fifo = simulate(FifoAdmission(B), reqs)
+
+    def steady(r):
+        w = r.workload[(r.waiting > 0)][S:]              # after the ramp, while saturated
+        return w, w.std() / w.mean()
+
+    w_stab, cv_stab = steady(stab)
+    w_fifo, cv_fifo = steady(fifo)
+    assert w_stab.max() <= B * (S + F) / 2
+    assert w_stab.min() >= B * (S - F) / 2
+    assert cv_stab < 0.05 < 0.5 < cv_fifo
+    assert w_fifo.max() == B * S                         # the spike the schedule removes
+    assert abs(w_stab.mean() - w_fifo.mean()) / w_fifo.mean() < 0.02   # same mean load
+
+
+def test_lone_oversized_request_is_admitted_and_then_the_queue_moves():
+    ctl = StabilizedAdmission(4, admit_every=1, w_lim=100)
+    r = simulate(ctl, [(200, 10), (5, 5), (5, 5)])
+    assert r.admitted[0] == 0
+    assert r.admitted[1] == r.finished[0] + 1            # waits for the big one, then starts
+    assert (r.finished >= 0).all()
+
+
+def test_capacity_caps_w_lim_and_the_workload():
+    ctl = StabilizedAdmission(64, admit_every=4, max_gen=100, w_lim=1e9)
+    r = simulate(ctl, [(10, 100)] * 200, capacity_tokens=2000)
+    assert ctl.describe()["w_lim"] == 2000
+    assert r.workload.max() <= 2000
+
+
+def test_defaults_estimate_s_from_max_tokens_and_include_prompts_in_w_lim():
+    ctl = StabilizedAdmission(8)
+    waiting = [(100, 10), (100, 30)] * 4
+    k = ctl.admit(0, waiting, [])
+    d = ctl.describe()
+    # length-biased mean: (10^2 + 30^2) / (10 + 30) = 25; F = ceil(25 / 16) = 2
+    assert d["max_gen"] == 25 and d["admit_every"] == 2
+    assert d["micro_batch"] == round(8 * 2 / 25) == 1
+    assert d["w_lim"] == 8 * (100 + (25 + 2) / 2)
+    assert k == 1                                        # one micro-batch of slots at start-up
+
+
+def test_fifo_fills_to_max_batch_and_respects_capacity():
+    fifo = FifoAdmission(4)
+    assert fifo.admit(0, [(1, 1)] * 10, [(3, 2)]) == 3
+    # capacity 30. Running (3, 2) holds [4, 5] tokens in the next two steps; a new (5, 5)
+    # holds [6, 7, 8, 9, 10]. Three new: t=1 -> 5 + 3*7 = 26, t=4 -> 3*10 = 30 <= 30.
+    # Four new: t=4 -> 40 > 30. So three (max_batch room is also 3).
+    assert fifo.admit(0, [(5, 5)] * 10, [(3, 2)], capacity_tokens=30) == 3
+    assert fifo.admit(0, [(5, 5)] * 10, [(3, 2)], capacity_tokens=29) == 2
+    assert fifo.admit(0, [(500, 5)], [], capacity_tokens=30) == 1     # alone: never deadlock
+
+
+@pytest.mark.parametrize("ctl", [StabilizedAdmission(8, admit_every=2), FifoAdmission(8)])
+def test_admits_a_prefix_no_larger_than_the_queue(ctl):
+    for step, n_wait, n_run in itertools.product(range(4), range(4), range(10)):
+        k = ctl.admit(step, [(3, 7)] * n_wait, [(4, 4)] * n_run)
+        assert 0 <= k <= n_wait
