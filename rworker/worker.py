@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 import sys
@@ -130,6 +131,10 @@ class RWorker:
 def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
         timeout: float | None = None) -> int:
     """Serve rank 0 until it says SHUTDOWN. Any exception aborts the whole job, naming this rank."""
+    # SLURM signals every task of a step (preemption, time limit). Rank 0 decides: it finishes the
+    # step in flight, saves the outputs and then tells the R-workers to stop, so they keep serving.
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         ranks_here, s_here = node_layout(comm)    # collective: rank 0 calls it too
         RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here).serve()
