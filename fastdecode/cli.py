@@ -57,6 +57,15 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may stay silent before the job aborts naming it")
+    p.add_argument("--schedule", default="fifo", choices=["fifo", "stabilized"],
+                   help="admission: fifo (fill up to --max-batch) or stabilized (micro-batches that keep "
+                        "the R-workers' KV load steady; FastDecode's load-stabilizing schedule)")
+    p.add_argument("--target-batch", type=_positive_int, default=None,
+                   help="stabilized: target number of running sequences B (default --max-batch)")
+    p.add_argument("--admit-every", type=_positive_int, default=None,
+                   help="stabilized: steps F between micro-batches of B*F/S sequences (default S/16)")
+    p.add_argument("--max-gen", type=_positive_int, default=None,
+                   help="stabilized: generation length S (default: estimated from the requests' max_tokens)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave output lines in completion order (default: input order)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
     g.add_argument("--quiet", action="store_true", help="no progress output")
+    pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
+                        description="Measure what `fastdecode plan` needs. Under mpirun every R-worker is measured.")
+    pr.add_argument("-o", "--output", default="profile.json", help="profile JSON to write (default profile.json)")
+    add_engine_options(pr)
+    pr.add_argument("--batches", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
+                    help="comma-separated batch grid for T_S(B) (default: 1..512 on CPU, 1..16384 on CUDA)")
+    pr.add_argument("--r-seqs", type=_positive_int, default=64, help="sequences per R-worker timing call")
+    pr.add_argument("--r-bytes", type=_bytes, default=256 << 20,
+                    help="KV bytes of the long R-worker timing (default 256M; exceed the CPU caches)")
+    pr.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions (median)")
+    from .plan import add_parser as add_plan_parser
+    add_plan_parser(sub)
     sub.add_parser("info", help="versions, ISA path, MPI, devices")
     return parser
 
@@ -111,12 +132,13 @@ def agree_on_usage(comm, error: str | None) -> str | None:
 
 # ---------------------------------------------------------------------------- commands
 
-def cmd_generate(args) -> int:
+def run_job(args, validate, s_worker_main) -> int:
+    """The rank logic shared by generate and profile: validate on rank 0, agree, split roles."""
     rank = mpi_env.launched_rank()
     error = None
     if rank == 0:
         try:
-            validate_generate(args)
+            validate(args)
         except UsageError as e:
             error = str(e)
     if mpi_env.launched_size() <= 1 and error:          # a singleton: stop before MPI starts
@@ -136,7 +158,7 @@ def cmd_generate(args) -> int:
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return run_s_worker(args, comm)
+        return s_worker_main(args, comm)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - must end the MPI job, not hang it
@@ -144,14 +166,24 @@ def cmd_generate(args) -> int:
         return EXIT_FAILURE
 
 
+def cmd_generate(args) -> int:
+    return run_job(args, validate_generate, run_s_worker)
+
+
+def engine_args(args):
+    from .engine import EngineArgs
+    return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                      max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, seed=args.seed,
+                      s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
+                      timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
+                      admit_every=args.admit_every, max_gen=args.max_gen)
+
+
 def run_s_worker(args, comm) -> int:
-    from .engine import EngineArgs, LLMEngine
+    from .engine import LLMEngine
     from .generate import BatchRunner, print_summary
 
-    eargs = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, seed=args.seed,
-                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
-                       timeout=args.timeout)
+    eargs = engine_args(args)
     engine = LLMEngine(eargs, comm)
     try:
         if os.path.exists(args.output):
@@ -166,6 +198,47 @@ def run_s_worker(args, comm) -> int:
     return EXIT_OK
 
 
+def validate_model(args) -> None:
+    from .config import ConfigError
+    from .model_source import read_config, resolve_model
+    try:
+        read_config(resolve_model(args.model))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
+
+
+def run_profile_s_worker(args, comm) -> int:
+    import json as _json
+
+    from .engine import LLMEngine
+    from .profile import run_profile
+
+    engine = LLMEngine(engine_args(args), comm)
+    try:
+        prof = run_profile(engine, args.batches, r_seqs=args.r_seqs, r_target_bytes=args.r_bytes,
+                           repeats=args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))
+    finally:
+        engine.close()
+    tmp = args.output + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(_json.dumps(prof.to_dict(), indent=1))
+    os.replace(tmp, args.output)
+    print(f"profile written to {args.output}; next: fastdecode plan --profile {args.output} --context S --batch B")
+    return EXIT_OK
+
+
+def cmd_profile(args) -> int:
+    return run_job(args, validate_model, run_profile_s_worker)
+
+
+def cmd_plan(args) -> int:
+    from .plan import run
+    return run(args)
+
+
 def cmd_info(args) -> int:
     from .info import collect, render
     print(render(collect()))
@@ -175,7 +248,7 @@ def cmd_info(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "info": cmd_info}
+    handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "info": cmd_info}
     return handlers[args.command](args)
 
 

@@ -17,7 +17,8 @@ from .placement import Placement
 from .rpart.base import RBackend
 from .runner import ModelRunner
 from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
-from .scheduler import FifoAdmission, Scheduler
+from .admission import FifoAdmission, StabilizedAdmission
+from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
 from .stats import Reservoir, StepRecorder
 from .tokenizer import Tokenizer
@@ -47,6 +48,10 @@ class EngineArgs:
     r_threads: int | None = None      # kernel threads per R-worker
     rworker_mem: int | None = None    # KV bytes per R-worker (default: available memory less a reserve)
     timeout: float | None = None      # seconds an R-worker may stay silent before the job aborts
+    schedule: str = "fifo"            # fifo | stabilized (load-stabilizing admission, DESIGN.md §3)
+    target_batch: int | None = None   # stabilized: B (default max_batch)
+    admit_every: int | None = None    # stabilized: F steps between micro-batches (default S/16)
+    max_gen: int | None = None        # stabilized: S (default: estimated from requests' max_tokens)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -73,8 +78,11 @@ class LLMEngine:
         self.config: ModelConfig = read_config(self.source)
         self.device = resolve_device(args.device)
         self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
-        if args.s_threads and self.device.type == "cpu":
-            torch.set_num_threads(args.s_threads)
+        if self.device.type == "cpu":
+            # MPI launchers make torch/MKL default to 1 thread (MPI_LOCALNRANKS); a CPU S-worker
+            # takes the physical cores it may run on unless told otherwise
+            from rworker._threads import default_threads
+            torch.set_num_threads(args.s_threads or default_threads())
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         self.tokenizer = Tokenizer(self.source, digest)
         weights = load_weights(self.source, self.config, self.dtype, self.device)
@@ -84,14 +92,22 @@ class LLMEngine:
         self.backend: RBackend = self._make_backend(comm)
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(KV_ITEMSIZE[self.kv_dtype])
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token)
-        self.scheduler = Scheduler(FifoAdmission(args.max_batch), self.placement,
-                                   args.max_batch, args.max_prefill_tokens)
+        self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
+                                   args.max_prefill_tokens)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids)
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
+
+    def _make_admission(self):
+        a = self.args
+        if a.schedule == "fifo":
+            return FifoAdmission(a.max_batch)
+        if a.schedule == "stabilized":
+            return StabilizedAdmission(min(a.target_batch or a.max_batch, a.max_batch), a.admit_every, a.max_gen)
+        raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {a.schedule!r}")
 
     def _make_backend(self, comm) -> RBackend:
         scale = self.config.head_dim ** -0.5

@@ -54,5 +54,8 @@ class Placement:
         self.reserved[w] -= self._bound(w, seq)
         self.load[w] -= self._projected(seq)
 
+    def total_capacity_tokens(self) -> int:
+        return sum(self.capacity_tokens)
+
     def free_tokens(self) -> int:
         return sum(c - r for c, r in zip(self.capacity_tokens, self.reserved))

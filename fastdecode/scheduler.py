@@ -1,6 +1,6 @@
 """Continuous batching: which waiting sequences start (prefill) this step, and who is running.
 
-Admission is delegated to a controller with one method,
+Admission is delegated to a controller from admission.py with one method,
 `admit(step, waiting, running, capacity_tokens) -> k` (admit the first k waiting, FIFO), so the
 load-stabilizing controller and plain FIFO plug in alike. Placement then finds each admitted
 sequence an R-worker; a sequence that fits nowhere right now waits (FIFO order is kept).
@@ -11,19 +11,6 @@ from collections import deque
 
 from .placement import Placement
 from .sequence import Sequence, Status
-
-
-class FifoAdmission:
-    """Admit from the head of the queue while fewer than max_batch sequences run."""
-
-    def __init__(self, max_batch: int):
-        self.max_batch = max_batch
-
-    def admit(self, step, waiting, running, capacity_tokens=None) -> int:
-        return max(0, min(len(waiting), self.max_batch - len(running)))
-
-    def describe(self) -> dict:
-        return {"schedule": "fifo", "max_batch": self.max_batch}
 
 
 class Scheduler:
@@ -47,7 +34,7 @@ class Scheduler:
             return []
         waiting = [(s.prompt_len, s.max_tokens) for s in self.waiting]
         running = [(s.kv_len, s.max_tokens - len(s.output_ids)) for s in self.running]
-        k = self.admission.admit(step, waiting, running, self.placement.free_tokens())
+        k = self.admission.admit(step, waiting, running, self.placement.total_capacity_tokens())
         k = min(k, self.max_batch - len(self.running))
         chosen, tokens = [], 0
         while self.waiting and len(chosen) < k:

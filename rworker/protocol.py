@@ -20,14 +20,15 @@ VERSION = 1
 TAG_CTRL = 1
 TAG_KV = 2
 TAG_INFO = 3
+TAG_PING = 4
 TAG_QKV = 100               # + mini-batch index
 TAG_OUT = 200               # + mini-batch index
 MAX_MINIBATCHES = 64
 
 # control kinds
-HELLO, PREFILL, DECODE, FREE, SHUTDOWN, ABORT = 1, 2, 3, 4, 5, 6
+HELLO, PREFILL, DECODE, FREE, SHUTDOWN, ABORT, PROFILE, PING = 1, 2, 3, 4, 5, 6, 7, 8
 KIND_NAMES = {HELLO: "HELLO", PREFILL: "PREFILL", DECODE: "DECODE", FREE: "FREE",
-              SHUTDOWN: "SHUTDOWN", ABORT: "ABORT"}
+              SHUTDOWN: "SHUTDOWN", ABORT: "ABORT", PROFILE: "PROFILE", PING: "PING"}
 
 ACT_DTYPES = {0: np.float32, 1: np.uint16}     # code -> numpy dtype (uint16 = bf16 bits)
 ACT_CODES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1}
@@ -36,10 +37,12 @@ KV_CODES = {v: k for k, v in KV_DTYPES.items()}
 
 HEADER_WORDS = 8
 # header words: [magic, kind, step, a, b, c, d, e] with per-kind meaning:
-#   HELLO:    a=num_layers b=num_kv_heads c=head_dim d=kv_dtype code e=num_heads; body: [threads, capacity_bytes, scale_bits]
+#   HELLO:    a=num_layers b=num_kv_heads c=head_dim d=kv_dtype code e=num_heads; body: [scale_bits, threads, capacity_bytes]
 #   PREFILL:  a=rows b=act dtype code; body: seq_ids[rows] (one id per row, a prompt's rows consecutive)
 #   DECODE:   a=num_minibatches b=act dtype code; body: counts[num_mb], seq_ids[sum counts]
 #   FREE:     a=n; body: seq_ids[n]
+#   PROFILE:  a=seqs b=target_bytes; the worker times its kernel and sends JSON back (TAG_INFO)
+#   PING:     a=repeats; body: message sizes in bytes; each size is echoed `repeats` times (TAG_PING)
 #   SHUTDOWN / ABORT: no body
 
 

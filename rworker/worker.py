@@ -56,6 +56,10 @@ class RWorker:
             elif kind == P.FREE:
                 for sid in body[: hdr[0]]:
                     self.store.free(int(sid))
+            elif kind == P.PROFILE:
+                self.profile(hdr)
+            elif kind == P.PING:
+                self.ping(hdr, body)
             elif kind in (P.SHUTDOWN, P.ABORT):
                 return
             else:
@@ -73,11 +77,30 @@ class RWorker:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_layers = num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)
-        info = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "threads": self.store.threads, "isa": self.store.isa, "capacity_bytes": capacity,
-                "page_tokens": int(getattr(self.store, "page_tokens", 1)), "wait_policy": self.policy}
-        payload = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
+        self.send_json({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                        "threads": self.store.threads, "isa": self.store.isa, "capacity_bytes": capacity,
+                        "page_tokens": int(self.store.page_tokens), "wait_policy": self.policy})
+
+    def send_json(self, obj: dict) -> None:
+        payload = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
         self.comm.Send([payload, MPI.BYTE], dest=0, tag=P.TAG_INFO)
+
+    # ------------------------------------------------------------------ profile: kernel cost, link echo
+
+    def profile(self, hdr: np.ndarray) -> None:
+        from .bench import measure_attention
+        result = measure_attention(self.num_heads, self.num_kv_heads, self.head_dim, self.store.kv_dtype,
+                                   self.store.threads, seqs=int(hdr[0]), target_bytes=int(hdr[1]))
+        result.update(rank=self.rank, host=socket.gethostname(), capacity_bytes=self.store.capacity_bytes)
+        self.send_json(result)
+
+    def ping(self, hdr: np.ndarray, body: np.ndarray) -> None:
+        repeats = int(hdr[0])
+        for size in body.tolist():
+            buf = np.empty(int(size), dtype=np.uint8)
+            for _ in range(repeats):
+                self.comm.Recv([buf, MPI.BYTE], source=0, tag=P.TAG_PING)
+                self.comm.Send([buf, MPI.BYTE], dest=0, tag=P.TAG_PING)
 
     # ------------------------------------------------------------------ prefill: append prompt K/V
 

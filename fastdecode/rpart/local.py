@@ -58,5 +58,16 @@ class LocalBackend(RBackend):
         for sid in seq_ids_by_worker[0]:
             self.store.free(int(sid))
 
+    def profile_workers(self, seqs: int, target_bytes: int) -> list[dict]:
+        from rworker.bench import measure_attention
+        s = self.store
+        result = measure_attention(self.num_heads, s.num_kv_heads, s.head_dim, s.kv_dtype, s.threads,
+                                   seqs=seqs, target_bytes=target_bytes)
+        result.update(rank=0, host=self.workers[0].host, capacity_bytes=self.workers[0].capacity_bytes)
+        return [result]
+
+    def ping(self, sizes: list[int], repeats: int) -> list[list[float]]:
+        return [[0.0] * len(sizes)]      # in-process: the R-part reads the S-part's arrays directly
+
     def close(self):
         pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import numpy as np
 import torch
@@ -44,11 +45,14 @@ class MPIBackend(RBackend):
     def _who(self, r: int) -> str:
         return f"rank {r} (R-worker)"
 
-    def _recv_info(self, r: int) -> WorkerInfo:
-        status = wait_message(self.comm, r, P.TAG_INFO, self.policy, self.timeout, who=self._who(r))
+    def _recv_json(self, r: int, timeout: float | None) -> dict:
+        status = wait_message(self.comm, r, P.TAG_INFO, self.policy, timeout, who=self._who(r))
         buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
         self.comm.Recv([buf, MPI.BYTE], source=r, tag=P.TAG_INFO)
-        info = json.loads(buf.tobytes())
+        return json.loads(buf.tobytes())
+
+    def _recv_info(self, r: int) -> WorkerInfo:
+        info = self._recv_json(r, self.timeout)
         return WorkerInfo(rank=r, host=info["host"], threads=info["threads"], isa=info["isa"],
                           capacity_bytes=info["capacity_bytes"], page_tokens=info.get("page_tokens", 1))
 
@@ -154,6 +158,32 @@ class MPIBackend(RBackend):
         return StepStats(attend_s=[float(b[0]) for b in self._stat_bufs],
                          busy_s=[float(b[1]) for b in self._stat_bufs],
                          kv_bytes=[int(b[2]) for b in self._stat_bufs])
+
+    # ------------------------------------------------------------------ profiling
+
+    def profile_workers(self, seqs: int, target_bytes: int) -> list[dict]:
+        """Each R-worker times its own kernel (all at once: they run on their own cores)."""
+        for w in range(len(self.ranks)):
+            self._send_control(w, P.control(P.PROFILE, self.step, seqs, target_bytes))
+        return [self._recv_json(r, None) for r in self.ranks]
+
+    def ping(self, sizes: list[int], repeats: int) -> list[list[float]]:
+        """One-way time per message size to each R-worker: half the median echo round trip."""
+        result = []
+        for w, r in enumerate(self.ranks):
+            self._send_control(w, P.control(P.PING, self.step, repeats, body=[sizes]))
+            times = []
+            for size in sizes:
+                buf = np.ones(size, dtype=np.uint8)
+                rtts = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    self.comm.Send([buf, MPI.BYTE], dest=r, tag=P.TAG_PING)
+                    self.comm.Recv([buf, MPI.BYTE], source=r, tag=P.TAG_PING)
+                    rtts.append(time.perf_counter() - t)
+                times.append(float(np.median(rtts)) / 2)
+            result.append(times)
+        return result
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -1,0 +1,36 @@
+"""`fastdecode profile` under mpiexec writes a profile that `fastdecode plan` reads."""
+from __future__ import annotations
+
+import json
+
+from conftest import run_fastdecode
+
+
+def test_profile_under_mpi_then_plan(tmp_path):
+    prof = tmp_path / "profile.json"
+    proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,8,32", "--r-bytes", "8M",
+                           "--r-seqs", "16", "--repeats", "2", "--kv-dtype", "bf16"], ranks=3, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(prof.read_text())
+    assert data["schema"] == "fastdecode-profile/1"
+    assert data["s_worker"]["batch_grid"] == [1, 8, 32]
+    assert all(t > 0 for t in data["s_worker"]["layer_time_s"] + data["s_worker"]["head_time_s"])
+    assert [w["name"].split("@")[0] for w in data["r_workers"]] == ["rank1", "rank2"]
+    assert all(w["seconds_per_kv_byte"] > 0 and w["capacity_bytes"] > 0 for w in data["r_workers"])
+    assert data["link"]["bandwidth_Bps"] > 0 and data["link"]["latency_s"] > 0   # real MPI messages
+    assert data["kv_dtype_bytes"] == 2 and data["model"]["num_layers"] == 30
+    plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "128", "--batch", "32",
+                           "--rworkers", "2", "--json"], timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    out = json.loads(plan.stdout)
+    for key in ("rworkers_needed", "step_latency_s", "tokens_per_s", "bound", "kv_tokens_capacity"):
+        assert key in out
+    assert out["bound"] in ("S", "R", "link", "capacity")
+    assert abs(out["tokens_per_s"] * out["step_latency_s"] - 32) < 1e-6 * 32   # B tokens per step
+
+
+def test_plan_bad_input_exits_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    proc = run_fastdecode(["plan", "--profile", str(bad), "--batch", "8"], timeout=60)
+    assert proc.returncode == 2 and "cannot read" in proc.stderr
