@@ -57,6 +57,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may stay silent before the job aborts naming it")
+    p.add_argument("--pipeline-depth", type=_positive_int, default=2,
+                   help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
+                        "others (1 = S and R take turns)")
     p.add_argument("--schedule", default="fifo", choices=["fifo", "stabilized"],
                    help="admission: fifo (fill up to --max-batch) or stabilized (micro-batches that keep "
                         "the R-workers' KV load steady; FastDecode's load-stabilizing schedule)")
@@ -176,7 +179,7 @@ def engine_args(args):
                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, seed=args.seed,
                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
                       timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
-                      admit_every=args.admit_every, max_gen=args.max_gen)
+                      admit_every=args.admit_every, max_gen=args.max_gen, pipeline_depth=args.pipeline_depth)
 
 
 def run_s_worker(args, comm) -> int:

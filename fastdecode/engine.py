@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from rworker import faults
+from rworker.wait import node_layout
 
 from .config import ModelConfig
 from .model.llama import LlamaSPart
@@ -52,6 +54,7 @@ class EngineArgs:
     target_batch: int | None = None   # stabilized: B (default max_batch)
     admit_every: int | None = None    # stabilized: F steps between micro-batches (default S/16)
     max_gen: int | None = None        # stabilized: S (default: estimated from requests' max_tokens)
+    pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
 
 
 def resolve_device(device: str) -> torch.device:
@@ -78,11 +81,8 @@ class LLMEngine:
         self.config: ModelConfig = read_config(self.source)
         self.device = resolve_device(args.device)
         self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
-        if self.device.type == "cpu":
-            # MPI launchers make torch/MKL default to 1 thread (MPI_LOCALNRANKS); a CPU S-worker
-            # takes the physical cores it may run on unless told otherwise
-            from rworker._threads import default_threads
-            torch.set_num_threads(args.s_threads or default_threads())
+        self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
+        self.s_cores = self._setup_cores()
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         self.tokenizer = Tokenizer(self.source, digest)
         weights = load_weights(self.source, self.config, self.dtype, self.device)
@@ -90,16 +90,37 @@ class LLMEngine:
         del weights
         self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
         self.backend: RBackend = self._make_backend(comm)
+        if comm is not None and comm.Get_size() > 1:
+            self._log_roster()
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(KV_ITEMSIZE[self.kv_dtype])
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token)
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.backend, self.eos_ids)
+        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth)
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
+
+    def _setup_cores(self) -> int:
+        """Threads and cores of the S-worker; returns the cores it keeps from co-located R-workers.
+
+        MPI launchers make torch/MKL default to 1 thread (MPI_LOCALNRANKS), so set it always."""
+        from rworker.cores import bind, launcher_bound, s_worker_cores
+        pipelined = self.args.pipeline_depth > 1
+        cpu = self.device.type == "cpu"
+        if self.layout is None:                  # local mode: the R-part runs in this process
+            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=1)
+        else:
+            ranks_here, s_here, _ = self.layout
+            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=ranks_here - 1)
+            if ranks_here > 1 and pipelined and not launcher_bound():
+                from rworker._threads import physical_cpus
+                bind(physical_cpus()[:s_cores])
+        if cpu:
+            torch.set_num_threads(self.args.s_threads or s_cores)
+        return s_cores
 
     def _make_admission(self):
         a = self.args
@@ -113,13 +134,25 @@ class LLMEngine:
         scale = self.config.head_dim ** -0.5
         if comm is None or comm.Get_size() == 1:
             from .rpart.local import LocalBackend
-            return LocalBackend(self.config, self.kv_dtype, self.args.r_threads, self.args.rworker_mem)
+            from rworker._threads import physical_cpus
+            cores = len(physical_cpus())
+            r_threads = self.args.r_threads or (max(1, cores - self.s_cores) if self.args.pipeline_depth > 1
+                                                else cores)
+            return LocalBackend(self.config, self.kv_dtype, r_threads, self.args.rworker_mem,
+                                asynchronous=self.args.pipeline_depth > 1)
         from .rpart.mpi import MPIBackend
-        from rworker.wait import choose_policy, node_layout
-        ranks_here, _ = node_layout(comm)          # collective with the R-workers' call
+        from rworker.wait import choose_policy
+        ranks_here = self.layout[0]
         policy = choose_policy(ranks_here, ranks_here)
         return MPIBackend(comm, self.config, self.kv_dtype, scale, self.args.r_threads,
-                          self.args.rworker_mem, policy, self.args.timeout)
+                          self.args.rworker_mem, policy, self.args.timeout, self.device, self.dtype,
+                          s_cores=self.s_cores)
+
+    def _log_roster(self) -> None:
+        """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""
+        for w in self.backend.workers:
+            print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
+                  f"{w.capacity_bytes / 2**30:.1f} GiB KV", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
 

@@ -1,6 +1,6 @@
 """Runs the model over a batch: prefill on the S-worker, decode with the R-part per layer.
 
-Rows are ordered by R-worker so each worker's rows are one contiguous slice.
+Rows of a batch are ordered by R-worker so each worker's rows are one contiguous slice.
 """
 from __future__ import annotations
 
@@ -25,12 +25,15 @@ def group_by_worker(seqs: list[Sequence], num_workers: int) -> tuple[list[Sequen
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaSPart, backend: RBackend, eos_ids: frozenset[int]):
+    def __init__(self, model: LlamaSPart, backend: RBackend, eos_ids: frozenset[int], depth: int = 2):
         self.model, self.backend = model, backend
+        self.depth = depth
         self.device = model.device
         self.eos_ids = eos_ids
         self.last_s_time = 0.0          # S-worker compute (incl. waiting it could not hide), seconds
         self.last_r_wait = 0.0          # S-worker time blocked on R-worker replies
+        self.decode_rows = 0            # sequence-steps decoded (rows that crossed to the R-part)
+        self.prefill_rows = 0           # prompt tokens whose K/V were shipped
 
     def _sampling_rows(self, seqs: list[Sequence]) -> SamplingBatch:
         rows = []
@@ -61,33 +64,65 @@ class ModelRunner:
             o = m.prompt_attention(q, k, v, lengths)
             x = m.post_attn(layer, x, o)
         be.prefill_end()
+        self.prefill_rows += len(row_ids)
         last = torch.tensor(np.cumsum(lengths) - 1, device=self.device)
         logits = m.logits(x[last])                                   # [n, V]
         return seqs, sample(logits, self._sampling_rows(seqs))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray, StepStats | None]:
-        """One token for every sequence. -> (seqs in row order, next tokens, R-side stats)."""
+        """One token for every sequence. -> (seqs in row order, next tokens, R-side stats).
+
+        With depth k the sequences form k mini-batches of about equal R-load; per layer the
+        S-part of one runs while the R-workers attend the others (FastDecode Fig. 4b):
+            submit qkv(0, every mb)
+            for layer: for mb: o = wait(layer, mb); x = post_attn(layer, x, o); submit qkv(layer + 1, mb)
+        """
         m, be = self.model, self.backend
-        seqs, counts = group_by_worker(seqs, be.num_workers)
-        ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
-        tokens = torch.tensor([s.last_token for s in seqs], device=self.device)
-        positions = torch.tensor([s.kv_len for s in seqs], device=self.device)
+        mbs = split_by_r_load(seqs, self.depth)
+        plans = []
+        for part in mbs:
+            ordered, counts = group_by_worker(part, be.num_workers)
+            plans.append((ordered, counts, np.array([s.seq_id for s in ordered], dtype=np.int64)))
         t0 = time.perf_counter()
         r_wait = 0.0
-        be.decode_begin([(ids, counts)])
-        x = m.embed_tokens(tokens)                                   # [n, h]
-        cos, sin = m.rope.cos_sin(positions)
+        be.decode_begin([(ids, counts) for _, counts, ids in plans])
+        xs, rope = [], []
+        for mb, (ordered, _, _) in enumerate(plans):
+            tokens = torch.tensor([s.last_token for s in ordered], device=self.device)
+            positions = torch.tensor([s.kv_len for s in ordered], device=self.device)
+            xs.append(m.embed_tokens(tokens))                              # [n_mb, h]
+            rope.append(m.rope.cos_sin(positions))
+            be.decode_submit(0, mb, *m.qkv(0, xs[mb], *rope[mb]))
+        last = m.config.num_layers - 1
         for layer in range(m.config.num_layers):
-            q, k, v = m.qkv(layer, x, cos, sin)
-            be.decode_submit(layer, 0, q, k, v)
-            tw = time.perf_counter()
-            o = be.decode_wait(layer, 0).to(self.device)            # [n, Hq, D]
-            r_wait += time.perf_counter() - tw
-            x = m.post_attn(layer, x, o)
-        logits = m.logits(x)
-        next_tokens = sample(logits, self._sampling_rows(seqs))
+            for mb in range(len(plans)):
+                tw = time.perf_counter()
+                o = be.decode_wait(layer, mb)                              # [n_mb, Hq, D]
+                r_wait += time.perf_counter() - tw
+                xs[mb] = m.post_attn(layer, xs[mb], o)
+                if layer < last:
+                    be.decode_submit(layer + 1, mb, *m.qkv(layer + 1, xs[mb], *rope[mb]))
+        ordered = [s for part, _, _ in plans for s in part]
+        logits = m.logits(torch.cat(xs) if len(xs) > 1 else xs[0])
+        next_tokens = sample(logits, self._sampling_rows(ordered))
         stats = be.decode_end()
+        self.decode_rows += len(ordered)
         self.last_r_wait = r_wait
         self.last_s_time = time.perf_counter() - t0 - r_wait
-        return seqs, next_tokens, stats
+        return ordered, next_tokens, stats
+
+
+def split_by_r_load(seqs: list[Sequence], depth: int) -> list[list[Sequence]]:
+    """Up to `depth` non-empty mini-batches with about equal total KV length (the R-part's cost),
+    longest first into the lightest (LPT); sequence ids keep each mini-batch's order stable."""
+    depth = max(1, min(depth, len(seqs)))
+    if depth == 1:
+        return [seqs]
+    loads = [0] * depth
+    parts: list[list[Sequence]] = [[] for _ in range(depth)]
+    for s in sorted(seqs, key=lambda s: (-s.kv_len, s.seq_id)):
+        i = loads.index(min(loads))
+        parts[i].append(s)
+        loads[i] += s.kv_len + 1
+    return [sorted(p, key=lambda s: s.seq_id) for p in parts]

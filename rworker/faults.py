@@ -1,10 +1,13 @@
-"""Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>" raises at that point.
+"""Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>[:<how>]".
 
 Points: hello, prefill, decode (R-workers), step (the S-worker's engine step).
+How: raise (default) an exception; exit: die at once without MPI's help (a crash);
+hang: stop answering (a stuck node).
 """
 from __future__ import annotations
 
 import os
+import time
 
 
 class InjectedFault(RuntimeError):
@@ -13,5 +16,15 @@ class InjectedFault(RuntimeError):
 
 def check(rank: int, point: str) -> None:
     spec = os.environ.get("FASTDECODE_INJECT_FAULT")
-    if spec and spec == f"{rank}:{point}":
-        raise InjectedFault(f"injected fault at {point} (FASTDECODE_INJECT_FAULT={spec})")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[:2] != [str(rank), point]:
+        return
+    how = parts[2] if len(parts) > 2 else "raise"
+    if how == "exit":
+        os._exit(17)
+    if how == "hang":
+        while True:
+            time.sleep(3600)
+    raise InjectedFault(f"injected fault at {point} (FASTDECODE_INJECT_FAULT={spec})")

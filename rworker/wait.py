@@ -33,11 +33,11 @@ def choose_policy(ranks_here: int, threads_here: int) -> str:
     return "adaptive" if max(ranks_here, threads_here) <= cores else "sleep"
 
 
-def node_layout(comm: MPI.Comm) -> tuple[int, bool]:
-    """Collective over comm: (ranks on this node, whether rank 0 is one of them)."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+def node_layout(comm: MPI.Comm) -> tuple[int, bool, int]:
+    """Collective over comm: (ranks on this node, whether rank 0 is one of them, my index among them)."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)     # ordered by world rank: rank 0 first if here
     try:
-        return local.Get_size(), bool(local.allreduce(1 if comm.Get_rank() == 0 else 0))
+        return local.Get_size(), bool(local.allreduce(1 if comm.Get_rank() == 0 else 0)), local.Get_rank()
     finally:
         local.Free()
 

@@ -20,15 +20,22 @@ from mpi4py import MPI
 from . import faults
 from . import protocol as P
 from .capacity import default_capacity_bytes
+from ._threads import physical_cpus
+from .cores import bind, rworker_cpus
 from .kvstore import KVStore
-from .wait import choose_policy, node_layout, wait_all, wait_message
+from .progress import Progressor
+from .wait import choose_policy, node_layout, wait_message
 
 
 class RWorker:
     def __init__(self, comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
-                 timeout: float | None = None, ranks_here: int = 1, s_worker_here: bool = False):
+                 timeout: float | None = None, ranks_here: int = 1, s_worker_here: bool = False,
+                 local_rank: int = 0):
         self.comm, self.rank = comm, comm.Get_rank()
         self.ranks_here, self.s_worker_here = ranks_here, s_worker_here
+        self.r_index = local_rank - (1 if s_worker_here else 0)      # among this node's R-workers
+        self.progress = Progressor()
+        self.s_name = "rank 0 (S-worker)"
         self.threads_arg, self.capacity_arg = threads, capacity_bytes
         self.timeout = timeout       # seconds without any message from rank 0 before giving up
         self.policy = "adaptive"
@@ -61,6 +68,7 @@ class RWorker:
             elif kind == P.PING:
                 self.ping(hdr, body)
             elif kind in (P.SHUTDOWN, P.ABORT):
+                self.progress.close()
                 return
             else:
                 raise ValueError(f"protocol error: unknown control kind {kind}")
@@ -68,16 +76,20 @@ class RWorker:
     def hello(self, hdr: np.ndarray, body: np.ndarray) -> None:
         num_layers, num_kv_heads, head_dim, kv_code, num_heads = (int(x) for x in hdr)
         scale = struct.unpack("<d", struct.pack("<q", int(body[0])))[0]
-        threads = self.threads_arg or (int(body[1]) or None)
         # R-workers on one node split its memory (the S-worker, if here, is covered by the reserve)
+        # and, unless the launcher bound each rank, its cores (around what the S-worker keeps)
         r_here = self.ranks_here - (1 if self.s_worker_here else 0)
+        s_cores = int(body[3]) if self.s_worker_here and body.size > 3 else 0
+        cpus = rworker_cpus(self.r_index, r_here, s_cores)
+        bind(cpus)
+        threads = self.threads_arg or (int(body[1]) or None) or len(physical_cpus(cpus))
         capacity = self.capacity_arg or int(body[2]) or default_capacity_bytes(share=max(r_here, 1))
         self.store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=P.KV_DTYPES[kv_code],
                              threads=threads, scale=scale, capacity_bytes=capacity)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_layers = num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)
-        self.send_json({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+        self.send_json({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpus": cpus,
                         "threads": self.store.threads, "isa": self.store.isa, "capacity_bytes": capacity,
                         "page_tokens": int(self.store.page_tokens), "wait_policy": self.policy})
 
@@ -105,20 +117,27 @@ class RWorker:
     # ------------------------------------------------------------------ prefill: append prompt K/V
 
     def prefill(self, hdr: np.ndarray, body: np.ndarray) -> None:
+        """Append the prompt K/V of each layer; the next layer's message is received meanwhile."""
         rows, act = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])]
         ids = body[:rows].copy()
         kv = self.num_kv_heads * self.head_dim
-        buf = np.empty(2 * rows * kv, dtype=act)
+        bufs = [np.empty(2 * rows * kv, dtype=act) for _ in range(2)]
+        tickets = [self.progress.track([self.comm.Irecv(bufs[0], source=0, tag=P.TAG_KV)], self.s_name), None]
         for layer in range(self.num_layers):
-            req = self.comm.Irecv(buf, source=0, tag=P.TAG_KV)
-            wait_all([req], self.policy, self.timeout, who="rank 0 (S-worker)")
-            k = buf[: rows * kv].reshape(rows, self.num_kv_heads, self.head_dim)
-            v = buf[rows * kv:].reshape(rows, self.num_kv_heads, self.head_dim)
+            cur = layer % 2
+            if layer + 1 < self.num_layers:
+                tickets[1 - cur] = self.progress.track(
+                    [self.comm.Irecv(bufs[1 - cur], source=0, tag=P.TAG_KV)], self.s_name)
+            self.progress.wait(tickets[cur], self.timeout)
+            k = bufs[cur][: rows * kv].reshape(rows, self.num_kv_heads, self.head_dim)
+            v = bufs[cur][rows * kv:].reshape(rows, self.num_kv_heads, self.head_dim)
             self.store.append(layer, ids, k, v)
 
     # ------------------------------------------------------------------ decode: append + attend per layer
 
     def decode(self, step: int, hdr: np.ndarray, body: np.ndarray) -> None:
+        """Per layer, per mini-batch: receive [q|k|v], append + attend, send O back. Every
+        mini-batch's next message is already posted while this one is attended."""
         n_mb, act = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])]
         counts = body[:n_mb]
         offsets = np.concatenate([[0], np.cumsum(counts)]) + n_mb
@@ -127,26 +146,30 @@ class RWorker:
         inbufs = [np.empty(int(c) * (hq + 2 * hkv) * d, dtype=act) for c in counts]
         outbufs = [np.empty((int(c), hq, d), dtype=act) for c in counts]
         active = [m for m in range(n_mb) if counts[m] > 0]     # the S-worker sends nothing for empty ones
-        recvs = {m: self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m) for m in active}
-        sends: list[MPI.Request | None] = [None] * n_mb
+        prog = self.progress
+        recvs = {m: prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m)], self.s_name)
+                 for m in active}
+        sends = {}
         t_step = time.perf_counter()
         attend_s = 0.0
         for layer in range(self.num_layers):
             for m in active:
-                wait_all([recvs[m]], self.policy, self.timeout, who="rank 0 (S-worker)")
+                prog.wait(recvs[m], self.timeout)
                 n = int(counts[m])
                 q = inbufs[m][: n * hq * d].reshape(n, hq, d)
                 k = inbufs[m][n * hq * d: n * (hq + hkv) * d].reshape(n, hkv, d)
                 v = inbufs[m][n * (hq + hkv) * d:].reshape(n, hkv, d)
-                if sends[m] is not None:
-                    sends[m].Wait()          # the previous layer's output left this buffer long ago
+                if m in sends:
+                    prog.wait(sends[m], self.timeout)   # the previous layer's O has left this buffer
                 t = time.perf_counter()
                 self.store.append_attend(layer, ids[m], q, k, v, out=outbufs[m])
                 attend_s += time.perf_counter() - t
-                sends[m] = self.comm.Isend(outbufs[m], dest=0, tag=P.TAG_OUT + m)
+                sends[m] = prog.track([self.comm.Isend(outbufs[m], dest=0, tag=P.TAG_OUT + m)], self.s_name)
                 if layer + 1 < self.num_layers:
-                    recvs[m] = self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m)
-        wait_all([s for s in sends if s is not None], self.policy, self.timeout, who="rank 0 (S-worker)")
+                    recvs[m] = prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m)],
+                                          self.s_name)
+        for t in sends.values():
+            prog.wait(t, self.timeout)
         self.stats[:] = (attend_s, time.perf_counter() - t_step, self.store.bytes_used(), step)
         self.comm.Send(self.stats, dest=0, tag=P.TAG_INFO)
 
@@ -159,8 +182,8 @@ def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None =
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        ranks_here, s_here = node_layout(comm)    # collective: rank 0 calls it too
-        RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here).serve()
+        ranks_here, s_here, local_rank = node_layout(comm)    # collective: rank 0 calls it too
+        RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here, local_rank).serve()
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
         print(f"fastdecode: rank {comm.Get_rank()} (R-worker on {socket.gethostname()}) failed: "
               f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)

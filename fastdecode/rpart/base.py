@@ -18,7 +18,8 @@ class WorkerInfo:
     threads: int
     isa: str
     capacity_bytes: int
-    page_tokens: int = 1      # KV is allocated in pages of this many tokens per (seq, layer, head)
+    page_tokens: int = 1      # KV is allocated in pages of this many tokens per (seq, layer)
+    pid: int = 0
 
 
 @dataclass(slots=True)

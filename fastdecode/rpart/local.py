@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from .base import RBackend, StepStats, WorkerInfo, as_numpy
 
 class LocalBackend(RBackend):
     def __init__(self, config: ModelConfig, kv_dtype: str, threads: int | None = None,
-                 capacity_bytes: int | None = None):
+                 capacity_bytes: int | None = None, asynchronous: bool = False):
         capacity = capacity_bytes or default_capacity_bytes()
         self.store = KVStore(config.num_layers, config.num_kv_heads, config.head_dim,
                              kv_dtype=kv_dtype, threads=threads, capacity_bytes=capacity)
@@ -26,8 +27,11 @@ class LocalBackend(RBackend):
         self.num_heads = config.num_heads
         self._row_ids = None
         self._mb_ids: list[np.ndarray] = []
-        self._out: dict[int, torch.Tensor] = {}
+        self._out: dict = {}
         self._attend_s = 0.0
+        # with a pipeline the kernel runs on a helper thread (it releases the GIL) while this
+        # thread computes the next mini-batch's S-part; one thread keeps calls in order
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rpart") if asynchronous else None
 
     def prefill_begin(self, row_ids, counts):
         self._row_ids = row_ids
@@ -42,14 +46,21 @@ class LocalBackend(RBackend):
         self._mb_ids = [ids for ids, _ in minibatches]
         self._attend_s = 0.0
 
-    def decode_submit(self, layer, mb, q, k, v):
+    def _attend(self, layer, ids, q, k, v):
         t = time.perf_counter()
-        o = self.store.append_attend(layer, self._mb_ids[mb], as_numpy(q), as_numpy(k), as_numpy(v))
+        o = self.store.append_attend(layer, ids, q, k, v)
         self._attend_s += time.perf_counter() - t
-        self._out[mb] = torch.from_numpy(o).to(q.device)
+        return o
+
+    def decode_submit(self, layer, mb, q, k, v):
+        args = (layer, self._mb_ids[mb], as_numpy(q), as_numpy(k), as_numpy(v))
+        self._out[mb] = (self._pool.submit(self._attend, *args) if self._pool else self._attend(*args), q.device)
 
     def decode_wait(self, layer, mb):
-        return self._out.pop(mb)
+        o, device = self._out.pop(mb)
+        if self._pool:
+            o = o.result()
+        return torch.from_numpy(o).to(device)
 
     def decode_end(self):
         return StepStats(attend_s=[self._attend_s], busy_s=[self._attend_s], kv_bytes=[self.store.bytes_used()])
@@ -70,4 +81,5 @@ class LocalBackend(RBackend):
         return [[0.0] * len(sizes)]      # in-process: the R-part reads the S-part's arrays directly
 
     def close(self):
-        pass
+        if self._pool:
+            self._pool.shutdown()

@@ -1,8 +1,10 @@
 """The S-worker's side of the R-part over MPI: scatter rows to the owning ranks, gather O back.
 
-Only buffer-based (uppercase) mpi4py calls: per layer and mini-batch each R-worker gets one
-message [q | k | v] of its rows and returns one [n, Hq, D]. Outputs are received straight into
-the rows of one array, so the gather copies nothing.
+Only buffer-based (uppercase) nonblocking mpi4py calls on preallocated host buffers that are
+reused across layers and steps. Per layer and mini-batch each R-worker gets one message
+[q | k | v] of its rows and returns one [n, Hq, D], received straight into its rows of a
+double-buffered output (the gather copies nothing). A Progressor thread keeps messages moving
+while the S-part computes the other mini-batch. `bytes_sent/bytes_received` count payload.
 """
 from __future__ import annotations
 
@@ -15,24 +17,47 @@ import torch
 from mpi4py import MPI
 
 from rworker import protocol as P
-from rworker.wait import wait_all, wait_message
+from rworker.progress import Progressor
+from rworker.wait import wait_message
 
 from ..config import ModelConfig
-from .base import RBackend, StepStats, WorkerInfo, as_numpy
+from .base import RBackend, StepStats, WorkerInfo
+from .staging import HostBuffer, Stager
+
+ACT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _MiniBatch:
+    """Buffers and in-flight state of one mini-batch slot (reused every step)."""
+
+    def __init__(self, dtype: torch.dtype, pinned: bool):
+        self.send = HostBuffer(dtype, pinned)
+        self.out = [HostBuffer(dtype, pinned), HostBuffer(dtype, pinned)]     # layer parity
+        self.out_free = [None, None]        # CUDA event: the device copy of that buffer is done
+        self.send_ticket = None
+        self.recv_ticket = None
+        self.ids: np.ndarray | None = None
+        self.bounds: np.ndarray | None = None
 
 
 class MPIBackend(RBackend):
     def __init__(self, comm: MPI.Comm, config: ModelConfig, kv_dtype: str, scale: float,
                  r_threads: int | None = None, rworker_mem: int | None = None, policy: str = "adaptive",
-                 timeout: float | None = None):
+                 timeout: float | None = None, device: torch.device | None = None,
+                 act_dtype: torch.dtype = torch.float32, s_cores: int = 0):
         self.comm = comm
         self.ranks = list(range(1, comm.Get_size()))
         self.policy, self.timeout = policy, timeout
         c = config
         self.num_layers, self.hq, self.hkv, self.d = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
+        self.device = device or torch.device("cpu")
+        self.act_dtype = act_dtype if act_dtype in ACT_CODE else torch.float32
+        self.pinned = self.device.type == "cuda"
+        self.stager = Stager(self.device)
+        self.progress = Progressor()
         scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
         hello = P.control(P.HELLO, 0, c.num_layers, c.num_kv_heads, c.head_dim, P.KV_CODES[kv_dtype],
-                          c.num_heads, body=[[scale_bits, r_threads or 0, rworker_mem or 0]])
+                          c.num_heads, body=[[scale_bits, r_threads or 0, rworker_mem or 0, s_cores]])
         for r in self.ranks:
             comm.Send([hello, MPI.INT64_T], dest=r, tag=P.TAG_CTRL)
         self.workers = [self._recv_info(r) for r in self.ranks]
@@ -41,9 +66,13 @@ class MPIBackend(RBackend):
         self.step = 0
         self._pending_free: list[list[int]] = [[] for _ in self.ranks]
         self._stat_bufs = [np.zeros(4, dtype=np.float64) for _ in self.ranks]
+        self._slots: list[_MiniBatch] = []
+        self._pf_bufs = [HostBuffer(self.act_dtype, self.pinned), HostBuffer(self.act_dtype, self.pinned)]
+        self._pf_tickets = [None, None]
 
     def _who(self, r: int) -> str:
-        return f"rank {r} (R-worker)"
+        return f"rank {r} (R-worker on {self.workers[r - 1].host})" if len(getattr(self, "workers", [])) >= r \
+            else f"rank {r} (R-worker)"
 
     def _recv_json(self, r: int, timeout: float | None) -> dict:
         status = wait_message(self.comm, r, P.TAG_INFO, self.policy, timeout, who=self._who(r))
@@ -54,7 +83,8 @@ class MPIBackend(RBackend):
     def _recv_info(self, r: int) -> WorkerInfo:
         info = self._recv_json(r, self.timeout)
         return WorkerInfo(rank=r, host=info["host"], threads=info["threads"], isa=info["isa"],
-                          capacity_bytes=info["capacity_bytes"], page_tokens=info.get("page_tokens", 1))
+                          capacity_bytes=info["capacity_bytes"], page_tokens=info.get("page_tokens", 1),
+                          pid=info.get("pid", 0))
 
     def _send_control(self, w: int, msg: np.ndarray) -> None:
         self.comm.Send([msg, MPI.INT64_T], dest=self.ranks[w], tag=P.TAG_CTRL)
@@ -65,96 +95,122 @@ class MPIBackend(RBackend):
                 self._send_control(w, P.control(P.FREE, self.step, len(ids), body=[ids]))
                 self._pending_free[w] = []
 
-    # ------------------------------------------------------------------ prefill
+    def _wait(self, ticket) -> None:
+        if ticket is not None:
+            self.progress.wait(ticket, self.timeout)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == self.act_dtype else t.to(self.act_dtype)
+
+    # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
     def prefill_begin(self, row_ids, counts):
         self._flush_frees()
-        self._pf_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-        self._pf_reqs: list[MPI.Request] = []
-        self._pf_bufs: list[np.ndarray] = []   # kept alive until their Isend completes
-        self._pf_row_ids = row_ids
-        self._pf_counts = counts
+        self._pf_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._pf_counts = list(counts)
+        code = ACT_CODE[self.act_dtype]
+        for w, n in enumerate(counts):
+            if n:
+                s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
+                self._send_control(w, P.control(P.PREFILL, self.step, n, code, body=[row_ids[s:e]]))
 
     def prefill_layer(self, layer, k, v):
-        k, v = as_numpy(k), as_numpy(v)
-        if layer == 0:        # the control message names the activation dtype, known only now
-            code = P.ACT_CODES[k.dtype]
-            for w, n in enumerate(self._pf_counts):
-                if n:
-                    s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
-                    self._send_control(w, P.control(P.PREFILL, self.step, n, code,
-                                                    body=[self._pf_row_ids[s:e]]))
-        wait_all(self._pf_reqs, self.policy, self.timeout, who="R-workers (prefill)")
-        self._pf_reqs, self._pf_bufs = [], []
+        slot = layer % 2
+        self._wait(self._pf_tickets[slot])             # the send two layers ago has left this buffer
+        k, v = self._cast(k), self._cast(v)
+        b = self._pf_bounds
+        parts = []
+        for w in range(len(self.ranks)):
+            parts += [k[b[w]:b[w + 1]], v[b[w]:b[w + 1]]]
+        buf = self._pf_bufs[slot]
+        self.stager.wait(self.stager.to_host(parts, buf))
+        row = 2 * self.hkv * self.d
+        reqs = []
         for w, n in enumerate(self._pf_counts):
-            if not n:
-                continue
-            s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
-            buf = np.concatenate([k[s:e].ravel(), v[s:e].ravel()])    # [k rows | v rows]
-            self._pf_bufs.append(buf)
-            self._pf_reqs.append(self.comm.Isend(buf, dest=self.ranks[w], tag=P.TAG_KV))
-            self.bytes_sent += buf.nbytes
+            if n:
+                seg = buf.array[b[w] * row:b[w + 1] * row]
+                reqs.append(self.comm.Isend(seg, dest=self.ranks[w], tag=P.TAG_KV))
+                self.bytes_sent += seg.nbytes
+        self._pf_tickets[slot] = self.progress.track(reqs, "R-workers (prefill)")
 
     def prefill_end(self):
-        wait_all(self._pf_reqs, self.policy, self.timeout, who="R-workers (prefill)")
-        self._pf_reqs, self._pf_bufs = [], []
+        for slot in (0, 1):
+            self._wait(self._pf_tickets[slot])
+            self._pf_tickets[slot] = None
 
     # ------------------------------------------------------------------ decode
 
     def decode_begin(self, minibatches):
         self._flush_frees()
         self.step += 1
-        self._mbs = minibatches
-        self._bounds = [np.concatenate([[0], np.cumsum(c)]).astype(int) for _, c in minibatches]
-        self._sends: dict[int, list[MPI.Request]] = {}
-        self._recvs: dict[int, list[MPI.Request]] = {}
-        self._outs: dict[int, np.ndarray] = {}
-        self._sendbufs: dict[int, list[np.ndarray]] = {}
-        self._announced = False
-
-    def _announce(self, code: int) -> None:
-        n_mb = len(self._mbs)
+        while len(self._slots) < len(minibatches):
+            self._slots.append(_MiniBatch(self.act_dtype, self.pinned))
+        self._n_mb = len(minibatches)
+        code = ACT_CODE[self.act_dtype]
+        per_worker_ids = [[] for _ in self.ranks]
+        for m, (ids, counts) in enumerate(minibatches):
+            slot = self._slots[m]
+            slot.ids = ids
+            slot.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            for w in range(len(self.ranks)):
+                per_worker_ids[w].append(ids[slot.bounds[w]:slot.bounds[w + 1]])
         for w in range(len(self.ranks)):
-            counts = [c[w] for _, c in self._mbs]
-            ids = [ids[b[w]:b[w + 1]] for (ids, _), b in zip(self._mbs, self._bounds)]
-            self._send_control(w, P.control(P.DECODE, self.step, n_mb, code, body=[counts] + ids))
+            counts = [len(x) for x in per_worker_ids[w]]
+            self._send_control(w, P.control(P.DECODE, self.step, len(minibatches), code,
+                                            body=[counts] + per_worker_ids[w]))
         self._stat_reqs = [self.comm.Irecv(self._stat_bufs[w], source=r, tag=P.TAG_INFO)
                            for w, r in enumerate(self.ranks)]
-        self._announced = True
 
     def decode_submit(self, layer, mb, q, k, v):
-        q, k, v = as_numpy(q), as_numpy(k), as_numpy(v)
-        if not self._announced:
-            self._announce(P.ACT_CODES[q.dtype])
-        wait_all(self._sends.get(mb, []), self.policy, self.timeout, who="R-workers")
-        bounds = self._bounds[mb]
-        out = np.empty_like(q)                                   # [n, Hq, D]
-        sends, recvs, bufs = [], [], []
+        slot = self._slots[mb]
+        self._wait(slot.send_ticket)                  # the previous layer's rows have left the buffer
+        q, k, v = self._cast(q), self._cast(k), self._cast(v)
+        b = slot.bounds
+        parts = []
+        for w in range(len(self.ranks)):
+            parts += [q[b[w]:b[w + 1]], k[b[w]:b[w + 1]], v[b[w]:b[w + 1]]]
+        ready = self.stager.to_host(parts, slot.send)
+        n = int(b[-1])
+        out = slot.out[layer % 2]
+        out.ensure(n * self.hq * self.d)
+        self.stager.wait(slot.out_free[layer % 2])    # its device copy from two layers ago is done
+        out_rows = out.array[: n * self.hq * self.d].reshape(n, self.hq * self.d)
+        row_in = (self.hq + 2 * self.hkv) * self.d
+        recvs, sends = [], []
         for w, r in enumerate(self.ranks):
-            s, e = bounds[w], bounds[w + 1]
-            if s == e:
-                continue
-            buf = np.concatenate([q[s:e].ravel(), k[s:e].ravel(), v[s:e].ravel()])
-            bufs.append(buf)
-            recvs.append(self.comm.Irecv(out[s:e], source=r, tag=P.TAG_OUT + mb))
-            sends.append(self.comm.Isend(buf, dest=r, tag=P.TAG_QKV + mb))
-            self.bytes_sent += buf.nbytes
-            self.bytes_received += out[s:e].nbytes
-        self._sends[mb], self._recvs[mb], self._outs[mb], self._sendbufs[mb] = sends, recvs, out, bufs
+            s, e = int(b[w]), int(b[w + 1])
+            if s < e:
+                recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.TAG_OUT + mb))
+                self.bytes_received += out_rows[s:e].nbytes
+        self.stager.wait(ready)
+        for w, r in enumerate(self.ranks):
+            s, e = int(b[w]), int(b[w + 1])
+            if s < e:
+                seg = slot.send.array[s * row_in:e * row_in]
+                sends.append(self.comm.Isend(seg, dest=r, tag=P.TAG_QKV + mb))
+                self.bytes_sent += seg.nbytes
+        slot.recv_ticket = self.progress.track(recvs, "R-workers")
+        slot.send_ticket = self.progress.track(sends, "R-workers")
 
     def decode_wait(self, layer, mb):
-        wait_all(self._recvs.pop(mb), self.policy, self.timeout, who="R-workers")
-        out = self._outs.pop(mb)
-        if out.dtype == np.uint16:
-            return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(out)
+        slot = self._slots[mb]
+        self._wait(slot.recv_ticket)
+        n = int(slot.bounds[-1])
+        parity = layer % 2
+        host = slot.out[parity].tensor[: n * self.hq * self.d].view(n, self.hq, self.d)
+        o = self.stager.to_device(host)
+        if self.stager.cuda:
+            done = torch.cuda.Event()
+            done.record()
+            slot.out_free[parity] = done
+        return o
 
     def decode_end(self):
-        for reqs in self._sends.values():
-            wait_all(reqs, self.policy, self.timeout, who="R-workers")
-        if not self._announced:
-            return None
-        wait_all(self._stat_reqs, self.policy, self.timeout, who="R-workers (step stats)")
+        for slot in self._slots[: self._n_mb]:
+            self._wait(slot.send_ticket)
+            slot.send_ticket = None
+        t = self.progress.track(self._stat_reqs, "R-workers (step stats)")
+        self._wait(t)
         return StepStats(attend_s=[float(b[0]) for b in self._stat_bufs],
                          busy_s=[float(b[1]) for b in self._stat_bufs],
                          kv_bytes=[int(b[2]) for b in self._stat_bufs])
@@ -195,3 +251,4 @@ class MPIBackend(RBackend):
         self._flush_frees()
         for w in range(len(self.ranks)):
             self._send_control(w, P.control(P.SHUTDOWN, self.step))
+        self.progress.close()
