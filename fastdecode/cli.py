@@ -251,6 +251,10 @@ def cmd_info(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("generate", "profile"):
+        from . import supervise
+        if supervise.should_supervise():      # under a launcher: a dead rank gets named
+            return supervise.run_supervised(sys.argv[1:] if argv is None else argv)
     handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "info": cmd_info}
     return handlers[args.command](args)
 

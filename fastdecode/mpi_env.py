@@ -46,8 +46,15 @@ def role_name(rank: int) -> str:
     return "S-worker" if rank == 0 else "R-worker"
 
 
+EXIT_TEMPFAIL = 75        # EX_TEMPFAIL: outputs saved, rerun me (the SLURM scripts requeue on it)
+
+
 def fail(comm, exc: BaseException, code: int = 1) -> None:
-    """Print one line naming this rank and end the whole job."""
+    """Print one line naming this rank and end the whole job. A silent peer (a stuck or lost
+    node) ends it with EX_TEMPFAIL so that a batch system requeues it; outputs are on disk."""
+    from rworker.wait import PeerTimeout
+    if isinstance(exc, PeerTimeout):
+        code = EXIT_TEMPFAIL
     rank = comm.Get_rank() if comm is not None else 0
     where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()})" if comm is not None else "fastdecode"
     print(f"fastdecode: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

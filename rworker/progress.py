@@ -24,12 +24,17 @@ WAITED_SLEEP_S = 5e-5       # the main thread waits: answer fast
 
 
 class Ticket:
-    __slots__ = ("event", "requests", "who")
+    __slots__ = ("event", "requests", "names")
 
-    def __init__(self, requests: list[MPI.Request], who: str):
+    def __init__(self, requests: list[MPI.Request], names: list[str]):
         self.event = threading.Event()
         self.requests = requests
-        self.who = who
+        self.names = names                  # who answers each request (for timeout messages)
+
+    def silent(self) -> str:
+        """The peers whose requests are still open."""
+        open_ = [n for r, n in zip(self.requests, self.names) if r != MPI.REQUEST_NULL]
+        return ", ".join(dict.fromkeys(open_)) or ", ".join(dict.fromkeys(self.names))
 
 
 class Progressor:
@@ -48,8 +53,11 @@ class Progressor:
 
     # ------------------------------------------------------------------ main-thread side
 
-    def track(self, requests: list[MPI.Request], who: str = "peer") -> Ticket:
-        ticket = Ticket([r for r in requests if r is not None], who)
+    def track(self, requests: list[MPI.Request], who: str | list[str] = "peer") -> Ticket:
+        """Hand requests to the thread; `who` names the peer of each (or of all) for errors."""
+        names = who if isinstance(who, list) else [who] * len(requests)
+        pairs = [(r, n) for r, n in zip(requests, names) if r is not None]
+        ticket = Ticket([r for r, _ in pairs], [n for _, n in pairs])
         if not ticket.requests:
             ticket.event.set()
             return ticket
@@ -65,7 +73,7 @@ class Progressor:
             return
         if not self.threaded:
             from .wait import wait_all
-            wait_all(ticket.requests, "adaptive", timeout, ticket.who)
+            wait_all(ticket.requests, "adaptive", timeout, ticket.silent())
             ticket.event.set()
             return
         start = time.perf_counter()
@@ -81,7 +89,7 @@ class Progressor:
             if self._error is not None:
                 raise RuntimeError(f"MPI progress thread failed: {self._error}") from self._error
             if timeout is not None and time.perf_counter() - start > timeout:
-                raise PeerTimeout(f"no reply from {ticket.who} within {timeout:.0f} s")
+                raise PeerTimeout(f"no reply from {ticket.silent()} within {timeout:.0f} s")
 
     def close(self) -> None:
         self._stop = True
@@ -104,7 +112,8 @@ class Progressor:
                     continue
                 progressed = False
                 for t in tickets:
-                    if MPI.Request.Testall(t.requests):
+                    MPI.Request.Testsome(t.requests)           # completed ones become REQUEST_NULL
+                    if all(r == MPI.REQUEST_NULL for r in t.requests):
                         with self._lock:
                             self._pending.remove(t)
                         t.event.set()

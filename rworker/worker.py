@@ -24,7 +24,7 @@ from ._threads import physical_cpus
 from .cores import bind, rworker_cpus
 from .kvstore import KVStore
 from .progress import Progressor
-from .wait import choose_policy, node_layout, wait_message
+from .wait import PeerTimeout, choose_policy, node_layout, wait_message
 
 
 class RWorker:
@@ -37,7 +37,9 @@ class RWorker:
         self.progress = Progressor()
         self.s_name = "rank 0 (S-worker)"
         self.threads_arg, self.capacity_arg = threads, capacity_bytes
-        self.timeout = timeout       # seconds without any message from rank 0 before giving up
+        # R-workers give rank 0 three times as long as rank 0 gives them, so that when a peer goes
+        # silent rank 0 (which sees every R-worker) is the one that names it
+        self.timeout = 3 * timeout if timeout else None
         self.policy = "adaptive"
         self.store: KVStore | None = None
         self.stats = np.zeros(4, dtype=np.float64)   # per step: attend_s, busy_s, kv_bytes, steps
@@ -187,5 +189,5 @@ def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None =
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
         print(f"fastdecode: rank {comm.Get_rank()} (R-worker on {socket.gethostname()}) failed: "
               f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        comm.Abort(1)
+        comm.Abort(75 if isinstance(e, PeerTimeout) else 1)   # 75: requeue (outputs are saved)
     return 0

@@ -25,6 +25,8 @@ from .base import RBackend, StepStats, WorkerInfo
 from .staging import HostBuffer, Stager
 
 ACT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+AUTO_FIRST_S = 900.0      # before any step was timed (first steps warm caches and allocate)
+AUTO_MIN_S = 300.0
 
 
 class _MiniBatch:
@@ -61,18 +63,21 @@ class MPIBackend(RBackend):
         for r in self.ranks:
             comm.Send([hello, MPI.INT64_T], dest=r, tag=P.TAG_CTRL)
         self.workers = [self._recv_info(r) for r in self.ranks]
+        self._names = [f"rank {w.rank} (R-worker on {w.host})" for w in self.workers]
         self.bytes_sent = 0          # activation payload bytes, S -> R (decode q/k/v and prefill k/v)
         self.bytes_received = 0      # attention outputs, R -> S
         self.step = 0
         self._pending_free: list[list[int]] = [[] for _ in self.ranks]
         self._stat_bufs = [np.zeros(4, dtype=np.float64) for _ in self.ranks]
         self._slots: list[_MiniBatch] = []
+        # without --timeout: a silent rank is declared after max(AUTO_MIN_S, 50 x the slowest step)
+        self._auto_timeout = AUTO_FIRST_S
+        self._slowest_step = 0.0
         self._pf_bufs = [HostBuffer(self.act_dtype, self.pinned), HostBuffer(self.act_dtype, self.pinned)]
         self._pf_tickets = [None, None]
 
     def _who(self, r: int) -> str:
-        return f"rank {r} (R-worker on {self.workers[r - 1].host})" if len(getattr(self, "workers", [])) >= r \
-            else f"rank {r} (R-worker)"
+        return f"rank {r} (R-worker)"
 
     def _recv_json(self, r: int, timeout: float | None) -> dict:
         status = wait_message(self.comm, r, P.TAG_INFO, self.policy, timeout, who=self._who(r))
@@ -97,7 +102,7 @@ class MPIBackend(RBackend):
 
     def _wait(self, ticket) -> None:
         if ticket is not None:
-            self.progress.wait(ticket, self.timeout)
+            self.progress.wait(ticket, self.timeout or self._auto_timeout)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == self.act_dtype else t.to(self.act_dtype)
@@ -125,13 +130,14 @@ class MPIBackend(RBackend):
         buf = self._pf_bufs[slot]
         self.stager.wait(self.stager.to_host(parts, buf))
         row = 2 * self.hkv * self.d
-        reqs = []
+        reqs, names = [], []
         for w, n in enumerate(self._pf_counts):
             if n:
                 seg = buf.array[b[w] * row:b[w + 1] * row]
                 reqs.append(self.comm.Isend(seg, dest=self.ranks[w], tag=P.TAG_KV))
+                names.append(self._names[w])
                 self.bytes_sent += seg.nbytes
-        self._pf_tickets[slot] = self.progress.track(reqs, "R-workers (prefill)")
+        self._pf_tickets[slot] = self.progress.track(reqs, names)
 
     def prefill_end(self):
         for slot in (0, 1):
@@ -160,6 +166,7 @@ class MPIBackend(RBackend):
                                             body=[counts] + per_worker_ids[w]))
         self._stat_reqs = [self.comm.Irecv(self._stat_bufs[w], source=r, tag=P.TAG_INFO)
                            for w, r in enumerate(self.ranks)]
+        self._step_start = time.perf_counter()
 
     def decode_submit(self, layer, mb, q, k, v):
         slot = self._slots[mb]
@@ -176,11 +183,12 @@ class MPIBackend(RBackend):
         self.stager.wait(slot.out_free[layer % 2])    # its device copy from two layers ago is done
         out_rows = out.array[: n * self.hq * self.d].reshape(n, self.hq * self.d)
         row_in = (self.hq + 2 * self.hkv) * self.d
-        recvs, sends = [], []
+        recvs, sends, names = [], [], []
         for w, r in enumerate(self.ranks):
             s, e = int(b[w]), int(b[w + 1])
             if s < e:
                 recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.TAG_OUT + mb))
+                names.append(self._names[w])
                 self.bytes_received += out_rows[s:e].nbytes
         self.stager.wait(ready)
         for w, r in enumerate(self.ranks):
@@ -189,8 +197,8 @@ class MPIBackend(RBackend):
                 seg = slot.send.array[s * row_in:e * row_in]
                 sends.append(self.comm.Isend(seg, dest=r, tag=P.TAG_QKV + mb))
                 self.bytes_sent += seg.nbytes
-        slot.recv_ticket = self.progress.track(recvs, "R-workers")
-        slot.send_ticket = self.progress.track(sends, "R-workers")
+        slot.recv_ticket = self.progress.track(recvs, names)
+        slot.send_ticket = self.progress.track(sends, names)
 
     def decode_wait(self, layer, mb):
         slot = self._slots[mb]
@@ -209,8 +217,10 @@ class MPIBackend(RBackend):
         for slot in self._slots[: self._n_mb]:
             self._wait(slot.send_ticket)
             slot.send_ticket = None
-        t = self.progress.track(self._stat_reqs, "R-workers (step stats)")
+        t = self.progress.track(self._stat_reqs, self._names)
         self._wait(t)
+        self._slowest_step = max(self._slowest_step, time.perf_counter() - self._step_start)
+        self._auto_timeout = max(AUTO_MIN_S, 50 * self._slowest_step)
         return StepStats(attend_s=[float(b[0]) for b in self._stat_bufs],
                          busy_s=[float(b[1]) for b in self._stat_bufs],
                          kv_bytes=[int(b[2]) for b in self._stat_bufs])
