@@ -23,7 +23,7 @@ from .admission import FifoAdmission, StabilizedAdmission
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
 from .stats import Reservoir, StepRecorder
-from .tokenizer import Tokenizer
+from .tokenizer import TokenIdsOnly, Tokenizer
 from .weights import load_weights, source_digest
 
 KV_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -84,7 +84,8 @@ class LLMEngine:
         self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
         self.s_cores = self._setup_cores()
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
-        self.tokenizer = Tokenizer(self.source, digest)
+        self.tokenizer = Tokenizer(self.source, digest) if self.source.kind != "random" \
+            else TokenIdsOnly(self.config.vocab_size)
         weights = load_weights(self.source, self.config, self.dtype, self.device)
         self.model = LlamaSPart(self.config, weights, self.device, self.dtype)
         del weights

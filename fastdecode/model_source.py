@@ -32,7 +32,7 @@ def cache_dir() -> str:
 @dataclass(slots=True)
 class ModelSource:
     name: str        # what the user typed, reported as "model" in outputs
-    kind: str        # "hf" | "gguf"
+    kind: str        # "hf" | "gguf" | "random"
     path: str        # directory (hf) or file (gguf)
 
     @property
@@ -50,6 +50,9 @@ class ModelSource:
 
 def resolve_model(model: str) -> ModelSource:
     """Map `-m` to a ModelSource or raise ConfigError with a one-line reason."""
+    if model.startswith("random:"):
+        random_config_dict(model)            # validates the spec
+        return ModelSource(model, "random", model)
     if model in EMBEDDED_MODELS:
         package, filename, install = EMBEDDED_MODELS[model]
         spec = importlib.util.find_spec(package)   # locates the package without running its __init__
@@ -126,10 +129,33 @@ def _gguf_hf_dict(path: str) -> dict:
     return cfg
 
 
+def random_config_dict(spec: str) -> dict:
+    """`random:<shape>[:layers=N]`: a model of a published shape with random weights, for
+    benchmarks (FastDecode's evaluation does the same with fewer layers). Prompts are token ids."""
+    from .sizing import MODEL_PRESETS
+    parts = spec.split(":")
+    name = parts[1] if len(parts) > 1 else ""
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"{spec}: unknown shape {name!r}; random models take one of {', '.join(MODEL_PRESETS)}")
+    dims = MODEL_PRESETS[name]
+    layers = dims.num_layers
+    for opt in parts[2:]:
+        key, _, value = opt.partition("=")
+        if key != "layers" or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{spec}: expected random:<shape>[:layers=N], got option {opt!r}")
+        layers = int(value)
+    return {"model_type": "llama", "hidden_size": dims.hidden, "num_hidden_layers": layers,
+            "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads, "head_dim": dims.head_dim,
+            "intermediate_size": dims.intermediate, "vocab_size": dims.vocab, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "max_position_embeddings": 65536, "tie_word_embeddings": False}
+
+
 def read_config(source: ModelSource) -> ModelConfig:
     """The model's config; for GGUF through a small JSON cache so a warm start skips the slow parse."""
     if source.kind == "hf":
         return read_hf_config(source.path)
+    if source.kind == "random":
+        return config_from_hf_dict(random_config_dict(source.path), source.path)
     meta_path = os.path.join(cache_dir(), "meta", source.stat_key + ".json")
     try:
         with open(meta_path) as f:

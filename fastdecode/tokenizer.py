@@ -11,6 +11,27 @@ import os
 from .model_source import ModelSource, cache_dir
 
 
+class TokenIdsOnly:
+    """The tokenizer of a random benchmark model: prompts must be token ids; text is empty."""
+
+    hf = None
+    generation_eos = ()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def eos_token_ids(self, config_eos: tuple[int, ...]) -> frozenset[int]:
+        return frozenset(config_eos)
+
+    def encode(self, prompt: str) -> list[int]:
+        raise ValueError("this model has no tokenizer (a random benchmark model): give prompts as token ids")
+
+    encode_chat = encode
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
 class Tokenizer:
     def __init__(self, source: ModelSource, digest: str | None = None):
         from transformers import AutoTokenizer

@@ -115,9 +115,36 @@ def _ensure_gguf_cache(source: ModelSource, config: ModelConfig) -> str:
     return path
 
 
+def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """N(0, 0.02) weights (norms 1) made on the device: benchmark models of a real shape."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = config
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    w = {"model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size),
+         "model.norm.weight": torch.ones(c.hidden_size, device=device, dtype=dtype),
+         "lm_head.weight": rnd(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(c.hidden_size, device=device, dtype=dtype)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(c.hidden_size, device=device, dtype=dtype)
+        w[p + "self_attn.q_proj.weight"] = rnd(c.q_size, c.hidden_size)
+        w[p + "self_attn.k_proj.weight"] = rnd(c.kv_size, c.hidden_size)
+        w[p + "self_attn.v_proj.weight"] = rnd(c.kv_size, c.hidden_size)
+        w[p + "self_attn.o_proj.weight"] = rnd(c.hidden_size, c.q_size)
+        w[p + "mlp.gate_proj.weight"] = rnd(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.up_proj.weight"] = rnd(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.down_proj.weight"] = rnd(c.hidden_size, c.intermediate_size)
+    return w
+
+
 def load_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """All parameters by HF name, in `dtype` on `device`."""
+    if source.kind == "random":
+        return random_weights(config, dtype, device)
     if source.kind == "gguf":
         files = [_ensure_gguf_cache(source, config)]
     else:

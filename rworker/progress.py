@@ -11,6 +11,7 @@ Ticket, never tests the requests itself.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -39,7 +40,9 @@ class Ticket:
 
 class Progressor:
     def __init__(self, spin_s: float = 0.0):
-        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        # FASTDECODE_PROGRESS_THREAD=0: no thread; requests then move only when this rank waits
+        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE and \
+            os.environ.get("FASTDECODE_PROGRESS_THREAD", "1") != "0"
         self.spin_s = spin_s
         self._pending: list[Ticket] = []
         self._lock = threading.Lock()

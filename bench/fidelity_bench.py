@@ -1,0 +1,144 @@
+"""Model fidelity: `fastdecode plan`'s predicted step latency and tokens/s against measured runs.
+
+For each R-worker count: `fastdecode profile` (same launcher, same flags as the runs), then for
+each configuration (batch B, R-workers, prompt length, generation length) one fixed-batch
+`fastdecode generate` (B requests of exactly that many prompt tokens, EOS ignored, admitted
+together) with --stats-json, and `fastdecode plan --profile ... --json` for the same setting.
+A fixed batch lives through average KV length prompt + S/2, the same average the model uses.
+Writes bench/results/fidelity_<label>.json and .png.
+
+    python bench/fidelity_bench.py --label devbox-2core
+    python bench/fidelity_bench.py --label h100-box --model random:llama-3-8b:layers=8 \
+        --launcher "mpirun --allow-run-as-root --oversubscribe --bind-to none" --configs 256,2,512,32 ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (batch, R-workers (0 = local mode), prompt tokens, generated tokens)
+DEFAULT_CONFIGS = [(16, 1, 64, 48), (64, 1, 64, 48), (64, 2, 256, 48), (128, 2, 32, 32),
+                   (32, 1, 512, 32), (64, 0, 128, 48)]
+
+
+def fastdecode_cmd(launcher: list[str], ranks: int, args: list[str]) -> list[str]:
+    base = [sys.executable, "-m", "fastdecode"] + args
+    return base if ranks == 1 else launcher + ["-n", str(ranks)] + base
+
+
+def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def request_file(path: str, batch: int, prompt_len: int, gen: int, vocab_lo: int = 100) -> None:
+    with open(path, "w") as f:
+        for i in range(batch):
+            ids = [vocab_lo + (i * 7 + j * 13) % 5000 for j in range(prompt_len)]
+            body = {"prompt": ids, "max_tokens": gen, "temperature": 0, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                    + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--launcher", default="mpiexec")
+    ap.add_argument("--configs", nargs="*", default=None, help="B,R,prompt,gen (R=0: local mode)")
+    ap.add_argument("--engine-args", default="--kv-dtype bf16", help="flags for profile and generate alike")
+    ap.add_argument("--batches", default=None, help="profile batch grid (default: around the configs)")
+    ap.add_argument("--r-bytes", default="128M")
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else DEFAULT_CONFIGS
+    launcher = shlex.split(args.launcher)
+    engine = shlex.split(args.engine_args)
+    tmp = tempfile.mkdtemp(prefix="fidelity-")
+    grid = args.batches or ",".join(str(b) for b in sorted({1, 4} | {c[0] for c in configs}
+                                                            | {max(1, c[0] // 2) for c in configs}))
+    profiles = {}
+    result = {"label": args.label, "model": args.model, "engine_args": args.engine_args, "runs": []}
+    for r in sorted({c[1] for c in configs}):
+        path = os.path.join(tmp, f"profile_r{r}.json")
+        t = time.perf_counter()
+        run(fastdecode_cmd(launcher, r + 1, ["profile", "-m", args.model, "-o", path, "--batches", grid,
+                                             "--r-bytes", args.r_bytes] + engine), args.timeout)
+        profiles[r] = path
+        print(f"profiled R={r} in {time.perf_counter() - t:.0f} s", flush=True)
+        result.setdefault("profiles", {})[str(r)] = json.load(open(path))
+    for batch, r, prompt, gen in configs:
+        inp = os.path.join(tmp, f"in_{batch}_{r}_{prompt}_{gen}.jsonl")
+        out, stats = inp.replace("in_", "out_"), inp.replace("in_", "stats_").replace(".jsonl", ".json")
+        request_file(inp, batch, prompt, gen)
+        run(fastdecode_cmd(launcher, r + 1, ["generate", "-m", args.model, "-i", inp, "-o", out, "--quiet",
+                                             "--max-batch", str(batch), "--max-prefill-tokens",
+                                             str(max(8192, batch * prompt)), "--stats-json", stats] + engine),
+            args.timeout)
+        summary = json.load(open(stats))["summary"]
+        steps = [s for s in json.load(open(stats))["steps"] if "s_time_s" in s]
+        decode_steps = [s["step_s"] - s["prefill_s"] for s in steps]
+        depth = next((int(engine[i + 1]) for i, a in enumerate(engine) if a == "--pipeline-depth"), 2)
+        plan = json.loads(run([sys.executable, "-m", "fastdecode", "plan", "--profile", profiles[r], "--batch",
+                               str(batch), "--context", str(gen), "--prompt-len", str(prompt), "--rworkers",
+                               str(max(r, 1)), "--pipeline-depth", str(depth), "--json"], 120).stdout)
+        measured_step = summary["wall_s"] / gen          # prefill amortized over the run, as the model does
+        row = {"batch": batch, "rworkers": r, "prompt_len": prompt, "gen_len": gen, "pipeline_depth": depth,
+               "measured_step_latency_s": round(measured_step, 5),
+               "measured_decode_step_s_mean": round(sum(decode_steps) / len(decode_steps), 5),
+               "measured_tokens_per_s": round(summary["output_tokens"] / summary["wall_s"], 3),
+               "predicted_step_latency_s": round(plan["step_latency_s"], 5),
+               "predicted_tokens_per_s": round(plan["tokens_per_s"], 3), "predicted_bound": plan["bound"]}
+        row["step_latency_error"] = round(row["predicted_step_latency_s"] / measured_step - 1, 4)
+        row["tokens_per_s_error"] = round(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1, 4)
+        result["runs"].append(row)
+        print(row, flush=True)
+    errs = [abs(r["step_latency_error"]) for r in result["runs"]]
+    result["max_abs_step_latency_error"] = max(errs)
+    result["within_15_percent"] = sum(e <= 0.15 for e in errs)
+    os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
+    base = os.path.join(REPO, "bench", "results", f"fidelity_{args.label}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, base + ".png")
+    print(f"wrote {base}.json; max |error| {max(errs):.1%}, {result['within_15_percent']}/{len(errs)} within 15%")
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    runs = result["runs"]
+    meas = [r["measured_step_latency_s"] * 1e3 for r in runs]
+    pred = [r["predicted_step_latency_s"] * 1e3 for r in runs]
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(meas, pred)
+    for r, m, p in zip(runs, meas, pred):
+        ax.annotate(f"B{r['batch']} R{r['rworkers']} p{r['prompt_len']}", (m, p), fontsize=7)
+    lo, hi = min(meas + pred) * 0.8, max(meas + pred) * 1.2
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], alpha=0.15, label="±15%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step latency (ms)")
+    ax.set_ylabel("predicted step latency (ms)")
+    ax.set_title(f"plan vs measured: {result['label']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
