@@ -1,0 +1,256 @@
+"""A real SLURM cluster on this one machine, for tests: munged + slurmctld + N slurmd.
+
+Everything lives under one state directory (default: $TMPDIR/fastdecode-slurm): munge key and
+socket, slurm.conf, spool and state dirs, logs, pid files. /etc is never touched; clients find
+the cluster through SLURM_CONF (see `SlurmCluster.env`).
+
+The N "nodes" are N slurmd daemons on this host (`slurmd -N nK`, one port each). Two nodes let
+a two-component heterogeneous job run: SLURM never puts two components of one hetjob on the
+same node, so with a single node the second component waits for "Resources" forever.
+Each node advertises more CPUs and sockets than the machine has (SlurmdParameters=
+config_overrides) so that jobs with 1 S-worker + 2 R-workers fit on a 2-core machine.
+
+    python tests/slurm/cluster.py start   # prints `export SLURM_CONF=...`
+    python tests/slurm/cluster.py stop
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_SCRIPT = REPO / "scripts" / "slurm" / "install_test_cluster.sh"
+DEFAULT_ROOT = Path(os.environ.get("FASTDECODE_SLURM_DIR",
+                                   Path(tempfile.gettempdir()) / "fastdecode-slurm"))
+DAEMONS = ("slurmd-n*.pid", "slurmctld.pid", "munged.pid")   # stop order: nodes first
+
+SLURM_CONF = """\
+ClusterName=fdtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge/munge.socket
+StateSaveLocation={root}/ctld-state
+SlurmdSpoolDir={root}/spool-%n
+# Per-node TmpFS: the PMIx plugin puts its client dir under TmpFS (node name expanded); two
+# slurmd on one host would otherwise collide on /tmp/spmix_appdir_<uid>_<job>.<step>.
+TmpFS={root}/tmp-%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# No cgroups, no binding by slurm: works in containers and VMs without cgroup delegation.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+# Fast turnaround for tests: schedule at once, backfill every second.
+SchedulerParameters=bf_interval=1,sched_min_interval=100000,batch_sched_delay=0
+SlurmdParameters=config_overrides
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+MessageTimeout=10
+KillWait=5
+InactiveLimit=0
+MinJobAge=3600
+JobRequeue=1
+GresTypes=gpu
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+NODE_LINE = ("NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
+             "CPUs={cpus} Sockets={sockets} CoresPerSocket={cores} ThreadsPerCore=1 "
+             "RealMemory=2048 State=UNKNOWN{gres}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_installed() -> bool:
+    return all(shutil.which(c) for c in ("slurmctld", "slurmd", "sbatch", "munged"))
+
+
+def ensure_installed() -> str | None:
+    """Install slurm + munge if missing. Returns None when usable, else why not."""
+    if slurm_installed():
+        return None
+    if os.geteuid() != 0:
+        return "slurm-wlm is not installed and we are not root (cannot apt-get install it)"
+    if not shutil.which("apt-get"):
+        return "slurm-wlm is not installed and there is no apt-get on this system"
+    r = subprocess.run(["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True)
+    if r.returncode != 0 or not slurm_installed():
+        return f"installing slurm-wlm failed: {r.stderr.strip()[-500:]}"
+    return None
+
+
+class SlurmCluster:
+    def __init__(self, root: Path | str = DEFAULT_ROOT, nodes: int = 2, sockets: int = 2,
+                 cores_per_socket: int = 2):
+        self.root = Path(root)
+        self.nodes = [f"n{i + 1}" for i in range(nodes)]
+        self.sockets, self.cores = sockets, cores_per_socket
+        self.conf = self.root / "slurm.conf"
+
+    @property
+    def env(self) -> dict:
+        """Environment for client commands (sbatch, squeue, scontrol, ...)."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60, **kw):
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check,
+                              timeout=timeout, **kw)
+
+    # ---- start ------------------------------------------------------------------------
+    def start(self, timeout: float = 60) -> "SlurmCluster":
+        self.stop()                        # idempotent: clear whatever a previous run left
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout: float):
+        for d in ("munge", "ctld-state", "log", *[f"{d}-{n}" for n in self.nodes for d in ("spool", "tmp")]):
+            (self.root / d).mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o700)         # munged refuses keys/sockets in loose dirs
+        self._start_munge()
+        self._write_conf()
+        self._daemon(["slurmctld", "-f", str(self.conf)], "slurmctld")
+        for n in self.nodes:
+            self._daemon(["slurmd", "-f", str(self.conf), "-N", n], f"slurmd-{n}")
+        self.wait_idle(timeout)
+
+    def _start_munge(self):
+        m = self.root / "munge"
+        key = m / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        subprocess.run(["munged", "--force", f"--key-file={key}", f"--socket={m}/munge.socket",
+                        f"--pid-file={self.root}/munged.pid", f"--log-file={m}/munged.log",
+                        f"--seed-file={m}/munged.seed"], check=True, capture_output=True)
+
+    def _write_conf(self):
+        host = socket.gethostname().split(".")[0]
+        nodes = "\n".join(
+            NODE_LINE.format(name=n, host=host, port=_free_port(), sockets=self.sockets,
+                             cores=self.cores, cpus=self.sockets * self.cores,
+                             gres=" Gres=gpu:1" if n == self.nodes[0] else "")
+            for n in self.nodes)
+        # A pretend GPU on the first node so that `--gpus=1` can be scheduled. slurmd drops a
+        # GPU without a device file; any file will do since no cgroup guards devices here.
+        fake_dev = self.root / "fake-gpu0"
+        fake_dev.touch()
+        (self.root / "gres.conf").write_text(
+            f"NodeName={self.nodes[0]} Name=gpu File={fake_dev}\n")
+        self.conf.write_text(SLURM_CONF.format(host=host, ctld_port=_free_port(),
+                                               root=self.root, nodes=nodes))
+
+    def _daemon(self, cmd: list[str], name: str):
+        # The daemons fork into the background and write their pid file themselves.
+        r = subprocess.run(cmd, env=self.env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{name} failed to start: {r.stderr}\n{self.logs()}")
+
+    def wait_idle(self, timeout: float = 60):
+        """Wait until every node is idle in sinfo."""
+        deadline = time.time() + timeout
+        out = ""
+        while time.time() < deadline:
+            r = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
+            out = r.stdout.strip()
+            states = dict(line.split() for line in out.splitlines() if line.strip())
+            if r.returncode == 0 and all(states.get(n) == "idle" for n in self.nodes):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"nodes not idle after {timeout}s: {out!r}\n{self.logs()}")
+
+    # ---- stop -------------------------------------------------------------------------
+    def stop(self):
+        """Kill the daemons this state dir records, then remove the state dir."""
+        if self.root.exists():
+            for pattern in DAEMONS:
+                for pid_file in sorted(self.root.glob(pattern)):
+                    _kill_pid_file(pid_file)
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def logs(self, tail: int = 30) -> str:
+        parts = []
+        for f in sorted((self.root / "log").glob("*.log")):
+            lines = f.read_text(errors="replace").splitlines()[-tail:]
+            parts.append(f"== {f.name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _kill_pid_file(pid_file: Path, wait: float = 10):
+    """SIGTERM (then SIGKILL) the daemon named in pid_file, if that pid is still that daemon."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        if not pid_file.name.startswith(comm.split("-")[0][:6]):  # a reused pid: leave it
+            return
+        os.kill(pid, signal.SIGTERM)
+    except (ValueError, IndexError, OSError):
+        return
+    deadline = time.time() + wait
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[1] if len(argv) > 1 else "start"
+    cluster = SlurmCluster()
+    if cmd == "start":
+        why = ensure_installed()
+        if why:
+            print(why, file=sys.stderr)
+            return 1
+        cluster.start()
+        print(f"export SLURM_CONF={cluster.conf}")
+    elif cmd == "stop":
+        cluster.stop()
+    else:
+        print("usage: cluster.py start|stop", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
