@@ -16,6 +16,8 @@ config_overrides) so that jobs with 1 S-worker + 2 R-workers fit on a 2-core mac
 from __future__ import annotations
 
 import os
+import pwd
+import re
 import shutil
 import signal
 import socket
@@ -29,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = REPO / "scripts" / "slurm" / "install_test_cluster.sh"
 DEFAULT_ROOT = Path(os.environ.get("FASTDECODE_SLURM_DIR",
                                    Path(tempfile.gettempdir()) / "fastdecode-slurm"))
-DAEMONS = ("slurmd-n*.pid", "slurmctld.pid", "munged.pid")   # stop order: nodes first
+DAEMONS = ("slurmd-n*.pid", "slurmctld.pid", "munged.pid")
 
 SLURM_CONF = """\
 ClusterName=fdtest
@@ -56,7 +58,10 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
+# Every end of a job (each requeue too) as one line of key=value pairs: the tests' record of
+# final states, since there is no slurmdbd for sacct and job records leave slurmctld quickly.
+JobCompType=jobcomp/filetxt
+JobCompLoc={root}/jobcomp.txt
 MpiDefault=none
 SwitchType=switch/none
 SelectType=select/cons_tres
@@ -71,7 +76,8 @@ SlurmdTimeout=30
 MessageTimeout=10
 KillWait=5
 InactiveLimit=0
-MinJobAge=3600
+# Keep finished jobs only 4 s: `sbatch --wait` then polls every 2 s instead of 2, 8, 32 s.
+MinJobAge=4
 JobRequeue=1
 GresTypes=gpu
 {nodes}
@@ -190,12 +196,38 @@ class SlurmCluster:
 
     # ---- stop -------------------------------------------------------------------------
     def stop(self):
-        """Kill the daemons this state dir records, then remove the state dir."""
+        """Cancel all jobs, kill the daemons this state dir records, remove the state dir."""
         if self.root.exists():
-            for pattern in DAEMONS:
-                for pid_file in sorted(self.root.glob(pattern)):
-                    _kill_pid_file(pid_file)
+            self._cancel_all_jobs()
+            _kill_pid_files([f for pattern in DAEMONS for f in self.root.glob(pattern)])
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _cancel_all_jobs(self, wait: float = 15):
+        # Job processes (slurmstepd and the tasks) outlive slurmd: end them through slurm.
+        if not (self.conf.exists() and (self.root / "slurmctld.pid").exists()):
+            return
+        try:
+            if self.run("scancel", "--full", "--quiet",
+                        f"--user={pwd.getpwuid(os.getuid()).pw_name}", check=False,
+                        timeout=10).returncode != 0:
+                return
+            deadline = time.time() + wait
+            while time.time() < deadline:
+                r = self.run("squeue", "-h", "-t", "all", "-o", "%i %T", check=False, timeout=10)
+                if r.returncode != 0 or not any(
+                        w in r.stdout for w in ("RUNNING", "COMPLETING", "CONFIGURING")):
+                    return
+                time.sleep(0.3)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def job_records(self, name: str) -> list[dict]:
+        """jobcomp records of jobs called `name`, oldest first: one per end of each component
+        (a requeue ends a run with JobState=PENDING; DerivedExitCode = the steps' highest)."""
+        path = self.root / "jobcomp.txt"
+        lines = path.read_text().splitlines() if path.exists() else []
+        records = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in lines]
+        return [r for r in records if r.get("Name") == name]
 
     def logs(self, tail: int = 30) -> str:
         parts = []
@@ -211,27 +243,28 @@ class SlurmCluster:
         self.stop()
 
 
-def _kill_pid_file(pid_file: Path, wait: float = 10):
-    """SIGTERM (then SIGKILL) the daemon named in pid_file, if that pid is still that daemon."""
-    try:
-        pid = int(pid_file.read_text().split()[0])
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        if not pid_file.name.startswith(comm.split("-")[0][:6]):  # a reused pid: leave it
-            return
-        os.kill(pid, signal.SIGTERM)
-    except (ValueError, IndexError, OSError):
-        return
-    deadline = time.time() + wait
-    while time.time() < deadline:
+def _kill_pid_files(pid_files: list[Path], wait: float = 10):
+    """SIGTERM the daemons named in pid_files (those pids that still are those daemons), wait
+    for them together, SIGKILL what is left."""
+    pids = []
+    for pid_file in pid_files:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+            pid = int(pid_file.read_text().split()[0])
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            if pid_file.name.startswith(comm[:6]):          # else: a reused pid, leave it
+                os.kill(pid, signal.SIGTERM)
+                pids.append(pid)
+        except (ValueError, IndexError, OSError):
+            pass
+    deadline = time.time() + wait
+    while pids and time.time() < deadline:
+        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
         time.sleep(0.1)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def main(argv: list[str]) -> int:
