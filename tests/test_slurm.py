@@ -233,3 +233,24 @@ def test_hetjob_signal_requeue_and_resume(cluster, tmp_path):
     job.check_done(components=2, requeues=1)
     assert re.search(r"rerun #1 of job \d+: resuming", job.text())
     assert "fake: got SIGUSR1" in job.text()
+
+
+def test_time_limit_warning_signal_requeues_before_the_limit(cluster, tmp_path):
+    """The real preemption path: `--signal=B:USR1@S` makes slurmctld itself signal the batch
+    script S seconds before the time limit (checked every ~30 s, so it comes 5..35 s into this
+    1-minute job); the job saves, requeues itself and finishes instead of hitting TIMEOUT."""
+    job = Job(cluster, tmp_path, SINGLE, n_lines=200, delay=0.3)   # 60 s: needs the signal
+    job.env["FAKE_DELAY_RERUN"] = "0.02"
+    proc = subprocess.Popen(job.sbatch_args("-N", "1", "--time=1", "--signal=B:USR1@55"),
+                            env=job.env, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: job.live() and job.live()[0]["Restarts"] == "1", 60, "the requeue")
+        job.cluster.run("scontrol", "update", f"JobId={job.live()[0]['JobId']}",
+                        "StartTime=now")
+        assert proc.wait(timeout=60) == 0, job.text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job.check_done(requeues=1)
+    assert "got SIGUSR1, forwarding" in job.text() and "fake: got SIGUSR1" in job.text()
+    assert re.search(r"rerun #1 of job \d+: resuming", job.text())

@@ -5,7 +5,8 @@
 
 Every rank prints one line about itself (rank, host, CPU affinity, threads, restart count).
 Rank 0 copies each input line's custom_id to the output, one line every FAKE_DELAY seconds
-(default 0.2), flushed at once; lines already in the output are skipped (resume).
+(default 0.2; FAKE_DELAY_RERUN on reruns), flushed at once; lines already in the output are
+skipped (resume).
 SIGUSR1/SIGTERM on rank 0: finish the current line, then every rank exits 75.
 Exit codes: 0 done, 2 bad usage (checked before any work), 75 interrupted, work saved.
 Waiting ranks sleep between polls instead of blocking in MPI (more ranks than cores here).
@@ -66,6 +67,8 @@ def serve(args, restart: str, stop: dict) -> int:
     """Rank 0: append one output line per input line not yet done."""
     done = set(read_ids(args.output)) if os.path.exists(args.output) else set()
     delay = float(os.environ.get("FAKE_DELAY", "0.2"))
+    if int(restart) > 0:                       # lets a test make reruns quick
+        delay = float(os.environ.get("FAKE_DELAY_RERUN", delay))
     todo = [cid for cid in read_ids(args.input) if cid not in done]
     print(f"fake: {len(done)} done already, {len(todo)} to do", flush=True)
     with open(args.output, "a") as out:
