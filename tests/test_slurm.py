@@ -145,7 +145,18 @@ def test_single_two_nodes_mpiexec(cluster, tmp_path):
     job.check_done()
     ranks = job.ranks()
     assert [ranks[r]["node"] for r in (0, 1, 2)] == ["n1", "n2", "n2"], job.text()
+    assert [ranks[r]["mem"] for r in (0, 1, 2)] == ["default:", "bind:0", "bind:0"]
     assert "via mpiexec" in job.text()
+
+
+def test_single_one_node_mpiexec_binds_by_mpi_rank(cluster, tmp_path):
+    # one hydra proxy runs all three ranks: the wrapper must use PMI_RANK, not SLURM_PROCID
+    job = Job(cluster, tmp_path, SINGLE, mpi_launcher="mpiexec")
+    assert job.run("-N", "1") == 0, job.text()
+    job.check_done()
+    ranks = job.ranks()
+    assert [ranks[r]["mem"] for r in (0, 1, 2)] == ["default:", "bind:0", "bind:0"], job.text()
+    assert [ranks[r]["omp"] for r in (0, 1, 2)] == ["-", "2", "2"]
 
 
 def _site_mpi_python():
