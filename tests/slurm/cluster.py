@@ -199,6 +199,10 @@ class SlurmCluster:
         if self.root.exists():
             self._cancel_all_jobs()
             _kill_pid_files([f for pattern in DAEMONS for f in self.root.glob(pattern)])
+            if os.environ.get("FASTDECODE_SLURM_KEEP"):        # logs for a post-mortem
+                keep = self.root.with_name(self.root.name + ".last")
+                shutil.rmtree(keep, ignore_errors=True)
+                self.root.rename(keep)
             shutil.rmtree(self.root, ignore_errors=True)
 
     def _cancel_all_jobs(self, wait: float = 15):
