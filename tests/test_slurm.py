@@ -118,7 +118,7 @@ def wait_for(predicate, timeout, what):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-# ---- the cluster itself ---------------------------------------------------------------------------
+# ---- the cluster itself ---------------------------------------------------------------------
 def test_cluster_has_two_idle_nodes_and_a_gpu(cluster):
     out = cluster.run("sinfo", "-h", "-N", "-o", "%N %t %G").stdout.split("\n")
     assert "n1 idle gpu:1" in out and "n2 idle (null)" in out
@@ -203,7 +203,7 @@ def test_hetjob_one_comm_world_across_components(cluster, tmp_path):
     assert ranks[0]["mem"] == "default:" and ranks[1]["mem"] == ranks[2]["mem"] == "bind:0"
 
 
-# ---- preemption: signal -> exit 75 -> requeue -> resume -------------------------------------------
+# ---- preemption: signal -> exit 75 -> requeue -> resume -------------------------------------
 def release(job, jid):
     """Start a requeued job now instead of ~2 min later (Reason=BeginTime). Not within the
     second of the requeue: slurmd then refuses the new run ("Job credential revoked", the old

@@ -5,8 +5,8 @@ socket, slurm.conf, spool and state dirs, logs, pid files. /etc is never touched
 the cluster through SLURM_CONF (see `SlurmCluster.env`).
 
 The N "nodes" are N slurmd daemons on this host (`slurmd -N nK`, one port each). Two nodes let
-a two-component heterogeneous job run: SLURM never puts two components of one hetjob on the
-same node, so with a single node the second component waits for "Resources" forever.
+a two-component heterogeneous job run: the backfill scheduler, the only one that starts
+hetjobs, needs a node per component, so on one node a hetjob stays pending ("Resources").
 Each node advertises more CPUs and sockets than the machine has (SlurmdParameters=
 config_overrides) so that jobs with 1 S-worker + 2 R-workers fit on a 2-core machine.
 
@@ -67,8 +67,8 @@ SwitchType=switch/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-# Fast turnaround for tests: schedule at once, backfill every second.
-SchedulerParameters=bf_interval=1,sched_min_interval=100000,batch_sched_delay=0
+# Fast turnaround for tests: backfill (which starts hetjobs) every second, no batch delay.
+SchedulerParameters=bf_interval=1,batch_sched_delay=0
 SlurmdParameters=config_overrides
 ReturnToService=2
 SlurmctldTimeout=30
@@ -140,7 +140,8 @@ class SlurmCluster:
         return self
 
     def _start(self, timeout: float):
-        for d in ("munge", "ctld-state", "log", *[f"{d}-{n}" for n in self.nodes for d in ("spool", "tmp")]):
+        per_node = [f"{kind}-{n}" for n in self.nodes for kind in ("spool", "tmp")]
+        for d in ("munge", "ctld-state", "log", *per_node):
             (self.root / d).mkdir(parents=True, mode=0o700, exist_ok=True)
         os.chmod(self.root, 0o700)         # munged refuses keys/sockets in loose dirs
         self._start_munge()
