@@ -1,0 +1,286 @@
+"""The SLURM job scripts on a real SLURM (Debian's slurm-wlm 22.05): a two-node test cluster on
+this machine (tests/slurm/cluster.py) runs scripts/slurm/*.sbatch with a stand-in program.
+
+Needs root and apt-get (scripts/slurm/install_test_cluster.sh installs slurm and munge);
+skipped with the reason otherwise. FASTDECODE_TEST_CMD replaces the stand-in program
+(default: `<this python> tests/slurm/fake_fastdecode.py`).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "slurm"))
+import cluster as slurm_cluster  # noqa: E402
+
+SINGLE = REPO / "scripts" / "slurm" / "fastdecode-single.sbatch"
+HETJOB = REPO / "scripts" / "slurm" / "fastdecode-hetjob.sbatch"
+FAKE = REPO / "tests" / "slurm" / "fake_fastdecode.py"
+PROGRAM = os.environ.get("FASTDECODE_TEST_CMD", f"{sys.executable} {FAKE}")
+HET_OPTS = ("--cpus-per-task=1", ":", "--nodes=1")   # fit the test nodes (4 CPUs each)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SLURM: Linux only")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = slurm_cluster.ensure_installed()
+    if why:
+        pytest.skip(why)
+    c = slurm_cluster.SlurmCluster(nodes=2)
+    c.start()
+    yield c
+    c.stop()
+
+
+class Job:
+    """One submission of a script: its files under tmp_path, a unique job name."""
+
+    def __init__(self, cluster, tmp_path, script, n_lines=12, program=PROGRAM, delay=0.05,
+                 **settings):
+        self.cluster, self.script = cluster, script
+        self.name = f"fd-{uuid.uuid4().hex[:8]}"
+        self.input, self.output, self.log = (tmp_path / f for f in
+                                             ("in.jsonl", "out.jsonl", "job.log"))
+        self.ids = [f"req-{i:03d}" for i in range(n_lines)]
+        self.input.write_text("".join(
+            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                        "body": {"prompt": cid, "max_tokens": 4}}) + "\n" for cid in self.ids))
+        self.env = {**cluster.env, "FASTDECODE_CMD": program, "FAKE_DELAY": str(delay),
+                    "FD_MODEL": "smollm2-135m", "FD_INPUT": str(self.input),
+                    "FD_OUTPUT": str(self.output), "FD_SRUN_MPI": "pmi2"}
+        self.env.update({f"FD_{k.upper()}": str(v) for k, v in settings.items()})
+
+    def sbatch_cmd(self, *opts, wait=True) -> list[str]:
+        return ["sbatch", *(["--wait"] if wait else []), "--parsable", "-J", self.name,
+                "-o", str(self.log), *opts, str(self.script)]
+
+    def run(self, *opts) -> int:
+        """`sbatch --wait`: returns its exit code, which is the job's."""
+        return subprocess.run(self.sbatch_cmd(*opts), env=self.env, timeout=120,
+                              stdout=subprocess.DEVNULL).returncode
+
+    def output_ids(self) -> list[str]:
+        if not self.output.exists():
+            return []
+        return [json.loads(line)["custom_id"] for line in self.output.read_text().splitlines()]
+
+    def ranks(self) -> dict[int, dict]:
+        """The stand-in's `rank R of N on HOST node=.. cpus=[..] mem=.. ...` lines, by rank.
+        (hydra may glue two ranks' lines together, so no line anchors.)"""
+        pat = (r"rank (\d+) of (\d+) on \S+ node=(\S+) cpus=\[[^\]]*\] mem=(\S*) "
+               r"r_threads=(\d+) omp=(\S+?) restart=(\d+)")
+        keys = ("size", "node", "mem", "r_threads", "omp", "restart")
+        return {int(m[0]): dict(zip(keys, m[1:])) for m in re.findall(pat, self.text())}
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def records(self) -> list[dict]:
+        return self.cluster.job_records(self.name)
+
+    def live(self) -> list[dict]:
+        """`scontrol show job` of a job still known to slurmctld: one dict per component."""
+        out = self.cluster.run("squeue", "-h", "-n", self.name, "-o", "%A").stdout.split()
+        if not out:
+            return []
+        lines = self.cluster.run("scontrol", "show", "job", "-o", out[0], check=False).stdout
+        return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in lines.splitlines() if line]
+
+    def check_done(self, components=1, requeues=0):
+        """Ended COMPLETED with exit 0 after `requeues` requeues; every custom_id once."""
+        recs = self.records()
+        assert len(recs) == components * (requeues + 1), recs
+        final, earlier = recs[-components:], recs[:-components]
+        assert all(r["JobState"] == "COMPLETED" and r["ExitCode"] == "0:0" for r in final), final
+        # each earlier run ended in a requeue, after the job step (the program) exited 75
+        assert all(r["JobState"] == "PENDING" for r in earlier), earlier
+        assert self.text().count("job step exited with 75") == requeues
+        got = self.output_ids()
+        assert sorted(got) == sorted(self.ids) and len(got) == len(set(got)), "each id once"
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ---- the cluster itself ---------------------------------------------------------------------
+def test_cluster_has_two_idle_nodes_and_a_gpu(cluster):
+    out = cluster.run("sinfo", "-h", "-N", "-o", "%N %t %G").stdout.split("\n")
+    assert "n1 idle gpu:1" in out and "n2 idle (null)" in out
+    assert "22.05" in cluster.run("sinfo", "--version").stdout
+
+
+# ---- single allocation --------------------------------------------------------------------------
+def test_single_one_node_srun_pmi2(cluster, tmp_path):
+    job = Job(cluster, tmp_path, SINGLE)
+    assert job.run("-N", "1") == 0, job.text()
+    job.check_done()
+    ranks = job.ranks()
+    assert sorted(ranks) == [0, 1, 2], job.text()   # S-worker + one R-worker per socket
+    assert all(r["node"] == "n1" and r["size"] == "3" for r in ranks.values())
+    # R-workers: numactl --membind, OMP threads = cores per socket; the S-worker: neither
+    assert ranks[0]["mem"] == "default:" and ranks[0]["omp"] == "-"
+    for r in (1, 2):
+        assert ranks[r]["mem"] == "bind:0" and ranks[r]["omp"] == "2"
+        assert ranks[r]["r_threads"] == "2"
+    assert "binding: numactl" in job.text() and "via srun --mpi=pmi2" in job.text()
+
+
+def test_single_two_nodes_mpiexec(cluster, tmp_path):
+    job = Job(cluster, tmp_path, SINGLE, mpi_launcher="mpiexec")
+    assert job.run("-N", "2", "--gpus=0") == 0, job.text()
+    job.check_done()
+    ranks = job.ranks()
+    assert [ranks[r]["node"] for r in (0, 1, 2)] == ["n1", "n2", "n2"], job.text()
+    assert [ranks[r]["mem"] for r in (0, 1, 2)] == ["default:", "bind:0", "bind:0"]
+    assert "via mpiexec" in job.text()
+
+
+def test_single_one_node_mpiexec_binds_by_mpi_rank(cluster, tmp_path):
+    # one hydra proxy runs all three ranks: the wrapper must use PMI_RANK, not SLURM_PROCID
+    job = Job(cluster, tmp_path, SINGLE, mpi_launcher="mpiexec")
+    assert job.run("-N", "1") == 0, job.text()
+    job.check_done()
+    ranks = job.ranks()
+    assert [ranks[r]["mem"] for r in (0, 1, 2)] == ["default:", "bind:0", "bind:0"], job.text()
+    assert [ranks[r]["omp"] for r in (0, 1, 2)] == ["-", "2", "2"]
+
+
+def _site_mpi_python():
+    """Debian's python3 with Debian's mpi4py (Open MPI built with PMIx): a 'site MPI'."""
+    py = shutil.which("python3", path="/usr/bin")
+    if py and subprocess.run([py, "-c", "import mpi4py"], capture_output=True).returncode == 0:
+        return py
+    return None
+
+
+@pytest.mark.skipif(_site_mpi_python() is None,
+                    reason="no Debian python3-mpi4py (Open MPI + PMIx) for srun --mpi=pmix")
+def test_single_two_nodes_srun_pmix_open_mpi(cluster, tmp_path):
+    job = Job(cluster, tmp_path, SINGLE, program=f"{_site_mpi_python()} {FAKE}",
+              srun_mpi="pmix")
+    assert job.run("-N", "2", "--gpus=0") == 0, job.text()
+    job.check_done()
+    ranks = job.ranks()
+    assert [ranks[r]["node"] for r in (0, 1, 2)] == ["n1", "n2", "n2"], job.text()
+    assert "via srun --mpi=pmix" in job.text()
+
+
+def test_bad_usage_exit_2_is_not_requeued(cluster, tmp_path):
+    job = Job(cluster, tmp_path, SINGLE)
+    job.input.unlink()                          # the program exits 2: input file not found
+    assert job.run("-N", "1") == 2, job.text()
+    assert "not requeueing" in job.text() and "requeueing job" not in job.text()
+    time.sleep(2)                               # a requeue would have been recorded by now
+    [rec] = job.records()
+    assert rec["JobState"] == "FAILED" and rec["ExitCode"] == "2:0"
+
+
+# ---- heterogeneous job --------------------------------------------------------------------------
+def test_hetjob_one_comm_world_across_components(cluster, tmp_path):
+    job = Job(cluster, tmp_path, HETJOB)
+    assert job.run(*HET_OPTS) == 0, job.text()
+    job.check_done(components=2)
+    assert [r["NodeList"] for r in job.records()] == ["n1", "n2"]   # GPU comp, CPU comp
+    ranks = job.ranks()
+    assert all(r["size"] == "3" for r in ranks.values())            # one MPI_COMM_WORLD
+    assert [ranks[r]["node"] for r in (0, 1, 2)] == ["n1", "n2", "n2"], job.text()
+    assert ranks[0]["mem"] == "default:" and ranks[1]["mem"] == ranks[2]["mem"] == "bind:0"
+
+
+# ---- preemption: signal -> exit 75 -> requeue -> resume -------------------------------------
+def release(job, jid):
+    """Start a requeued job now instead of ~2 min later (Reason=BeginTime). Not within the
+    second of the requeue: slurmd then refuses the new run ("Job credential revoked", the old
+    run's credentials are revoked up to that second) and the job ends FAILED. Repeat until the
+    job runs: an update made while the old run is still completing gets overwritten."""
+    def running():
+        comps = job.live()
+        for c in comps:
+            requeued_at = datetime.fromisoformat(c["SubmitTime"]).timestamp()
+            if c["Reason"] == "BeginTime" and time.time() >= requeued_at + 2:
+                job.cluster.run("scontrol", "update", f"JobId={jid}", "StartTime=now",
+                                check=False)
+                break
+        return (comps and all(c["JobState"] == "RUNNING" for c in comps)) or \
+            len(job.output_ids()) == len(job.ids)
+    wait_for(running, 60, "the requeued job to start again")
+
+
+def interrupt_and_resume(job, opts, signals):
+    """`sbatch --wait` the job; for each signal: let it write some lines, signal the batch
+    script, see the job requeue itself, release it; `sbatch --wait` returns when it is done."""
+    proc = subprocess.Popen(job.sbatch_cmd(*opts, wait=True), env=job.env,
+                            stdout=subprocess.DEVNULL)
+    try:
+        for restart, sig in enumerate(signals):
+            start = len(job.output_ids())
+            wait_for(lambda: len(job.output_ids()) >= start + 3, 60, f"progress in run {restart}")
+            [jid] = {c["JobId"] for c in job.live() if c.get("HetJobOffset", "0") == "0"}
+            assert all(c["Restarts"] == str(restart) for c in job.live())
+            job.cluster.run("scancel", f"--signal={sig}", "--batch", jid)
+            wait_for(lambda: job.live() and all(c["Restarts"] == str(restart + 1)
+                                                for c in job.live()), 60,
+                     f"requeue #{restart + 1}")
+            release(job, jid)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_single_signals_requeue_and_resume_three_times(cluster, tmp_path):
+    job = Job(cluster, tmp_path, SINGLE, n_lines=40, delay=0.1)
+    assert interrupt_and_resume(job, ("-N", "1"), ["USR1", "TERM", "USR1"]) == 0, job.text()
+    job.check_done(requeues=3)
+    log = job.text()
+    for n in (1, 2, 3):                          # SLURM_RESTART_COUNT as the script saw it
+        assert re.search(rf"rerun #{n} of job \d+: resuming", log), log
+    assert log.count("got SIGUSR1, forwarding") == 2 and log.count("got SIGTERM, forwarding") >= 1
+    assert log.count("fake: got SIG") == 3       # the signal reached the program each time
+    assert log.count("interrupted with work saved: requeueing job") == 3
+    runs = {json.loads(line)["restart"] for line in job.output.read_text().splitlines()}
+    assert runs == {0, 1, 2, 3}                  # every run wrote part of the output
+
+
+def test_hetjob_signal_requeue_and_resume(cluster, tmp_path):
+    job = Job(cluster, tmp_path, HETJOB, n_lines=24, delay=0.1)
+    assert interrupt_and_resume(job, HET_OPTS, ["USR1"]) == 0, job.text()
+    job.check_done(components=2, requeues=1)
+    assert re.search(r"rerun #1 of job \d+: resuming", job.text())
+    assert "fake: got SIGUSR1" in job.text()
+
+
+def test_time_limit_warning_signal_requeues_before_the_limit(cluster, tmp_path):
+    """The real preemption path: `--signal=B:USR1@S` makes slurmctld itself signal the batch
+    script S seconds before the time limit (checked every ~30 s, so it comes 5..35 s into this
+    1-minute job); the job saves, requeues itself and finishes instead of hitting TIMEOUT."""
+    job = Job(cluster, tmp_path, SINGLE, n_lines=200, delay=0.3)   # 60 s: needs the signal
+    job.env["FAKE_DELAY_RERUN"] = "0.02"
+    proc = subprocess.Popen(job.sbatch_cmd("-N", "1", "--time=1", "--signal=B:USR1@55"),
+                            env=job.env, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: job.live() and job.live()[0]["Restarts"] == "1", 60, "the requeue")
+        release(job, job.live()[0]["JobId"])
+        assert proc.wait(timeout=60) == 0, job.text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job.check_done(requeues=1)
+    assert "got SIGUSR1, forwarding" in job.text() and "fake: got SIGUSR1" in job.text()
+    assert re.search(r"rerun #1 of job \d+: resuming", job.text())
