@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from .wait import PeerTimeout
 
-MIN_SLEEP_S = 5e-6
+MIN_SLEEP_S = 2e-5
 MAX_SLEEP_S = 5e-4          # nobody waiting: the messages only need to keep moving
 WAITED_SLEEP_S = 5e-5       # the main thread waits: answer fast
 
@@ -34,6 +34,8 @@ class Ticket:
 
     def silent(self) -> str:
         """The peers whose requests are still open."""
+        if self.requests is None:
+            return "the local device copy"
         open_ = [n for r, n in zip(self.requests, self.names) if r != MPI.REQUEST_NULL]
         return ", ".join(dict.fromkeys(open_)) or ", ".join(dict.fromkeys(self.names))
 
@@ -45,6 +47,7 @@ class Progressor:
             os.environ.get("FASTDECODE_PROGRESS_THREAD", "1") != "0"
         self.spin_s = spin_s
         self._pending: list[Ticket] = []
+        self._deferred: list = []               # (ready, post, ticket) waiting for a device copy
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -68,6 +71,20 @@ class Progressor:
             return ticket
         with self._lock:
             self._pending.append(ticket)
+        self._wake.set()
+        return ticket
+
+    def track_after(self, ready, post, who: list[str]) -> Ticket:
+        """Call post() -> requests once ready() is true (a device copy has landed), off this thread.
+
+        The S-worker on a GPU queues the next mini-batch's kernels instead of blocking until the
+        previous one's rows reached host memory; this thread then sends them."""
+        if not self.threaded or ready():
+            return self.track(post(), who)
+        ticket = Ticket([], who)
+        ticket.requests = None                 # filled in by the thread
+        with self._lock:
+            self._deferred.append((ready, post, ticket))
         self._wake.set()
         return ticket
 
@@ -107,8 +124,17 @@ class Progressor:
         try:
             while not self._stop:
                 with self._lock:
+                    deferred = [d for d in self._deferred if d[0]()]
+                    for d in deferred:
+                        self._deferred.remove(d)
+                for _, post, t in deferred:
+                    t.requests = [r for r in post() if r is not None]
+                    with self._lock:
+                        self._pending.append(t)
+                with self._lock:
                     tickets = list(self._pending)
-                if not tickets:
+                    waiting_on_device = bool(self._deferred)
+                if not tickets and not waiting_on_device:
                     self._wake.wait(0.01)
                     self._wake.clear()
                     sleep = MIN_SLEEP_S

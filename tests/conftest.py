@@ -11,7 +11,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIEXEC = shutil.which("mpiexec") or shutil.which("mpirun")
+# the launcher installed beside this Python (pip's MPICH, matching mpi4py) before any on PATH: the
+# SLURM test setup also brings Debian's Open MPI into /usr/bin
+_BESIDE = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+MPIEXEC = _BESIDE if os.access(_BESIDE, os.X_OK) else (shutil.which("mpiexec") or shutil.which("mpirun"))
 
 
 def pytest_configure(config):

@@ -183,22 +183,27 @@ class MPIBackend(RBackend):
         self.stager.wait(slot.out_free[layer % 2])    # its device copy from two layers ago is done
         out_rows = out.array[: n * self.hq * self.d].reshape(n, self.hq * self.d)
         row_in = (self.hq + 2 * self.hkv) * self.d
-        recvs, sends, names = [], [], []
+        recvs, names = [], []
         for w, r in enumerate(self.ranks):
             s, e = int(b[w]), int(b[w + 1])
             if s < e:
                 recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.TAG_OUT + mb))
                 names.append(self._names[w])
                 self.bytes_received += out_rows[s:e].nbytes
-        self.stager.wait(ready)
-        for w, r in enumerate(self.ranks):
-            s, e = int(b[w]), int(b[w + 1])
-            if s < e:
-                seg = slot.send.array[s * row_in:e * row_in]
-                sends.append(self.comm.Isend(seg, dest=r, tag=P.TAG_QKV + mb))
-                self.bytes_sent += seg.nbytes
+        def post_sends():
+            sends = []
+            for w, r in enumerate(self.ranks):
+                s, e = int(b[w]), int(b[w + 1])
+                if s < e:
+                    sends.append(self.comm.Isend(slot.send.array[s * row_in:e * row_in], dest=r, tag=P.TAG_QKV + mb))
+            return sends
+
+        self.bytes_sent += n * row_in * slot.send.array.itemsize
         slot.recv_ticket = self.progress.track(recvs, names)
-        slot.send_ticket = self.progress.track(sends, names)
+        if ready is None:                             # host buffer already filled (CPU S-worker)
+            slot.send_ticket = self.progress.track(post_sends(), names)
+        else:                                         # GPU: send once the device copy has landed
+            slot.send_ticket = self.progress.track_after(ready.query, post_sends, names)
 
     def decode_wait(self, layer, mb):
         slot = self._slots[mb]
