@@ -303,23 +303,27 @@ def test_threads_property(isa):
 def test_capacity_error_stores_nothing():
     Hkv, D = 2, 64
     probe = KVStore(1, Hkv, D, "bf16", threads=1)
-    page = 2 * Hkv * probe.page_tokens * D * 2
+    P = probe.page_tokens
+    page = 2 * Hkv * P * D * 2
     store = KVStore(1, Hkv, D, "bf16", threads=1, capacity_bytes=3 * page)
-    z = np.zeros((64, Hkv, D), np.float32)
-    store.append(0, [1] * 64, z, z)                       # 1 page
-    store.append(0, [2] * 128, np.zeros((128, Hkv, D), np.float32), np.zeros((128, Hkv, D), np.float32))  # 2 pages
+
+    def z(n):
+        return np.zeros((n, Hkv, D), np.float32)
+
+    store.append(0, [1] * P, z(P), z(P))                  # 1 page
+    store.append(0, [2] * (2 * P), z(2 * P), z(2 * P))    # 2 pages
     assert store.bytes_used() == 3 * page
     with pytest.raises(KVCapacityError) as e:
-        store.append(0, [1, 3], np.zeros((2, Hkv, D), np.float32), np.zeros((2, Hkv, D), np.float32))
+        store.append(0, [1, 3], z(2), z(2))               # needs 2 more pages: refused as a whole
     assert isinstance(e.value, MemoryError)
-    assert store.num_tokens(1) == 64 and store.num_tokens(3) == 0 and store.num_seqs() == 2
+    assert store.num_tokens(1) == P and store.num_tokens(3) == 0 and store.num_seqs() == 2
     assert store.bytes_used() == 3 * page
     with pytest.raises(KVCapacityError):
-        store.append_attend(0, [1], np.zeros((1, Hkv, D), np.float32), z[:1], z[:1])
-    assert store.num_tokens(1) == 64
+        store.append_attend(0, [1], np.zeros((1, Hkv, D), np.float32), z(1), z(1))
+    assert store.num_tokens(1) == P
     store.free(2)
-    store.append(0, [1, 3], np.zeros((2, Hkv, D), np.float32), np.zeros((2, Hkv, D), np.float32))
-    assert store.num_tokens(1) == 65 and store.num_tokens(3) == 1
+    store.append(0, [1, 3], z(2), z(2))
+    assert store.num_tokens(1) == P + 1 and store.num_tokens(3) == 1
 
 
 def test_bad_inputs_raise_value_error():

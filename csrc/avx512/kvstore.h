@@ -1,15 +1,16 @@
 // kvstore.h — the paged KV store of one R-worker and decode attention over it.
 //
-// Layout. A page holds P = 64 consecutive tokens of one (sequence, layer), all KV heads:
+// Layout. A page holds PT = 32 consecutive tokens of one (sequence, layer), all KV heads:
 //
-//   page: [Hkv][ K run: P rows x Dp | V run: P rows x Dp ]     dtype = kv dtype, 64-byte aligned
+//   page: [Hkv][ K run: Dp dims x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
 //
-// so every (sequence, layer, kv-head) is a list of contiguous K and V runs. Pages come from an
-// arena of big chunks that never move (hugepage-advised); freed pages go on a free list and are
-// reused first. Appending a token writes one row per head; nothing is ever copied to grow.
+// so every (sequence, layer, kv-head) is a list of contiguous K and V runs (simd.h says why K is
+// dim-major). Pages come from an arena of big chunks that never move (hugepage-advised); freed
+// pages go on a free list and are reused first. Appending a token writes one K column and one V
+// row per head; nothing is ever copied to grow a sequence.
 //
 // Attention. Work items are (sequence, kv-head, chunk of CH = 512 tokens). One item streams its
-// K/V rows once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax
+// K/V runs once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax
 // in base 2, fp32 accumulators. Items of a multi-chunk sequence write partial (m, l, acc); the
 // item that finishes last merges them in chunk order (log-sum-exp). Chunk boundaries depend only
 // on the sequence length, and an item's arithmetic does not depend on which thread runs it, so
@@ -128,7 +129,7 @@ struct Seq {
 
 class Store {
 public:
-    static constexpr int P = 64;    // tokens per page
+    static constexpr int P = PT;    // tokens per page
     static constexpr int CH = 512;  // tokens per split-KV chunk (a multiple of P)
 
     Store(int L, int Hkv, int D, int dtype, double scale, int64_t capacity_bytes, int threads,
@@ -140,6 +141,7 @@ public:
           pool_(new Pool(threads, cpus_, spin_us)) {
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
+        for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
     }
 
     // ---- geometry / accounting ------------------------------------------------
@@ -259,24 +261,46 @@ private:
             int32_t pos = s->len[layer]++;
             auto& pl = s->pages[layer];
             if ((size_t)(pos / P) == pl.size()) pl.push_back(arena_.get());
-            rows_[i].dst = pl[pos / P] + (size_t)(pos % P) * Dp_ * isz_;
+            rows_[i].page = pl[pos / P];
+            rows_[i].slot = pos % P;
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
 
-        // 4. copy + convert rows; parallel when there is enough to move
+        // 4. copy + convert rows. Runs of rows that land in the same page are one task, so no
+        //    two threads write the same cache lines; parallel when there is enough to move.
+        segs_.clear();
+        for (int64_t i = 0; i < n; ++i)
+            if (i == 0 || rows_[i].page != rows_[i - 1].page) segs_.push_back(i);
+        segs_.push_back(n);
         const size_t sisz = dtype_size(sdt);
-        auto copy_row = [&](int64_t i) {
-            char* base = rows_[i].dst;
-            const char* kr = static_cast<const char*>(k) + (size_t)i * Hkv_ * D_ * sisz;
-            const char* vr = static_cast<const char*>(v) + (size_t)i * Hkv_ * D_ * sisz;
-            for (int h = 0; h < Hkv_; ++h) {
-                char* hk = base + h * head_bytes_;
-                store_row(kr + (size_t)h * D_ * sisz, sdt, hk, dt_, D_, Dp_);
-                store_row(vr + (size_t)h * D_ * sisz, sdt, hk + (size_t)P * Dp_ * isz_, dt_, D_, Dp_);
+        const size_t src_row = (size_t)Hkv_ * D_ * sisz;
+        auto copy_seg = [&](int64_t si) {
+            thread_local AlignedBuf tmpb;
+            char* tmp = reinterpret_cast<char*>(tmpb.get(Dp_));
+            for (int64_t i = segs_[si]; i < segs_[si + 1]; ++i) {
+                const char* kr = static_cast<const char*>(k) + (size_t)i * src_row;
+                const char* vr = static_cast<const char*>(v) + (size_t)i * src_row;
+                const int slot = rows_[i].slot;
+                for (int h = 0; h < Hkv_; ++h) {
+                    char* krun = rows_[i].page + h * head_bytes_;
+                    char* vrun = krun + (size_t)P * Dp_ * isz_;
+                    store_row(vr + (size_t)h * D_ * sisz, sdt, vrun + (size_t)slot * Dp_ * isz_, dt_, D_, Dp_);
+                    store_row(kr + (size_t)h * D_ * sisz, sdt, tmp, dt_, D_, Dp_);   // K: one column
+                    if (isz_ == 2) {
+                        const uint16_t* t16 = reinterpret_cast<const uint16_t*>(tmp);
+                        uint16_t* col = reinterpret_cast<uint16_t*>(krun) + slot;
+                        for (int d = 0; d < Dp_; ++d) col[(size_t)d * P] = t16[d];
+                    } else {
+                        const float* t32 = reinterpret_cast<const float*>(tmp);
+                        float* col = reinterpret_cast<float*>(krun) + slot;
+                        for (int d = 0; d < Dp_; ++d) col[(size_t)d * P] = t32[d];
+                    }
+                }
             }
         };
-        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1) pool_->parallel_for(n, copy_row);
-        else for (int64_t i = 0; i < n; ++i) copy_row(i);
+        const int64_t nseg = (int64_t)segs_.size() - 1;
+        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1 && nseg > 1) pool_->parallel_for(nseg, copy_seg);
+        else for (int64_t si = 0; si < nseg; ++si) copy_seg(si);
         return true;
     }
 
@@ -343,14 +367,12 @@ private:
         const int32_t len = s.len[C.layer];
         const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
 
-        // scratch: qf [g][Dp] | acc [g][Dp] | Kf [16][Dp] | Vf [16][Dp] | S [g][16] | m [g] | l [g]
+        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g]
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * g * Dp + 2 * BT * (size_t)Dp + (size_t)g * BT + 2 * (size_t)g + 64);
+        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + 2 * (size_t)g + 64);
         float* acc = qf + (size_t)g * Dp;
-        float* Kf = acc + (size_t)g * Dp;
-        float* Vf = Kf + (size_t)BT * Dp;
-        float* S = Vf + (size_t)BT * Dp;
-        float* m = S + (size_t)g * BT;
+        float* S = acc + (size_t)g * Dp;
+        float* m = S + (size_t)g * PT;
         float* l = m + g;
 
         // 1. queries of this group, pre-scaled so that scores are already in log2 units
@@ -363,49 +385,40 @@ private:
             l[j] = 0.f;
         }
 
-        // 2. stream the chunk block by block
-        const size_t row_bytes = (size_t)Dp * isz_;
-        const size_t run_bytes = (size_t)P * row_bytes;
-        for (int32_t t = t0; t < t1; t += BT) {
-            const int nvalid = std::min(BT, t1 - t);
-            const char* kb = s.pages[C.layer][t / P] + (size_t)it.h * head_bytes_ + (size_t)(t % P) * row_bytes;
-            const char* vb = kb + run_bytes;
+        // 2. stream the chunk page by page
+        const size_t run_bytes = (size_t)P * Dp * isz_;
+        const auto& pages = s.pages[C.layer];
+        for (int32_t tb = t0; tb < t1; tb += P) {
+            const int nvalid = std::min(P, t1 - tb);
+            const char* kr = pages[tb / P] + (size_t)it.h * head_bytes_;
+            const char* vr = kr + run_bytes;
 
-            // 2a. prefetch the next block (it may sit in another page)
-            if (t + BT < t1) {
-                int32_t tn = t + BT;
-                const char* kn = s.pages[C.layer][tn / P] + (size_t)it.h * head_bytes_ + (size_t)(tn % P) * row_bytes;
-                const size_t nb = (size_t)std::min(BT, t1 - tn) * row_bytes;
+            // 2a. prefetch the start of the next page's runs (pages are scattered in the arena)
+            if (pf_mode_ && tb + P < t1) {
+                const char* kn = pages[tb / P + 1] + (size_t)it.h * head_bytes_;
+                const size_t nb = std::min(run_bytes, (size_t)pf_bytes_);
                 for (size_t o = 0; o < nb; o += 64) {
                     __builtin_prefetch(kn + o, 0, 3);
                     __builtin_prefetch(kn + run_bytes + o, 0, 3);
                 }
             }
-
-            // 2b. scores for every query head of the group, from one pass over the K rows
-            const float* K;
-            if (dt_ == F32 && nvalid == BT) K = reinterpret_cast<const float*>(kb);
-            else { cvt_rows(kb, dt_, nvalid, Dp, Kf); K = Kf; }
-            for (int j = 0; j < g; ++j) scores16(qf + (size_t)j * Dp, K, Dp, S + (size_t)j * BT);
-
-            // 2c. online softmax: rescale the accumulators when the running max moves
+            // 2b. scores of every query head of the group: one pass over the K run
+            scores_page(dt_, kr, Dp, qf, g, S);
+            // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
-                float alpha = softmax16(S + (size_t)j * BT, nvalid, m[j], l[j]);
+                float alpha = softmax_page(dt_, S + (size_t)j * PT, nvalid, m[j], l[j]);
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
-
-            // 2d. acc += p V, again one pass over the V rows for all heads
-            const float* V;
-            if (dt_ == F32 && nvalid == BT) V = reinterpret_cast<const float*>(vb);
-            else { cvt_rows(vb, dt_, nvalid, Dp, Vf); V = Vf; }
-            for (int j = 0; j < g; ++j) pv16(S + (size_t)j * BT, V, Dp, acc + (size_t)j * Dp);
+            // 2d. acc += p V: one pass over the V run
+            pv_page(dt_, vr, nvalid, Dp, S, g, acc);
         }
 
         // 3. single chunk: normalise and write; else publish the partial, last one merges
         const size_t oisz = dtype_size(C.odt);
         char* obase = static_cast<char*>(C.out) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * oisz;
         if (it.nc == 1) {
-            for (int j = 0; j < g; ++j) out_row(acc + (size_t)j * Dp, 1.f / l[j], D, obase + (size_t)j * D * oisz, C.odt);
+            for (int j = 0; j < g; ++j)
+                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l[j], D, obase + (size_t)j * D * oisz, C.odt);
             return;
         }
         float* slot = parts_.p + (size_t)(it.part + it.c) * part_stride_;
@@ -434,7 +447,7 @@ private:
                 const float* pa = sl + (size_t)j * Dp;
                 for (int d = 0; d < Dp; ++d) a[d] += w * pa[d];
             }
-            out_row(a, 1.f / lsum, D_, obase + (size_t)j * D_ * oisz, odt);
+            out_row(a, apos_.data(), 1.f / lsum, D_, obase + (size_t)j * D_ * oisz, odt);
         }
     }
 
@@ -447,6 +460,9 @@ private:
     const int spin_us_;
     const size_t head_bytes_, page_bytes_;
 
+    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 1;
+    int pf_bytes_ = getenv("FD_PFB") ? atoi(getenv("FD_PFB")) : 1024;
+    std::vector<int> apos_;   // [Dp] accumulator index of each dim
     // state (guarded by mu_)
     std::mutex mu_;
     Arena arena_;
@@ -455,8 +471,9 @@ private:
     std::unique_ptr<Pool> pool_;
 
     // per-call scratch, reused
-    struct RowDst { Seq* seq; char* dst; };
+    struct RowDst { Seq* seq; char* page; int slot; };
     std::vector<RowDst> rows_;
+    std::vector<int64_t> segs_;
     std::vector<Seq*> touched_;
     std::vector<Item> items_;
     AlignedBuf parts_;
