@@ -142,6 +142,7 @@ public:
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
         for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
+        if (getenv("FD_PFH")) g_pf_hint = atoi(getenv("FD_PFH"));
     }
 
     // ---- geometry / accounting ------------------------------------------------
@@ -266,42 +267,48 @@ private:
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
 
-        // 4. copy + convert rows. Runs of rows that land in the same page are one task, so no
-        //    two threads write the same cache lines; parallel when there is enough to move.
+        // 4. copy + convert. A task is (run of rows landing in one page, kv head): no two threads
+        //    write the same cache lines. K rows are converted into a [rows][Dp] block and
+        //    written transposed by 32-bit words (2 dims of 16-bit dtypes); V rows in place.
         segs_.clear();
         for (int64_t i = 0; i < n; ++i)
             if (i == 0 || rows_[i].page != rows_[i - 1].page) segs_.push_back(i);
         segs_.push_back(n);
         const size_t sisz = dtype_size(sdt);
         const size_t src_row = (size_t)Hkv_ * D_ * sisz;
-        auto copy_seg = [&](int64_t si) {
-            thread_local AlignedBuf tmpb;
-            char* tmp = reinterpret_cast<char*>(tmpb.get(Dp_));
-            for (int64_t i = segs_[si]; i < segs_[si + 1]; ++i) {
-                const char* kr = static_cast<const char*>(k) + (size_t)i * src_row;
-                const char* vr = static_cast<const char*>(v) + (size_t)i * src_row;
-                const int slot = rows_[i].slot;
-                for (int h = 0; h < Hkv_; ++h) {
-                    char* krun = rows_[i].page + h * head_bytes_;
-                    char* vrun = krun + (size_t)P * Dp_ * isz_;
-                    store_row(vr + (size_t)h * D_ * sisz, sdt, vrun + (size_t)slot * Dp_ * isz_, dt_, D_, Dp_);
-                    store_row(kr + (size_t)h * D_ * sisz, sdt, tmp, dt_, D_, Dp_);   // K: one column
-                    if (isz_ == 2) {
-                        const uint16_t* t16 = reinterpret_cast<const uint16_t*>(tmp);
-                        uint16_t* col = reinterpret_cast<uint16_t*>(krun) + slot;
-                        for (int d = 0; d < Dp_; ++d) col[(size_t)d * P] = t16[d];
-                    } else {
-                        const float* t32 = reinterpret_cast<const float*>(tmp);
-                        float* col = reinterpret_cast<float*>(krun) + slot;
-                        for (int d = 0; d < Dp_; ++d) col[(size_t)d * P] = t32[d];
-                    }
-                }
-            }
-        };
         const int64_t nseg = (int64_t)segs_.size() - 1;
-        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1 && nseg > 1) pool_->parallel_for(nseg, copy_seg);
-        else for (int64_t si = 0; si < nseg; ++si) copy_seg(si);
+        auto copy_task = [&](int64_t task) {
+            const int64_t si = task / Hkv_;
+            const int h = (int)(task % Hkv_);
+            const int64_t i0 = segs_[si], nr = segs_[si + 1] - i0;    // nr <= P rows, slots s0..
+            const int s0 = rows_[i0].slot;
+            char* krun = rows_[i0].page + h * head_bytes_;
+            char* vrun = krun + (size_t)P * Dp_ * isz_;
+            const char* ksrc = static_cast<const char*>(k) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
+            const char* vsrc = static_cast<const char*>(v) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
+            thread_local AlignedBuf tmpb;
+            char* tmp = reinterpret_cast<char*>(tmpb.get((size_t)P * Dp_));   // [nr][Dp] in kv dtype
+            for (int64_t r = 0; r < nr; ++r) {
+                store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
+                store_row(ksrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
+            }
+            transpose_in(tmp, nr, krun, s0);
+        };
+        const int64_t ntask = nseg * Hkv_;
+        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1 && ntask > 1) pool_->parallel_for(ntask, copy_task);
+        else for (int64_t t = 0; t < ntask; ++t) copy_task(t);
         return true;
+    }
+
+    // K run [Dw][P] words: columns s0 .. s0+nr-1 <- rows of blk [nr][Dw] (Dw = Dp*isz/4 words)
+    void transpose_in(const char* blk, int64_t nr, char* krun, int s0) const {
+        const int Dw = (int)(Dp_ * isz_ / 4);
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(blk);
+        uint32_t* kr = reinterpret_cast<uint32_t*>(krun) + s0;
+        for (int w = 0; w < Dw; ++w) {
+            uint32_t* line = kr + (size_t)w * P;
+            for (int64_t r = 0; r < nr; ++r) line[r] = b[(size_t)r * Dw + w];
+        }
     }
 
     // ---- attention driver ------------------------------------------------------
@@ -393,20 +400,17 @@ private:
             const char* kr = pages[tb / P] + (size_t)it.h * head_bytes_;
             const char* vr = kr + run_bytes;
 
-            // 2a. prefetch the start of the next page's runs (pages are scattered in the arena)
-            if (pf_mode_ && tb + P < t1) {
-                const char* kn = pages[tb / P + 1] + (size_t)it.h * head_bytes_;
-                const size_t nb = std::min(run_bytes, (size_t)pf_bytes_);
-                for (size_t o = 0; o < nb; o += 64) {
-                    __builtin_prefetch(kn + o, 0, 3);
-                    __builtin_prefetch(kn + run_bytes + o, 0, 3);
-                }
+            // 2a. prefetch (old burst modes kept for measurement)
+            const char* pf = (tb + P < t1) ? pages[tb / P + 1] + (size_t)it.h * head_bytes_ : nullptr;
+            if (pf_mode_ == 5) {
+                for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
+                if (pf) for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(pf + o, 0, 3);
             }
             // 2b. scores of every query head of the group: one pass over the K run
-            scores_page(dt_, kr, Dp, qf, g, S);
+            scores_page(dt_, kr, Dp, qf, g, S, pf_mode_ >= 7 ? pf : nullptr);
             // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
-                float alpha = softmax_page(dt_, S + (size_t)j * PT, nvalid, m[j], l[j]);
+                float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l[j]);
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
@@ -460,7 +464,7 @@ private:
     const int spin_us_;
     const size_t head_bytes_, page_bytes_;
 
-    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 1;
+    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 7;
     int pf_bytes_ = getenv("FD_PFB") ? atoi(getenv("FD_PFB")) : 1024;
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     // state (guarded by mu_)

@@ -5,22 +5,23 @@
 // functions with the same meaning; the driver in kvstore.h calls only these.
 //
 // A page holds PT = 32 tokens of one (sequence, layer). Per KV head it has
-//   K run  [Dp][PT]   dim-major: one vector load = 16 (or 32) tokens of one dim, so a K vector is
-//                     multiplied by a broadcast q[d] of every query head of the group: one pass
-//                     over K serves all g heads, with no horizontal sums
-//   V run  [PT][Dp]   token-major: acc[j][:] += p_j[t] * V[t][:]
+//   K run  [Dw][PT] 32-bit words, Dw = Dp*itemsize/4: word w of token t holds dims (2w, 2w+1)
+//                   for bf16/fp16, dim w for fp32. One vector load = 16 tokens of one word, so
+//                   a K vector meets a broadcast q[d] of every query head of the group: one pass
+//                   over K serves all g heads, with no horizontal sums, tokens in natural order
+//   V run  [PT][Dp] token-major: acc[j][:] += p_j[t] * V[t][:]
 // Dp = head_dim rounded up to 16; pad dims are zero in the store.
 //
-// bf16 -> fp32 is a 16-bit shift. A 64-byte load of 32 bf16 values becomes two fp32 vectors by
-// (x << 16) and (x & 0xffff0000): the even and the odd elements. That is 1 op per 16 values but
-// permutes the order: scores come out in "slot" order (spos) and V accumulators in "acc" order
-// (apos). Both permutations are fixed per ISA and dtype; the driver maps through them.
+// bf16 -> fp32 is a 16-bit shift: a 32-bit word w holding two bf16 gives (w << 16) and
+// (w & 0xffff0000), the even and odd dims. For V rows that permutes dims inside each group of
+// 32 (16 with AVX2): the accumulators are kept in "acc" order (apos) and un-permuted on output.
 //
-//   scores_page(dt, K, Dp, q, g, S)      S[j][slot] = q_j . K[:, token]     (q scaled, log2 units)
-//   softmax_page(dt, S, nvalid, m, l)    online softmax step on one head's 32 slots; S <- p
+//   scores_page(dt, K, Dp, q, g, S, pf)  S[j][t] = q_j . K[:, t] (q scaled, log2 units); also
+//                                        prefetches the next page's runs at pf (nullptr: none)
+//   softmax_page(S, nvalid, m, l)        online softmax step on one head's 32 tokens; S <- p
 //   pv_page(dt, V, nvalid, Dp, S, g, acc)  acc[j][apos] += sum_t p_j[t] V[t][:]
 //   scale_row(acc, alpha, Dp)            acc *= alpha
-//   spos(dt, t) / apos(dt, d, Dp)        slot of token t / accumulator index of dim d
+//   apos(dt, d, Dp)                      accumulator index of dim d
 //   exp2_1(x)                            scalar 2^x computed exactly as the vector path does
 //   store_row(src, sdt, dst, ddt, D, Dp) one row into the store with dtype conversion + zero pad
 #pragma once
@@ -38,6 +39,16 @@
 namespace FD_NS {
 
 constexpr int PT = 32;  // tokens per page (and per softmax block)
+
+// Software prefetch of the NEXT page while this one is computed: the scores loop walks the K
+// run of this page and, at twice its pace, the K+V runs of the next one (they are contiguous),
+// so a page arrives in cache just as it is needed and the prefetches spread evenly over compute
+// (a burst of 256 prefetches at a page start stalls on the L1 miss buffers instead).
+inline int g_pf_hint = 3;  // 3: into L1 (T0), 2: L2 (T1), 0: none
+static inline void prefetch_lines(const char* p, size_t from, size_t to) {
+    if (g_pf_hint == 3) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
+    else if (g_pf_hint == 2) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
 
 // ============================================================================
 // shared scalar helpers
@@ -112,9 +123,7 @@ static inline void for_groups(int dt, int g, F&& f) {
 // ============================================================================
 #define FD_ISA_NAME "avx512"
 
-// slot of token t: bf16 pages split 32 tokens into even (slots 0-15) and odd (16-31)
-static inline int spos(int dt, int t) { return dt == BF16 ? (t & 1) * 16 + (t >> 1) : t; }
-// accumulator index of dim d: same split inside every full 32-dim chunk of a bf16 V row
+// accumulator index of dim d: even/odd split inside every full 32-dim chunk of a bf16 V row
 static inline int apos(int dt, int d, int Dp) {
     if (dt != BF16 || d >= Dp / 32 * 32) return d;
     int c = d & ~31, r = d & 31;
@@ -145,26 +154,48 @@ static inline __m512 load16(const void* p) {  // natural order
     else return _mm512_loadu_ps(static_cast<const float*>(p));
 }
 
-// S[j][0:32] for GH heads. Two dims per step with separate accumulators keep 4 FMA chains
-// in flight even for one head.
+// one K word-row of 16 tokens -> the fp32 vectors of its dims (2 for 16-bit dtypes, 1 for fp32)
+template <int DT>
+static inline void kword16(const char* p, __m512& x, __m512& y) {
+    if constexpr (DT == BF16) {
+        __m512i w = _mm512_loadu_si512(p);
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));                                   // dim 2w
+        y = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));  // dim 2w+1
+    } else {  // F16: split the halves, then convert
+        __m512i w = _mm512_loadu_si512(p);
+        x = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+        y = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+    }
+}
+
+// S[j][0:32] for GH heads; 4 accumulators per head keep enough FMA chains in flight
 template <int DT, int GH>
-static inline void scores_group(const void* K, int Dp, const float* q, float* S) {
-    constexpr size_t esz = DT == F32 ? 4 : 2;
+static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf) {
     const char* k = static_cast<const char*>(K);
-    __m512 a0[GH], b0[GH], a1[GH], b1[GH];
+    __m512 a0[GH], a1[GH], b0[GH], b1[GH];   // a: tokens 0-15, b: tokens 16-31; 0/1: two dims
 #pragma GCC unroll 8
-    for (int j = 0; j < GH; ++j) a0[j] = b0[j] = a1[j] = b1[j] = _mm512_setzero_ps();
+    for (int j = 0; j < GH; ++j) a0[j] = a1[j] = b0[j] = b1[j] = _mm512_setzero_ps();
+    // each step consumes 2 dims of 32 tokens = 128 bytes (bf16/fp16: 1 word-row, fp32: 2)
     for (int d = 0; d < Dp; d += 2) {
-        __m512 x0, y0, x1, y1;
-        load32<DT>(k + (size_t)d * PT * esz, x0, y0);
-        load32<DT>(k + (size_t)(d + 1) * PT * esz, x1, y1);
+        const char* row = k + (size_t)d * PT * (DT == F32 ? 4 : 2);
+        if (pf) prefetch_lines(pf, 2 * (size_t)d * PT * (DT == F32 ? 4 : 2), 2 * (size_t)(d + 2) * PT * (DT == F32 ? 4 : 2));
+        __m512 xa, ya, xb, yb;
+        if constexpr (DT == F32) {
+            xa = _mm512_loadu_ps((const float*)row);
+            xb = _mm512_loadu_ps((const float*)row + 16);
+            ya = _mm512_loadu_ps((const float*)row + 32);
+            yb = _mm512_loadu_ps((const float*)row + 48);
+        } else {
+            kword16<DT>(row, xa, ya);
+            kword16<DT>(row + 64, xb, yb);
+        }
 #pragma GCC unroll 8
         for (int j = 0; j < GH; ++j) {
             __m512 q0 = _mm512_set1_ps(q[(size_t)j * Dp + d]), q1 = _mm512_set1_ps(q[(size_t)j * Dp + d + 1]);
-            a0[j] = _mm512_fmadd_ps(x0, q0, a0[j]);
-            b0[j] = _mm512_fmadd_ps(y0, q0, b0[j]);
-            a1[j] = _mm512_fmadd_ps(x1, q1, a1[j]);
-            b1[j] = _mm512_fmadd_ps(y1, q1, b1[j]);
+            a0[j] = _mm512_fmadd_ps(xa, q0, a0[j]);
+            b0[j] = _mm512_fmadd_ps(xb, q0, b0[j]);
+            a1[j] = _mm512_fmadd_ps(ya, q1, a1[j]);
+            b1[j] = _mm512_fmadd_ps(yb, q1, b1[j]);
         }
     }
 #pragma GCC unroll 8
@@ -174,13 +205,13 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S)
     }
 }
 
-static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S) {
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
     for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
-        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT);
+        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr);
     });
 }
 
-// acc[j][:] += sum_{t < nvalid} p_j[slot(t)] V[t][:] for GH heads, 32 dims (2 vectors) per tile
+// acc[j][:] += sum_{t < nvalid} p_j[t] V[t][:] for GH heads, 32 dims (2 vectors) per tile
 template <int DT, int GH>
 static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc) {
     constexpr size_t esz = DT == F32 ? 4 : 2;
@@ -197,10 +228,9 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
         for (int t = 0; t < nvalid; ++t) {
             __m512 x, y;
             load32<DT>(v + t * row + d * esz, x, y);
-            const int s = DT == BF16 ? (t & 1) * 16 + (t >> 1) : t;
 #pragma GCC unroll 8
             for (int j = 0; j < GH; ++j) {
-                __m512 p = _mm512_set1_ps(S[(size_t)j * PT + s]);
+                __m512 p = _mm512_set1_ps(S[(size_t)j * PT + t]);
                 a[j] = _mm512_fmadd_ps(x, p, a[j]);
                 b[j] = _mm512_fmadd_ps(y, p, b[j]);
             }
@@ -217,9 +247,8 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
         for (int j = 0; j < GH; ++j) a[j] = _mm512_loadu_ps(acc + (size_t)j * Dp + d);
         for (int t = 0; t < nvalid; ++t) {
             __m512 x = load16<DT>(v + t * row + d * esz);
-            const int s = DT == BF16 ? (t & 1) * 16 + (t >> 1) : t;
 #pragma GCC unroll 8
-            for (int j = 0; j < GH; ++j) a[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(S[(size_t)j * PT + s]), a[j]);
+            for (int j = 0; j < GH; ++j) a[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(S[(size_t)j * PT + t]), a[j]);
         }
 #pragma GCC unroll 8
         for (int j = 0; j < GH; ++j) _mm512_storeu_ps(acc + (size_t)j * Dp + d, a[j]);
@@ -250,16 +279,10 @@ static inline __m512 exp2v(__m512 x) {
 
 static inline float exp2_1(float x) { return _mm512_cvtss_f32(exp2v(_mm512_set1_ps(x))); }
 
-// one head's 32 slots: mask invalid tokens, update running max m and sum l, S <- p
-static inline float softmax_page(int dt, float* S, int nvalid, float& m, float& l) {
-    __mmask16 ka, kb;
-    if (dt == BF16) {  // slots 0-15 = tokens 0,2,..; 16-31 = tokens 1,3,..
-        ka = (__mmask16)((1u << ((nvalid + 1) / 2)) - 1u);
-        kb = (__mmask16)((1u << (nvalid / 2)) - 1u);
-    } else {
-        ka = (__mmask16)((1u << (nvalid < 16 ? nvalid : 16)) - 1u);
-        kb = (__mmask16)((1u << (nvalid > 16 ? nvalid - 16 : 0)) - 1u);
-    }
+// one head's 32 tokens: mask invalid ones, update running max m and sum l, S <- p
+static inline float softmax_page(float* S, int nvalid, float& m, float& l) {
+    const __mmask16 ka = (__mmask16)((1u << (nvalid < 16 ? nvalid : 16)) - 1u);
+    const __mmask16 kb = (__mmask16)((1u << (nvalid > 16 ? nvalid - 16 : 0)) - 1u);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 x = _mm512_mask_loadu_ps(ninf, ka, S), y = _mm512_mask_loadu_ps(ninf, kb, S + 16);
     float mn = std::fmax(m, _mm512_reduce_max_ps(_mm512_max_ps(x, y)));
@@ -315,7 +338,6 @@ static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D
 
 // bf16: each 16-value half splits into even (8) then odd (8)
 static inline int split16(int r) { return (r & 16) + (r & 1) * 8 + ((r & 15) >> 1); }
-static inline int spos(int dt, int t) { return dt == BF16 ? split16(t) : t; }
 static inline int apos(int dt, int d, int) { return dt == BF16 ? (d & ~31) + split16(d & 31) : d; }
 
 template <int DT>
@@ -333,22 +355,44 @@ static inline void load16(const void* p, __m256& a, __m256& b) {  // 16 stored v
     }
 }
 
+// S[j][0:32] for GH heads: per K word-row, 4 loads of 8 tokens
 template <int DT, int GH>
-static inline void scores_group(const void* K, int Dp, const float* q, float* S) {
-    constexpr size_t esz = DT == F32 ? 4 : 2;
+static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf) {
+    constexpr int dims_per_row = DT == F32 ? 1 : 2;
     const char* k = static_cast<const char*>(K);
     __m256 acc[GH][4];
 #pragma GCC unroll 8
     for (int j = 0; j < GH; ++j)
         for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
-    for (int d = 0; d < Dp; ++d) {
-        __m256 x[4];
-        load16<DT>(k + (size_t)d * PT * esz, x[0], x[1]);
-        load16<DT>(k + ((size_t)d * PT + 16) * esz, x[2], x[3]);
+    for (int d = 0; d < Dp; d += dims_per_row) {
+        const char* row = k + (size_t)d * PT * (DT == F32 ? 4 : 2);    // 128 bytes
+        if (pf) prefetch_lines(pf, 2 * (row - k), 2 * (row - k) + 256);
+        for (int i = 0; i < 4; ++i) {
+            if constexpr (DT == F32) {
+                __m256 x = _mm256_loadu_ps((const float*)row + 8 * i);
 #pragma GCC unroll 8
-        for (int j = 0; j < GH; ++j) {
-            __m256 qd = _mm256_broadcast_ss(q + (size_t)j * Dp + d);
-            for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_fmadd_ps(x[i], qd, acc[j][i]);
+                for (int j = 0; j < GH; ++j)
+                    acc[j][i] = _mm256_fmadd_ps(x, _mm256_broadcast_ss(q + (size_t)j * Dp + d), acc[j][i]);
+            } else {
+                __m256i w = _mm256_loadu_si256((const __m256i*)row + i);
+                __m256 x, y;
+                if constexpr (DT == BF16) {
+                    x = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                    y = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+                } else {  // F16: gather the low / high halves of the 8 words, then convert
+                    const __m256i lo = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+                    __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, lo), 0x08);
+                    __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_srli_epi32(w, 16), lo), 0x08);
+                    x = _mm256_cvtph_ps(_mm256_castsi256_si128(a));
+                    y = _mm256_cvtph_ps(_mm256_castsi256_si128(b));
+                }
+#pragma GCC unroll 8
+                for (int j = 0; j < GH; ++j) {
+                    acc[j][i] = _mm256_fmadd_ps(x, _mm256_broadcast_ss(q + (size_t)j * Dp + d), acc[j][i]);
+                    acc[j][i] = _mm256_fmadd_ps(y, _mm256_broadcast_ss(q + (size_t)j * Dp + d + 1), acc[j][i]);
+                }
+            }
         }
     }
 #pragma GCC unroll 8
@@ -356,9 +400,9 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S)
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(S + (size_t)j * PT + 8 * i, acc[j][i]);
 }
 
-static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S) {
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
     for_groups<2>(dt, g, [&](auto DT, auto GH, int j0) {
-        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT);
+        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr);
     });
 }
 
@@ -378,10 +422,9 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
         for (int t = 0; t < nvalid; ++t) {
             __m256 x, y;
             load16<DT>(v + t * row + d * esz, x, y);
-            const int s = DT == BF16 ? split16(t) : t;
 #pragma GCC unroll 8
             for (int j = 0; j < GH; ++j) {
-                __m256 p = _mm256_broadcast_ss(S + (size_t)j * PT + s);
+                __m256 p = _mm256_broadcast_ss(S + (size_t)j * PT + t);
                 a[j][0] = _mm256_fmadd_ps(x, p, a[j][0]);
                 a[j][1] = _mm256_fmadd_ps(y, p, a[j][1]);
             }
@@ -432,16 +475,12 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-static inline float softmax_page(int dt, float* S, int nvalid, float& m, float& l) {
-    // valid[slot] as lane masks: token of a slot < nvalid
+static inline float softmax_page(float* S, int nvalid, float& m, float& l) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 k[4], x[4];
-    for (int i = 0; i < 4; ++i) {
-        // token of lane `lane` in vector i
-        __m256i tok = dt == BF16 ? _mm256_add_epi32(_mm256_set1_epi32((i >> 1) * 16 + (i & 1)), _mm256_slli_epi32(lane, 1))
-                                 : _mm256_add_epi32(_mm256_set1_epi32(8 * i), lane);
-        k[i] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid), tok));
+    for (int i = 0; i < 4; ++i) {  // lanes of tokens < nvalid
+        k[i] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * i), lane));
         x[i] = _mm256_blendv_ps(ninf, _mm256_loadu_ps(S + 8 * i), k[i]);
     }
     float mn = std::fmax(m, hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3]))));
@@ -485,7 +524,6 @@ static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D
 // ============================================================================
 #define FD_ISA_NAME "portable"
 
-static inline int spos(int, int t) { return t; }
 static inline int apos(int, int d, int) { return d; }
 
 template <int DT>
@@ -496,23 +534,35 @@ static inline float ld(const void* p, size_t i) {
 }
 
 template <int DT>
-static inline void scores_t(const void* K, int Dp, const float* q, int g, float* S) {
+static inline void scores_t(const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+    constexpr int dpr = DT == F32 ? 1 : 2;   // dims per 32-bit word
+    const uint32_t* k = static_cast<const uint32_t*>(K);
     for (int i = 0; i < g * PT; ++i) S[i] = 0.f;
-    float k[PT];
-    for (int d = 0; d < Dp; ++d) {
-        for (int t = 0; t < PT; ++t) k[t] = ld<DT>(K, (size_t)d * PT + t);
+    float x[PT], y[PT];
+    for (int d = 0; d < Dp; d += dpr) {
+        const uint32_t* row = k + (size_t)(d / dpr) * PT;
+        if (pf) prefetch_lines(pf, 2 * (size_t)(d / dpr) * PT * 4, 2 * (size_t)(d / dpr + 1) * PT * 4);
+        for (int t = 0; t < PT; ++t) {
+            if constexpr (DT == F32) x[t] = bits_f32(row[t]);
+            else if constexpr (DT == BF16) { x[t] = bits_f32(row[t] << 16); y[t] = bits_f32(row[t] & 0xffff0000u); }
+            else { x[t] = f16_to_f32((uint16_t)row[t]); y[t] = f16_to_f32((uint16_t)(row[t] >> 16)); }
+        }
         for (int j = 0; j < g; ++j) {
-            const float qd = q[(size_t)j * Dp + d];
             float* s = S + (size_t)j * PT;
-            for (int t = 0; t < PT; ++t) s[t] += qd * k[t];
+            const float q0 = q[(size_t)j * Dp + d];
+            for (int t = 0; t < PT; ++t) s[t] += q0 * x[t];
+            if constexpr (dpr == 2) {
+                const float q1 = q[(size_t)j * Dp + d + 1];
+                for (int t = 0; t < PT; ++t) s[t] += q1 * y[t];
+            }
         }
     }
 }
 
-static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S) {
-    if (dt == BF16) scores_t<BF16>(K, Dp, q, g, S);
-    else if (dt == F16) scores_t<F16>(K, Dp, q, g, S);
-    else scores_t<F32>(K, Dp, q, g, S);
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+    if (dt == BF16) scores_t<BF16>(K, Dp, q, g, S, pf);
+    else if (dt == F16) scores_t<F16>(K, Dp, q, g, S, pf);
+    else scores_t<F32>(K, Dp, q, g, S, pf);
 }
 
 template <int DT>
@@ -537,7 +587,7 @@ static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const floa
 
 static inline float exp2_1(float x) { return std::exp2(x); }
 
-static inline float softmax_page(int, float* s, int nvalid, float& m, float& l) {
+static inline float softmax_page(float* s, int nvalid, float& m, float& l) {
     float bm = -INFINITY;
     for (int t = 0; t < nvalid; ++t) bm = std::fmax(bm, s[t]);
     float mn = std::fmax(m, bm);
