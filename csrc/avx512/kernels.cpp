@@ -228,10 +228,10 @@ static std::vector<double> read_bandwidth(size_t nbytes, int threads, int reps, 
     {
         py::gil_scoped_release nogil;
         const int64_t items = (int64_t)(nbytes / slice);
-        auto touch = [&](int64_t i) { std::memset(buf + i * slice, 1, slice); };  // first touch by the readers
+        auto touch = [&](int64_t i, int64_t) { std::memset(buf + i * slice, 1, slice); };  // first touch by the readers
         pool.parallel_for(items, touch);
         std::vector<uint64_t> sink(items);
-        auto read = [&](int64_t i) { sink[i] = sum_bytes(buf + i * slice, slice); };
+        auto read = [&](int64_t i, int64_t) { sink[i] = sum_bytes(buf + i * slice, slice); };
         for (int r = 0; r < reps; ++r) {
             auto t0 = std::chrono::steady_clock::now();
             pool.parallel_for(items, read);

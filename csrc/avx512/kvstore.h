@@ -1,12 +1,14 @@
 // kvstore.h — the paged KV store of one R-worker and decode attention over it.
 //
-// Layout. A page holds PT = 32 consecutive tokens of one (sequence, layer), all KV heads:
+// Layout. A page holds PT = 32 consecutive tokens of one (sequence, layer, kv-head):
 //
-//   page: [Hkv][ K run: Dp dims x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
+//   page: [ K run: Dw words x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
 //
-// so every (sequence, layer, kv-head) is a list of contiguous K and V runs (simd.h says why K is
-// dim-major). Pages come from an arena of big chunks that never move (hugepage-advised); freed
-// pages go on a free list and are reused first. Appending a token writes one K column and one V
+// (simd.h says why K is word-major). Pages come from an arena of big chunks that never move
+// (hugepage-advised); freed pages go on a LIFO free list and are reused first. New pages of one
+// append are taken head by head, so a prompt's pages of one head are consecutive in memory (one
+// long stream for the hardware prefetcher), and a freed sequence returns its pages so that the
+// next prompt gets them back in the same order. Appending a token writes one K column and one V
 // row per head; nothing is ever copied to grow a sequence.
 //
 // Attention. Work items are (sequence, kv-head, chunk of CH = 512 tokens). One item streams its
@@ -123,7 +125,7 @@ private:
 
 struct Seq {
     std::vector<int32_t> len;                // [L] tokens per layer
-    std::vector<std::vector<char*>> pages;   // [L][npages]
+    std::vector<std::vector<char*>> pages;   // [L][npages * Hkv]: page p of head h at p * Hkv + h
     int32_t pending = 0;                     // rows of the append call in progress
 };
 
@@ -136,8 +138,7 @@ public:
           std::vector<int> cpus, int spin_us)
         : L_(L), Hkv_(Hkv), D_(D), Dp_((int)round_up(D, 16)), dt_(dtype), isz_(dtype_size(dtype)),
           scale_((float)scale), capacity_(capacity_bytes), cpus_(std::move(cpus)), spin_us_(spin_us),
-          head_bytes_(2 * (size_t)P * round_up(D, 16) * dtype_size(dtype)),
-          page_bytes_(head_bytes_ * Hkv), arena_(page_bytes_),
+          page_bytes_(2 * (size_t)P * round_up(D, 16) * dtype_size(dtype)), arena_(page_bytes_),
           pool_(new Pool(threads, cpus_, spin_us)) {
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
@@ -170,8 +171,13 @@ public:
         std::lock_guard<std::mutex> lk(mu_);
         auto it = seqs_.find(id);
         if (it == seqs_.end()) return false;
-        for (auto& pl : it->second.pages)
-            for (char* p : pl) arena_.put(p);
+        // push in reverse allocation order (layer, head, page): pops then come out in order
+        auto& pages = it->second.pages;
+        for (int l = L_ - 1; l >= 0; --l) {
+            const int64_t np = (int64_t)pages[l].size() / Hkv_;
+            for (int h = Hkv_ - 1; h >= 0; --h)
+                for (int64_t p = np - 1; p >= 0; --p) arena_.put(pages[l][p * Hkv_ + h]);
+        }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
         seqs_.erase(it);
         return true;
@@ -242,12 +248,12 @@ private:
             last = s;
         }
 
-        // 2. capacity: count the new pages before touching anything
+        // 2. capacity: count the new pages (one per head per 32 tokens) before touching anything
         size_t new_pages = 0;
         for (Seq* s : touched_) {
-            size_t have = s->pages[layer].size();
+            size_t have = s->pages[layer].size() / Hkv_;
             size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
-            new_pages += need - have;
+            new_pages += (need - have) * Hkv_;
         }
         if (capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_) {
             for (Seq* s : touched_) s->pending = 0;
@@ -255,14 +261,21 @@ private:
             return false;
         }
 
-        // 3. allocate pages and give each row its destination (serial, cheap)
-        for (Seq* s : touched_) s->pending = 0;
+        // 3. allocate pages head by head (a prompt's pages of one head end up consecutive),
+        //    then give each row its page index and slot (serial, cheap)
+        for (Seq* s : touched_) {
+            auto& pl = s->pages[layer];
+            const size_t have = pl.size() / Hkv_;
+            const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            pl.resize(need * Hkv_);
+            for (int h = 0; h < Hkv_; ++h)
+                for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
+            s->pending = 0;
+        }
         for (int64_t i = 0; i < n; ++i) {
             Seq* s = rows_[i].seq;
             int32_t pos = s->len[layer]++;
-            auto& pl = s->pages[layer];
-            if ((size_t)(pos / P) == pl.size()) pl.push_back(arena_.get());
-            rows_[i].page = pl[pos / P];
+            rows_[i].pages = s->pages[layer].data() + (size_t)(pos / P) * Hkv_;
             rows_[i].slot = pos % P;
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
@@ -272,17 +285,17 @@ private:
         //    written transposed by 32-bit words (2 dims of 16-bit dtypes); V rows in place.
         segs_.clear();
         for (int64_t i = 0; i < n; ++i)
-            if (i == 0 || rows_[i].page != rows_[i - 1].page) segs_.push_back(i);
+            if (i == 0 || rows_[i].pages != rows_[i - 1].pages) segs_.push_back(i);
         segs_.push_back(n);
         const size_t sisz = dtype_size(sdt);
         const size_t src_row = (size_t)Hkv_ * D_ * sisz;
         const int64_t nseg = (int64_t)segs_.size() - 1;
-        auto copy_task = [&](int64_t task) {
+        auto copy_task = [&](int64_t task, int64_t) {
             const int64_t si = task / Hkv_;
             const int h = (int)(task % Hkv_);
             const int64_t i0 = segs_[si], nr = segs_[si + 1] - i0;    // nr <= P rows, slots s0..
             const int s0 = rows_[i0].slot;
-            char* krun = rows_[i0].page + h * head_bytes_;
+            char* krun = rows_[i0].pages[h];
             char* vrun = krun + (size_t)P * Dp_ * isz_;
             const char* ksrc = static_cast<const char*>(k) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
             const char* vsrc = static_cast<const char*>(v) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
@@ -296,7 +309,7 @@ private:
         };
         const int64_t ntask = nseg * Hkv_;
         if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1 && ntask > 1) pool_->parallel_for(ntask, copy_task);
-        else for (int64_t t = 0; t < ntask; ++t) copy_task(t);
+        else for (int64_t t = 0; t < ntask; ++t) copy_task(t, -1);
         return true;
     }
 
@@ -364,11 +377,16 @@ private:
         for (int64_t c = 0; c < ncounters; ++c) counters_[c].store(0, std::memory_order_relaxed);
 
         // 2. run (longest items are already bounded by CH, so plain dynamic order balances)
-        auto body = [&](int64_t w) { run_item(C, items_[w]); };
+        auto body = [&](int64_t w, int64_t next) { run_item(C, items_[w], next < 0 ? nullptr : &items_[next]); };
         pool_->parallel_for((int64_t)items_.size(), body);
     }
 
-    void run_item(const Call& C, const Item& it) const {
+    // first page of an item (for prefetching the item a thread will run next)
+    const char* first_page(const Call& C, const Item& it) const {
+        return C.seqs[it.i]->pages[C.layer][(size_t)(it.c * CH / P) * Hkv_ + it.h];
+    }
+
+    void run_item(const Call& C, const Item& it, const Item* next) const {
         const int g = C.g, Dp = Dp_, D = D_;
         const Seq& s = *C.seqs[it.i];
         const int32_t len = s.len[C.layer];
@@ -395,19 +413,28 @@ private:
         // 2. stream the chunk page by page
         const size_t run_bytes = (size_t)P * Dp * isz_;
         const auto& pages = s.pages[C.layer];
+        const int32_t plast = (t1 - 1) / P;
         for (int32_t tb = t0; tb < t1; tb += P) {
             const int nvalid = std::min(P, t1 - tb);
-            const char* kr = pages[tb / P] + (size_t)it.h * head_bytes_;
+            const int32_t pi = tb / P;
+            const char* kr = pages[(size_t)pi * Hkv_ + it.h];
             const char* vr = kr + run_bytes;
 
-            // 2a. prefetch (old burst modes kept for measurement)
-            const char* pf = (tb + P < t1) ? pages[tb / P + 1] + (size_t)it.h * head_bytes_ : nullptr;
+            // 2a. prefetch: the next page of this item, or the first page of the next item
+            const char* pf = pi < plast ? pages[(size_t)(pi + 1) * Hkv_ + it.h] : next ? first_page(C, *next) : nullptr;
             if (pf_mode_ == 5) {
                 for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
                 if (pf) for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(pf + o, 0, 3);
+            } else if (pf_mode_ == 9 && pf) {
+                for (size_t o = 0; o < 2 * run_bytes; o += 64) __builtin_prefetch(pf + o, 0, 3);
+            } else if (pf_mode_ == 10) {
+                for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
+                if (pf) for (size_t o = 0; o < 2 * run_bytes; o += 64) __builtin_prefetch(pf + o, 0, 3);
+            } else if (pf_mode_ == 12) {
+                for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
             }
             // 2b. scores of every query head of the group: one pass over the K run
-            scores_page(dt_, kr, Dp, qf, g, S, pf_mode_ >= 7 ? pf : nullptr);
+            scores_page(dt_, kr, Dp, qf, g, S, pf_mode_ >= 7 && pf_mode_ != 9 && pf_mode_ != 10 ? pf : nullptr);
             // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
                 float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l[j]);
@@ -462,10 +489,9 @@ private:
     const int64_t capacity_;
     const std::vector<int> cpus_;
     const int spin_us_;
-    const size_t head_bytes_, page_bytes_;
+    const size_t page_bytes_;   // one head's K run + V run
 
-    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 7;
-    int pf_bytes_ = getenv("FD_PFB") ? atoi(getenv("FD_PFB")) : 1024;
+    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 5;
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     // state (guarded by mu_)
     std::mutex mu_;
@@ -475,7 +501,7 @@ private:
     std::unique_ptr<Pool> pool_;
 
     // per-call scratch, reused
-    struct RowDst { Seq* seq; char* page; int slot; };
+    struct RowDst { Seq* seq; char* const* pages; int slot; };   // pages: the Hkv pages of its slot
     std::vector<RowDst> rows_;
     std::vector<int64_t> segs_;
     std::vector<Seq*> touched_;
