@@ -77,9 +77,11 @@ def check(store, mirror, layer, ids, q, o, kv_dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kv_dtype", DTYPES)
-def test_lengths_mixed_batch(isa, kv_dtype):
-    """Lengths 1..10000 (page and chunk edges) in one batch, prefill + decode appends, GQA 4."""
+@pytest.mark.parametrize("kv_dtype,q_bf16", [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)])
+def test_lengths_mixed_batch(isa, kv_dtype, q_bf16):
+    """Lengths 1..10000 (page and chunk edges) in one batch, prefill + decode appends, GQA 4.
+
+    q_bf16: queries as bf16 bits (with bf16 KV on an AVX512-BF16 CPU: the vdpbf16ps path)."""
     rng = np.random.default_rng(1)
     Hkv, g, D = 2, 4, 128
     lengths = [1, 2, 63, 64, 65, 4095, 4096, 10000]
@@ -101,6 +103,8 @@ def test_lengths_mixed_batch(isa, kv_dtype):
     for s, n in zip(ids, lengths):
         assert store.num_tokens(s, 1) == n
     q = rand(rng, (len(ids), Hkv * g, D))
+    if q_bf16:
+        q = f32_to_bf16_bits(q)
     for layer in range(2):
         o = store.attend(layer, ids, q)
         assert o.dtype == np.float32 and o.shape == q.shape
@@ -125,6 +129,8 @@ def test_shapes(isa, g, D):
     ids = list(range(len(lengths)))
     q = rand(rng, (len(ids), Hkv * g, D))
     check(store, mirror, 0, ids, q, store.attend(0, ids, q), kv_dtype)
+    qb = f32_to_bf16_bits(q)                                 # bf16 queries (dot-product path)
+    check(store, mirror, 0, ids, qb, store.attend(0, ids, qb), kv_dtype)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -179,8 +185,12 @@ def test_bf16_bits_in_and_out(isa):
     assert o16.dtype == np.uint16
     np.testing.assert_array_equal(o16, f32_to_bf16_bits(o32))   # same kernel, rounded on the way out
     check(store, mirror, 0, [9], q, o16, "bf16")
-    # float32 q holding the same values gives the same result as bf16-bits q
-    np.testing.assert_array_equal(store.attend(0, [9], bf16_bits_to_f32(q)), o32)
+    # float32 q holding the same values: same result up to fp32 rounding (bf16 q may take the
+    # AVX512-BF16 dot-product path, float32 q the FMA path)
+    o_f = store.attend(0, [9], bf16_bits_to_f32(q))
+    k64, v64 = quantize(k, "bf16"), quantize(v, "bf16")
+    tol = 2 * fp32_tolerance(as_f32(q[0]).astype(np.float64), k64, v64, store.scale)[:, None]
+    assert (np.abs(o_f[0] - o32[0]) <= tol).all()
 
 
 @pytest.mark.parametrize("isa", ISAS)

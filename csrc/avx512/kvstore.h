@@ -144,6 +144,9 @@ public:
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
         for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
         if (getenv("FD_PFH")) g_pf_hint = atoi(getenv("FD_PFH"));
+#if defined(FD_HAVE_DPBF16)
+        use_dp_ = cpu_has_avx512bf16() && !(getenv("FD_NO_DPBF16") && atoi(getenv("FD_NO_DPBF16")));
+#endif
     }
 
     // ---- geometry / accounting ------------------------------------------------
@@ -333,6 +336,7 @@ private:
 
     struct Call {
         int layer, g, Hq;
+        bool dp;          // bf16 dot-product path (bf16 q, bf16 K, CPU has AVX512-BF16)
         const void* q;
         int qdt;
         void* out;
@@ -345,7 +349,7 @@ private:
         check_heads(Hq);
         if (n == 0) return;
         const int g = Hq / Hkv_;
-        Call C{layer, g, Hq, q, qdt, out, odt, {}};
+        Call C{layer, g, Hq, use_dp_ && dt_ == BF16 && qdt == BF16, q, qdt, out, odt, {}};
         C.seqs.resize(n);
 
         // 1. resolve sequences and build the work list
@@ -392,19 +396,29 @@ private:
         const int32_t len = s.len[C.layer];
         const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
 
-        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g]
+        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g] | qw [g][Dp/2] words
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + 2 * (size_t)g + 64);
+        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + 2 * (size_t)g + (size_t)g * Dp / 2 + 64);
         float* acc = qf + (size_t)g * Dp;
         float* S = acc + (size_t)g * Dp;
         float* m = S + (size_t)g * PT;
         float* l = m + g;
+        uint32_t* qw = reinterpret_cast<uint32_t*>(l + g);
 
-        // 1. queries of this group, pre-scaled so that scores are already in log2 units
+        // 1. queries of this group: fp32 pre-scaled so scores are in log2 units, or (bf16 q and
+        //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product
         const size_t qisz = dtype_size(C.qdt);
         const char* qbase = static_cast<const char*>(C.q) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * qisz;
+        const float sc = scale_ * LOG2E;
         for (int j = 0; j < g; ++j) {
-            q_row(qbase + (size_t)j * D * qisz, C.qdt, D, Dp, scale_ * LOG2E, qf + (size_t)j * Dp);
+            const char* qj = qbase + (size_t)j * D * qisz;
+            if (C.dp) {
+                uint16_t* h = reinterpret_cast<uint16_t*>(qw + (size_t)j * Dp / 2);
+                std::memcpy(h, qj, (size_t)D * 2);
+                for (int d = D; d < Dp; ++d) h[d] = 0;
+            } else {
+                q_row(qj, C.qdt, D, Dp, sc, qf + (size_t)j * Dp);
+            }
             std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
             m[j] = -INFINITY;
             l[j] = 0.f;
@@ -422,19 +436,25 @@ private:
 
             // 2a. prefetch: the next page of this item, or the first page of the next item
             const char* pf = pi < plast ? pages[(size_t)(pi + 1) * Hkv_ + it.h] : next ? first_page(C, *next) : nullptr;
-            if (pf_mode_ == 5) {
-                for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
-                if (pf) for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(pf + o, 0, 3);
-            } else if (pf_mode_ == 9 && pf) {
-                for (size_t o = 0; o < 2 * run_bytes; o += 64) __builtin_prefetch(pf + o, 0, 3);
-            } else if (pf_mode_ == 10) {
-                for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
-                if (pf) for (size_t o = 0; o < 2 * run_bytes; o += 64) __builtin_prefetch(pf + o, 0, 3);
-            } else if (pf_mode_ == 12) {
-                for (size_t o = 0; o < run_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
+            if (pf_mode_ == 9 && pf) {
+                prefetch_lines(pf, 0, 2 * run_bytes);
+            } else if (pf_mode_ == 13 && pf) {
+                for (size_t o = 0; o < 1024; o += 64) { __builtin_prefetch(pf + o, 0, 3); __builtin_prefetch(pf + run_bytes + o, 0, 3); }
+            } else if (pf_mode_ == 14) {
+                const char* pf2 = pi + 1 < plast ? pages[(size_t)(pi + 2) * Hkv_ + it.h] : nullptr;
+                if (pi == t0 / P && pf) prefetch_lines(pf, 0, 2 * run_bytes);
+                if (pf2) prefetch_lines(pf2, 0, 2 * run_bytes);
+            } else if (pf_mode_ == 15 && pf) {  // first 1KB into L1, the rest into L2
+                for (size_t o = 0; o < 1024; o += 64) { __builtin_prefetch(pf + o, 0, 3); __builtin_prefetch(pf + run_bytes + o, 0, 3); }
+                for (size_t o = 1024; o < run_bytes; o += 64) { __builtin_prefetch(pf + o, 0, 2); __builtin_prefetch(pf + run_bytes + o, 0, 2); }
             }
             // 2b. scores of every query head of the group: one pass over the K run
-            scores_page(dt_, kr, Dp, qf, g, S, pf_mode_ >= 7 && pf_mode_ != 9 && pf_mode_ != 10 ? pf : nullptr);
+            const char* pfi = pf_mode_ == 7 ? pf : nullptr;
+#if defined(FD_HAVE_DPBF16)
+            if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pfi);
+            else
+#endif
+                scores_page(dt_, kr, Dp, qf, g, S, pfi);
             // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
                 float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l[j]);
@@ -491,8 +511,9 @@ private:
     const int spin_us_;
     const size_t page_bytes_;   // one head's K run + V run
 
-    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 5;
+    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 9;
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
+    bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
     // state (guarded by mu_)
     std::mutex mu_;
     Arena arena_;

@@ -44,10 +44,11 @@ constexpr int PT = 32;  // tokens per page (and per softmax block)
 // run of this page and, at twice its pace, the K+V runs of the next one (they are contiguous),
 // so a page arrives in cache just as it is needed and the prefetches spread evenly over compute
 // (a burst of 256 prefetches at a page start stalls on the L1 miss buffers instead).
-inline int g_pf_hint = 3;  // 3: into L1 (T0), 2: L2 (T1), 0: none
+inline int g_pf_hint = 3;  // 3: into L1 (T0), 2: T1, 1: T2, 0: none
 static inline void prefetch_lines(const char* p, size_t from, size_t to) {
     if (g_pf_hint == 3) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
     else if (g_pf_hint == 2) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 2);
+    else if (g_pf_hint == 1) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 1);
 }
 
 // ============================================================================
@@ -211,36 +212,42 @@ static inline void scores_page(int dt, const void* K, int Dp, const float* q, in
     });
 }
 
-// acc[j][:] += sum_{t < nvalid} p_j[t] V[t][:] for GH heads, 32 dims (2 vectors) per tile
+// acc[j][d0 : d0+32*TC] += sum_{t < nvalid} p_j[t] V[t][...] for GH heads: TC chunks of 32 dims
+// per pass, so one broadcast of p_j[t] feeds 2*TC FMAs and acc moves through memory once a page
+template <int DT, int GH, int TC>
+static inline void pv_tile(const char* v, int nvalid, size_t row, int d0, int Dp, const float* S, float* acc) {
+    constexpr size_t esz = DT == F32 ? 4 : 2;
+    __m512 a[GH][2 * TC];
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm512_loadu_ps(acc + (size_t)j * Dp + d0 + 16 * c);
+    for (int t = 0; t < nvalid; ++t) {
+        __m512 x[2 * TC];
+#pragma GCC unroll 4
+        for (int c = 0; c < TC; ++c) load32<DT>(v + t * row + (d0 + 32 * c) * esz, x[2 * c], x[2 * c + 1]);
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            __m512 p = _mm512_set1_ps(S[(size_t)j * PT + t]);
+#pragma GCC unroll 8
+            for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm512_fmadd_ps(x[c], p, a[j][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < 2 * TC; ++c) _mm512_storeu_ps(acc + (size_t)j * Dp + d0 + 16 * c, a[j][c]);
+}
+
 template <int DT, int GH>
 static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc) {
     constexpr size_t esz = DT == F32 ? 4 : 2;
+    constexpr int TC = GH <= 2 ? 4 : GH <= 4 ? 2 : 1;   // accumulators 2*TC*GH <= 16
     const char* v = static_cast<const char*>(V);
     const size_t row = (size_t)Dp * esz;
     int d = 0;
-    for (; d + 32 <= Dp; d += 32) {
-        __m512 a[GH], b[GH];
-#pragma GCC unroll 8
-        for (int j = 0; j < GH; ++j) {
-            a[j] = _mm512_loadu_ps(acc + (size_t)j * Dp + d);
-            b[j] = _mm512_loadu_ps(acc + (size_t)j * Dp + d + 16);
-        }
-        for (int t = 0; t < nvalid; ++t) {
-            __m512 x, y;
-            load32<DT>(v + t * row + d * esz, x, y);
-#pragma GCC unroll 8
-            for (int j = 0; j < GH; ++j) {
-                __m512 p = _mm512_set1_ps(S[(size_t)j * PT + t]);
-                a[j] = _mm512_fmadd_ps(x, p, a[j]);
-                b[j] = _mm512_fmadd_ps(y, p, b[j]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int j = 0; j < GH; ++j) {
-            _mm512_storeu_ps(acc + (size_t)j * Dp + d, a[j]);
-            _mm512_storeu_ps(acc + (size_t)j * Dp + d + 16, b[j]);
-        }
-    }
+    for (; d + 32 * TC <= Dp; d += 32 * TC) pv_tile<DT, GH, TC>(v, nvalid, row, d, Dp, S, acc);
+    for (; d + 32 <= Dp; d += 32) pv_tile<DT, GH, 1>(v, nvalid, row, d, Dp, S, acc);
     if (d < Dp) {  // a 16-dim tail (Dp % 32 == 16), natural order
         __m512 a[GH];
 #pragma GCC unroll 8
@@ -258,6 +265,52 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
 static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc) {
     for_groups<8>(dt, g, [&](auto DT, auto GH, int j0) {
         pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
+    });
+}
+
+// ---- AVX512-BF16 scores: bf16 K with bf16 queries --------------------------------------
+// When q arrives as bf16 (the S-worker ships bf16) every product q[d]*k[d] is exact in fp32, so
+// vdpbf16ps (two products + add per lane) computes the same dot product as widening K and
+// using FMAs, in 1 instruction per 32 values instead of 2 + 2/g. Not used for fp32 queries:
+// rounding q to bf16 would lose precision. The module runs on AVX-512 CPUs without BF16, so
+// these functions carry their own target attribute and run only if cpuid reports avx512bf16.
+#define FD_HAVE_DPBF16 1
+
+template <int GH>
+__attribute__((target("avx512bf16"))) static void scores_group_dp(const char* k, int Dw, const uint32_t* qw, float sc,
+                                                                 float* S, const char* pf) {
+    __m512 a0[GH], b0[GH], a1[GH], b1[GH];   // a: tokens 0-15, b: 16-31; 0/1: even/odd word rows
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j) a0[j] = b0[j] = a1[j] = b1[j] = _mm512_setzero_ps();
+    for (int w = 0; w < Dw; w += 2) {                  // Dw is even (Dp is a multiple of 16)
+        const char* row = k + (size_t)w * PT * 4;    // 2 word rows = 256 bytes
+        if (pf) prefetch_lines(pf, 2 * (size_t)w * PT * 4, 2 * (size_t)(w + 2) * PT * 4);
+        __m512i x0 = _mm512_loadu_si512(row), y0 = _mm512_loadu_si512(row + 64);
+        __m512i x1 = _mm512_loadu_si512(row + 128), y1 = _mm512_loadu_si512(row + 192);
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            __m512i q0 = _mm512_set1_epi32((int)qw[(size_t)j * Dw + w]);
+            __m512i q1 = _mm512_set1_epi32((int)qw[(size_t)j * Dw + w + 1]);
+            a0[j] = _mm512_dpbf16_ps(a0[j], (__m512bh)x0, (__m512bh)q0);
+            b0[j] = _mm512_dpbf16_ps(b0[j], (__m512bh)y0, (__m512bh)q0);
+            a1[j] = _mm512_dpbf16_ps(a1[j], (__m512bh)x1, (__m512bh)q1);
+            b1[j] = _mm512_dpbf16_ps(b1[j], (__m512bh)y1, (__m512bh)q1);
+        }
+    }
+    const __m512 vs = _mm512_set1_ps(sc);
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j) {
+        _mm512_storeu_ps(S + (size_t)j * PT, _mm512_mul_ps(_mm512_add_ps(a0[j], a1[j]), vs));
+        _mm512_storeu_ps(S + (size_t)j * PT + 16, _mm512_mul_ps(_mm512_add_ps(b0[j], b1[j]), vs));
+    }
+}
+
+// qw [g][Dw]: query pairs as bf16 words (unscaled); S gets scores * sc
+static inline void scores_page_dp(const void* K, int Dp, const uint32_t* qw, float sc, int g, float* S, const char* pf) {
+    const int Dw = Dp / 2;
+    for_groups<4>(BF16, g, [&](auto, auto GH, int j0) {
+        scores_group_dp<GH.value>(static_cast<const char*>(K), Dw, qw + (size_t)j0 * Dw, sc, S + (size_t)j0 * PT,
+                                  j0 == 0 ? pf : nullptr);
     });
 }
 
