@@ -190,15 +190,12 @@ bool cpu_has_avx512bf16() {
 // read bandwidth: the same pool streams a buffer and sums it (the roofline of attention)
 // ============================================================================
 
-static int g_read_pf = 0;  // bytes of software prefetch distance in the read loop (0: none)
+// plain streaming sum, hardware prefetch only (software prefetch made it slower on both hosts)
 static uint64_t sum_bytes(const char* p, size_t n) {
 #if defined(__AVX512F__)
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     size_t i = 0;
-    const int pfd = g_read_pf;
     for (; i + 256 <= n; i += 256) {
-        if (pfd) { __builtin_prefetch(p + i + pfd, 0, 3); __builtin_prefetch(p + i + pfd + 64, 0, 3);
-                   __builtin_prefetch(p + i + pfd + 128, 0, 3); __builtin_prefetch(p + i + pfd + 192, 0, 3); }
         a0 = _mm512_add_epi64(a0, _mm512_load_si512((const void*)(p + i)));
         a1 = _mm512_add_epi64(a1, _mm512_load_si512((const void*)(p + i + 64)));
         a2 = _mm512_add_epi64(a2, _mm512_load_si512((const void*)(p + i + 128)));
@@ -232,7 +229,6 @@ static std::vector<double> read_bandwidth(size_t nbytes, int threads, int reps, 
     const size_t slice = size_t(4) << 20;               // items of 4 MiB, handed out dynamically
     nbytes = std::max(slice, nbytes / slice * slice);
     Arena arena(nbytes);                                 // one hugepage-advised chunk
-    g_read_pf = getenv("FD_READ_PF") ? atoi(getenv("FD_READ_PF")) : 0;
     char* buf = arena.get();
     Pool pool(threads, std::move(cpus), 50);
     std::vector<double> out;

@@ -143,9 +143,9 @@ public:
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
         for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
-        if (getenv("FD_PFH")) g_pf_hint = atoi(getenv("FD_PFH"));
 #if defined(FD_HAVE_DPBF16)
-        use_dp_ = cpu_has_avx512bf16() && !(getenv("FD_NO_DPBF16") && atoi(getenv("FD_NO_DPBF16")));
+        // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
+        use_dp_ = cpu_has_avx512bf16() && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
 #endif
     }
 
@@ -434,27 +434,18 @@ private:
             const char* kr = pages[(size_t)pi * Hkv_ + it.h];
             const char* vr = kr + run_bytes;
 
-            // 2a. prefetch: the next page of this item, or the first page of the next item
-            const char* pf = pi < plast ? pages[(size_t)(pi + 1) * Hkv_ + it.h] : next ? first_page(C, *next) : nullptr;
-            if (pf_mode_ == 9 && pf) {
-                prefetch_lines(pf, 0, 2 * run_bytes);
-            } else if (pf_mode_ == 13 && pf) {
-                for (size_t o = 0; o < 1024; o += 64) { __builtin_prefetch(pf + o, 0, 3); __builtin_prefetch(pf + run_bytes + o, 0, 3); }
-            } else if (pf_mode_ == 14) {
-                const char* pf2 = pi + 1 < plast ? pages[(size_t)(pi + 2) * Hkv_ + it.h] : nullptr;
-                if (pi == t0 / P && pf) prefetch_lines(pf, 0, 2 * run_bytes);
-                if (pf2) prefetch_lines(pf2, 0, 2 * run_bytes);
-            } else if (pf_mode_ == 15 && pf) {  // first 1KB into L1, the rest into L2
-                for (size_t o = 0; o < 1024; o += 64) { __builtin_prefetch(pf + o, 0, 3); __builtin_prefetch(pf + run_bytes + o, 0, 3); }
-                for (size_t o = 1024; o < run_bytes; o += 64) { __builtin_prefetch(pf + o, 0, 2); __builtin_prefetch(pf + run_bytes + o, 0, 2); }
-            }
+            // 2a. what to prefetch while this page is computed: the next page of this item, or
+            //     the first page of the item this thread runs next (simd.h: prefetch_lines)
+            const char* pf = !prefetch_ ? nullptr
+                             : pi < plast ? pages[(size_t)(pi + 1) * Hkv_ + it.h]
+                             : next      ? first_page(C, *next)
+                                         : nullptr;
             // 2b. scores of every query head of the group: one pass over the K run
-            const char* pfi = pf_mode_ == 7 ? pf : nullptr;
 #if defined(FD_HAVE_DPBF16)
-            if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pfi);
+            if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
             else
 #endif
-                scores_page(dt_, kr, Dp, qf, g, S, pfi);
+                scores_page(dt_, kr, Dp, qf, g, S, pf);
             // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
                 float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l[j]);
@@ -511,7 +502,8 @@ private:
     const int spin_us_;
     const size_t page_bytes_;   // one head's K run + V run
 
-    int pf_mode_ = getenv("FD_PF") ? atoi(getenv("FD_PF")) : 9;
+    // FASTDECODE_PREFETCH=0 turns software prefetch off (for measurements)
+    const bool prefetch_ = !(getenv("FASTDECODE_PREFETCH") && std::string(getenv("FASTDECODE_PREFETCH")) == "0");
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
     // state (guarded by mu_)

@@ -42,13 +42,11 @@ constexpr int PT = 32;  // tokens per page (and per softmax block)
 
 // Software prefetch of the NEXT page while this one is computed: the scores loop walks the K
 // run of this page and, at twice its pace, the K+V runs of the next one (they are contiguous),
-// so a page arrives in cache just as it is needed and the prefetches spread evenly over compute
-// (a burst of 256 prefetches at a page start stalls on the L1 miss buffers instead).
-inline int g_pf_hint = 3;  // 3: into L1 (T0), 2: T1, 1: T2, 0: none
+// so a page arrives in cache as it is needed and the prefetches spread evenly over compute.
+// Measured against a burst of 256 prefetches at each page start (which queues on the L1 miss
+// buffers), L2-only hints and none: bench/KERNEL_NOTES.md.
 static inline void prefetch_lines(const char* p, size_t from, size_t to) {
-    if (g_pf_hint == 3) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
-    else if (g_pf_hint == 2) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 2);
-    else if (g_pf_hint == 1) for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 1);
+    for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
 // ============================================================================
