@@ -136,13 +136,16 @@ def bench_shape(args, model, ctx, rbw, torch_mod, rng, results):
     per_seq_bf16 = ctx * Hkv * D * 2 * 2
     B = max(1, -(-args.min_mb * 2**20 // per_seq_bf16))
     blk = random_block(rng, min(ctx, 1024), Hkv, D)
-    q = rng.standard_normal((B, Hq, D), dtype=np.float32)
+    q = bf16_bits_to_f32(f32_to_bf16_bits(rng.standard_normal((B, Hq, D), dtype=np.float32)))  # bf16 values
+    q16 = f32_to_bf16_bits(q)   # what a bf16 S-worker ships: bf16 KV runs are timed with these bits
     ref0 = None                                               # float64 reference for sequence 0
     rows = []
 
     def record(path, kv_dtype, best, med, err):
         nbytes = B * ctx * Hkv * D * 2 * ITEMSIZE[kv_dtype]
+        q_dtype = kv_dtype if path == "torch_sdpa" else ("bf16" if kv_dtype == "bf16" else "fp32")
         rows.append(dict(model=model, Hkv=Hkv, Hq=Hq, D=D, context=ctx, batch=B, kv_dtype=kv_dtype, path=path,
+                         q_dtype=q_dtype,
                          kv_bytes=nbytes, seconds=best, seconds_median=med, gbps=nbytes / best / 1e9,
                          max_abs_err_seq0=err))
 
@@ -154,7 +157,9 @@ def bench_shape(args, model, ctx, rbw, torch_mod, rng, results):
             store = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=path)
             fill_store(store, blk, B, ctx, kv_dtype)
             out = np.empty_like(q)
-            best, med = best_time(lambda: store.attend(0, np.arange(B), q, out), args.reps, args.min_time)
+            qin = q16 if kv_dtype == "bf16" else q
+            ids = np.arange(B)
+            best, med = best_time(lambda: store.attend(0, ids, qin, out), args.reps, args.min_time)
             if ref0 is None or kv_dtype != "bf16":
                 kq = _stored(blk, ctx, kv_dtype)
                 ref = attention_ref(q[0].astype(np.float64), kq, kq, 1 / np.sqrt(D))
