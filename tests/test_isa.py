@@ -93,3 +93,22 @@ def test_thread_defaults():
             os.environ["FASTDECODE_THREADS"] = old
     pins = pin_cpus(len(phys))
     assert pins == phys or os.environ.get("FASTDECODE_PIN") == "0"
+
+
+@pytest.mark.skipif(not X86, reason="x86 ISA modules only")
+def test_modules_contain_only_their_isa():
+    """The portable module has no AVX at all, the AVX2 module no AVX-512 (what makes the CPU check
+    before import sufficient to never SIGILL)."""
+    import shutil
+
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump not installed")
+    forbidden = {"portable": ("ymm", "zmm"), "avx2": ("zmm",)}
+    for name, regs in forbidden.items():
+        mod = isa_mod.load(name) if name in available_isas() else None
+        if mod is None:
+            continue
+        asm = subprocess.run(["objdump", "-d", mod.__file__], capture_output=True, text=True, timeout=120).stdout
+        assert asm, f"objdump produced nothing for {mod.__file__}"
+        for reg in regs:
+            assert f"%{reg}" not in asm, f"{name} module uses {reg} registers"
