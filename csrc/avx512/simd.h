@@ -40,6 +40,11 @@ namespace FD_NS {
 
 constexpr int PT = 32;  // tokens per page (and per softmax block)
 
+// 2^r on [-0.5, 0.5]: Taylor coefficients ln2^k / k!, k = 0..7 (relative error < 1e-8)
+constexpr float EXP2_POLY[8] = {1.0f, 6.9314718055994531e-01f, 2.4022650695910071e-01f, 5.5504108664821580e-02f,
+                                9.6181291076284772e-03f, 1.3333558146428443e-03f, 1.5403530393381606e-04f,
+                                1.5252733804059840e-05f};
+
 // Software prefetch of the NEXT page while this one is computed: the scores loop walks the K
 // run of this page and, at twice its pace, the K+V runs of the next one (they are contiguous),
 // so a page arrives in cache as it is needed and the prefetches spread evenly over compute.
@@ -317,14 +322,9 @@ static inline __m512 exp2v(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));  // -inf -> 2^-200 -> 0 after scalef
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-02f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_POLY[7]);
+#pragma GCC unroll 7
+    for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP2_POLY[i]));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -498,14 +498,9 @@ static inline __m256 exp2v(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));  // keeps 2^n a normal float
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.5403530393381606e-04f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428443e-03f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-03f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-02f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-01f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-01f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_POLY[7]);
+#pragma GCC unroll 7
+    for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP2_POLY[i]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
