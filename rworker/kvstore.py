@@ -10,7 +10,11 @@ in C++, with the GIL released. Arrays cross as numpy buffers; bf16 travels as ra
 
 Determinism: a sequence's output is bitwise identical whatever else is in the batch, the thread
 count, and the history of other sequences' appends/frees (split points depend only on its length).
-Not thread-safe for concurrent calls on one store: calls from several threads are serialized.
+Calls on one store from several threads are serialized (a mutex in C++); every call that touches
+KV data releases the GIL.
+
+Environment: FASTDECODE_ISA (rworker.isa), FASTDECODE_THREADS / FASTDECODE_PIN=0 (rworker._threads),
+FASTDECODE_SPIN_US (how long idle workers spin before sleeping, default 50).
 """
 from __future__ import annotations
 
@@ -114,11 +118,7 @@ class KVStore:
         n = int(n)
         if n < 1:
             raise ValueError(f"threads must be >= 1, got {n}")
-        self._st = self._rethread(n)
-
-    def _rethread(self, n: int):
-        self._st.threads = n
-        return self._st
+        self._st.threads = n        # the C++ pool is rebuilt; worker pins follow FASTDECODE_PIN
 
     def _capacity_error(self, rows: int) -> KVCapacityError:
         return KVCapacityError(

@@ -105,4 +105,7 @@ struct AlignedBuf {
 
 inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
+// AVX512-BF16 usable: cpuid leaf 7 subleaf 1 EAX bit 5, with the OS saving ZMM state
+bool cpu_has_avx512bf16();
+
 }  // namespace FD_NS

@@ -180,10 +180,17 @@ static std::vector<std::string> cpu_features() {
     return f;
 }
 
+bool cpu_has_avx512bf16() {
+    for (auto& f : cpu_features())
+        if (f == "avx512bf16") return true;
+    return false;
+}
+
 // ============================================================================
 // read bandwidth: the same pool streams a buffer and sums it (the roofline of attention)
 // ============================================================================
 
+// plain streaming sum, hardware prefetch only (software prefetch made it slower on both hosts)
 static uint64_t sum_bytes(const char* p, size_t n) {
 #if defined(__AVX512F__)
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
@@ -228,10 +235,10 @@ static std::vector<double> read_bandwidth(size_t nbytes, int threads, int reps, 
     {
         py::gil_scoped_release nogil;
         const int64_t items = (int64_t)(nbytes / slice);
-        auto touch = [&](int64_t i) { std::memset(buf + i * slice, 1, slice); };  // first touch by the readers
+        auto touch = [&](int64_t i, int64_t) { std::memset(buf + i * slice, 1, slice); };  // first touch by the readers
         pool.parallel_for(items, touch);
         std::vector<uint64_t> sink(items);
-        auto read = [&](int64_t i) { sink[i] = sum_bytes(buf + i * slice, slice); };
+        auto read = [&](int64_t i, int64_t) { sink[i] = sum_bytes(buf + i * slice, slice); };
         for (int r = 0; r < reps; ++r) {
             auto t0 = std::chrono::steady_clock::now();
             pool.parallel_for(items, read);

@@ -1,15 +1,18 @@
 // kvstore.h — the paged KV store of one R-worker and decode attention over it.
 //
-// Layout. A page holds P = 64 consecutive tokens of one (sequence, layer), all KV heads:
+// Layout. A page holds PT = 32 consecutive tokens of one (sequence, layer, kv-head):
 //
-//   page: [Hkv][ K run: P rows x Dp | V run: P rows x Dp ]     dtype = kv dtype, 64-byte aligned
+//   page: [ K run: Dw words x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
 //
-// so every (sequence, layer, kv-head) is a list of contiguous K and V runs. Pages come from an
-// arena of big chunks that never move (hugepage-advised); freed pages go on a free list and are
-// reused first. Appending a token writes one row per head; nothing is ever copied to grow.
+// (simd.h says why K is word-major). Pages come from an arena of big chunks that never move
+// (hugepage-advised); freed pages go on a LIFO free list and are reused first. New pages of one
+// append are taken head by head, so a prompt's pages of one head are consecutive in memory (one
+// long stream for the hardware prefetcher), and a freed sequence returns its pages so that the
+// next prompt gets them back in the same order. Appending a token writes one K column and one V
+// row per head; nothing is ever copied to grow a sequence.
 //
 // Attention. Work items are (sequence, kv-head, chunk of CH = 512 tokens). One item streams its
-// K/V rows once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax
+// K/V runs once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax
 // in base 2, fp32 accumulators. Items of a multi-chunk sequence write partial (m, l, acc); the
 // item that finishes last merges them in chunk order (log-sum-exp). Chunk boundaries depend only
 // on the sequence length, and an item's arithmetic does not depend on which thread runs it, so
@@ -122,24 +125,28 @@ private:
 
 struct Seq {
     std::vector<int32_t> len;                // [L] tokens per layer
-    std::vector<std::vector<char*>> pages;   // [L][npages]
+    std::vector<std::vector<char*>> pages;   // [L][npages * Hkv]: page p of head h at p * Hkv + h
     int32_t pending = 0;                     // rows of the append call in progress
 };
 
 class Store {
 public:
-    static constexpr int P = 64;    // tokens per page
+    static constexpr int P = PT;    // tokens per page
     static constexpr int CH = 512;  // tokens per split-KV chunk (a multiple of P)
 
     Store(int L, int Hkv, int D, int dtype, double scale, int64_t capacity_bytes, int threads,
           std::vector<int> cpus, int spin_us)
         : L_(L), Hkv_(Hkv), D_(D), Dp_((int)round_up(D, 16)), dt_(dtype), isz_(dtype_size(dtype)),
           scale_((float)scale), capacity_(capacity_bytes), cpus_(std::move(cpus)), spin_us_(spin_us),
-          head_bytes_(2 * (size_t)P * round_up(D, 16) * dtype_size(dtype)),
-          page_bytes_(head_bytes_ * Hkv), arena_(page_bytes_),
+          page_bytes_(2 * (size_t)P * round_up(D, 16) * dtype_size(dtype)), arena_(page_bytes_),
           pool_(new Pool(threads, cpus_, spin_us)) {
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
+        for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
+#if defined(FD_HAVE_DPBF16)
+        // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
+        use_dp_ = cpu_has_avx512bf16() && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
+#endif
     }
 
     // ---- geometry / accounting ------------------------------------------------
@@ -167,8 +174,13 @@ public:
         std::lock_guard<std::mutex> lk(mu_);
         auto it = seqs_.find(id);
         if (it == seqs_.end()) return false;
-        for (auto& pl : it->second.pages)
-            for (char* p : pl) arena_.put(p);
+        // push in reverse allocation order (layer, head, page): pops then come out in order
+        auto& pages = it->second.pages;
+        for (int l = L_ - 1; l >= 0; --l) {
+            const int64_t np = (int64_t)pages[l].size() / Hkv_;
+            for (int h = Hkv_ - 1; h >= 0; --h)
+                for (int64_t p = np - 1; p >= 0; --p) arena_.put(pages[l][p * Hkv_ + h]);
+        }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
         seqs_.erase(it);
         return true;
@@ -239,12 +251,12 @@ private:
             last = s;
         }
 
-        // 2. capacity: count the new pages before touching anything
+        // 2. capacity: count the new pages (one per head per 32 tokens) before touching anything
         size_t new_pages = 0;
         for (Seq* s : touched_) {
-            size_t have = s->pages[layer].size();
+            size_t have = s->pages[layer].size() / Hkv_;
             size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
-            new_pages += need - have;
+            new_pages += (need - have) * Hkv_;
         }
         if (capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_) {
             for (Seq* s : touched_) s->pending = 0;
@@ -252,32 +264,67 @@ private:
             return false;
         }
 
-        // 3. allocate pages and give each row its destination (serial, cheap)
-        for (Seq* s : touched_) s->pending = 0;
+        // 3. allocate pages head by head (a prompt's pages of one head end up consecutive),
+        //    then give each row its page index and slot (serial, cheap)
+        for (Seq* s : touched_) {
+            auto& pl = s->pages[layer];
+            const size_t have = pl.size() / Hkv_;
+            const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            pl.resize(need * Hkv_);
+            for (int h = 0; h < Hkv_; ++h)
+                for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
+            s->pending = 0;
+        }
         for (int64_t i = 0; i < n; ++i) {
             Seq* s = rows_[i].seq;
             int32_t pos = s->len[layer]++;
-            auto& pl = s->pages[layer];
-            if ((size_t)(pos / P) == pl.size()) pl.push_back(arena_.get());
-            rows_[i].dst = pl[pos / P] + (size_t)(pos % P) * Dp_ * isz_;
+            rows_[i].pages = s->pages[layer].data() + (size_t)(pos / P) * Hkv_;
+            rows_[i].slot = pos % P;
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
 
-        // 4. copy + convert rows; parallel when there is enough to move
+        // 4. copy + convert. A task is (run of rows landing in one page, kv head): no two threads
+        //    write the same cache lines. K rows are converted into a [rows][Dp] block and
+        //    written transposed by 32-bit words (2 dims of 16-bit dtypes); V rows in place.
+        segs_.clear();
+        for (int64_t i = 0; i < n; ++i)
+            if (i == 0 || rows_[i].pages != rows_[i - 1].pages) segs_.push_back(i);
+        segs_.push_back(n);
         const size_t sisz = dtype_size(sdt);
-        auto copy_row = [&](int64_t i) {
-            char* base = rows_[i].dst;
-            const char* kr = static_cast<const char*>(k) + (size_t)i * Hkv_ * D_ * sisz;
-            const char* vr = static_cast<const char*>(v) + (size_t)i * Hkv_ * D_ * sisz;
-            for (int h = 0; h < Hkv_; ++h) {
-                char* hk = base + h * head_bytes_;
-                store_row(kr + (size_t)h * D_ * sisz, sdt, hk, dt_, D_, Dp_);
-                store_row(vr + (size_t)h * D_ * sisz, sdt, hk + (size_t)P * Dp_ * isz_, dt_, D_, Dp_);
+        const size_t src_row = (size_t)Hkv_ * D_ * sisz;
+        const int64_t nseg = (int64_t)segs_.size() - 1;
+        auto copy_task = [&](int64_t task, int64_t) {
+            const int64_t si = task / Hkv_;
+            const int h = (int)(task % Hkv_);
+            const int64_t i0 = segs_[si], nr = segs_[si + 1] - i0;    // nr <= P rows, slots s0..
+            const int s0 = rows_[i0].slot;
+            char* krun = rows_[i0].pages[h];
+            char* vrun = krun + (size_t)P * Dp_ * isz_;
+            const char* ksrc = static_cast<const char*>(k) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
+            const char* vsrc = static_cast<const char*>(v) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
+            thread_local AlignedBuf tmpb;
+            char* tmp = reinterpret_cast<char*>(tmpb.get((size_t)P * Dp_));   // [nr][Dp] in kv dtype
+            for (int64_t r = 0; r < nr; ++r) {
+                store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
+                store_row(ksrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
             }
+            transpose_in(tmp, nr, krun, s0);
         };
-        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1) pool_->parallel_for(n, copy_row);
-        else for (int64_t i = 0; i < n; ++i) copy_row(i);
+        const int64_t ntask = nseg * Hkv_;
+        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1 && ntask > 1) pool_->parallel_for(ntask, copy_task);
+        else for (int64_t t = 0; t < ntask; ++t) copy_task(t, -1);
         return true;
+    }
+
+    // K run [Dw][P] words: columns s0 .. s0+nr-1 <- rows of blk [nr][Dw] (Dw = Dp*isz/4 words)
+    void transpose_in(const char* blk, int64_t nr, char* krun, int s0) const {
+        const int Dw = (int)(Dp_ * isz_ / 4);
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(blk);
+        uint32_t* kr = reinterpret_cast<uint32_t*>(krun) + s0;
+        for (int w = 0; w < Dw; ++w) {
+            uint32_t* line = kr + (size_t)w * P;
+            for (int64_t r = 0; r < nr; ++r) line[r] = b[(size_t)r * Dw + w];
+        }
     }
 
     // ---- attention driver ------------------------------------------------------
@@ -289,6 +336,7 @@ private:
 
     struct Call {
         int layer, g, Hq;
+        bool dp;          // bf16 dot-product path (bf16 q, bf16 K, CPU has AVX512-BF16)
         const void* q;
         int qdt;
         void* out;
@@ -301,7 +349,7 @@ private:
         check_heads(Hq);
         if (n == 0) return;
         const int g = Hq / Hkv_;
-        Call C{layer, g, Hq, q, qdt, out, odt, {}};
+        Call C{layer, g, Hq, use_dp_ && dt_ == BF16 && qdt == BF16, q, qdt, out, odt, {}};
         C.seqs.resize(n);
 
         // 1. resolve sequences and build the work list
@@ -333,79 +381,86 @@ private:
         for (int64_t c = 0; c < ncounters; ++c) counters_[c].store(0, std::memory_order_relaxed);
 
         // 2. run (longest items are already bounded by CH, so plain dynamic order balances)
-        auto body = [&](int64_t w) { run_item(C, items_[w]); };
+        auto body = [&](int64_t w, int64_t next) { run_item(C, items_[w], next < 0 ? nullptr : &items_[next]); };
         pool_->parallel_for((int64_t)items_.size(), body);
     }
 
-    void run_item(const Call& C, const Item& it) const {
+    // first page of an item (for prefetching the item a thread will run next)
+    const char* first_page(const Call& C, const Item& it) const {
+        return C.seqs[it.i]->pages[C.layer][(size_t)(it.c * CH / P) * Hkv_ + it.h];
+    }
+
+    void run_item(const Call& C, const Item& it, const Item* next) const {
         const int g = C.g, Dp = Dp_, D = D_;
         const Seq& s = *C.seqs[it.i];
         const int32_t len = s.len[C.layer];
         const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
 
-        // scratch: qf [g][Dp] | acc [g][Dp] | Kf [16][Dp] | Vf [16][Dp] | S [g][16] | m [g] | l [g]
+        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g] | qw [g][Dp/2] words
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * g * Dp + 2 * BT * (size_t)Dp + (size_t)g * BT + 2 * (size_t)g + 64);
+        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + 2 * (size_t)g + (size_t)g * Dp / 2 + 64);
         float* acc = qf + (size_t)g * Dp;
-        float* Kf = acc + (size_t)g * Dp;
-        float* Vf = Kf + (size_t)BT * Dp;
-        float* S = Vf + (size_t)BT * Dp;
-        float* m = S + (size_t)g * BT;
+        float* S = acc + (size_t)g * Dp;
+        float* m = S + (size_t)g * PT;
         float* l = m + g;
+        uint32_t* qw = reinterpret_cast<uint32_t*>(l + g);
 
-        // 1. queries of this group, pre-scaled so that scores are already in log2 units
+        // 1. queries of this group: fp32 pre-scaled so scores are in log2 units, or (bf16 q and
+        //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product
         const size_t qisz = dtype_size(C.qdt);
         const char* qbase = static_cast<const char*>(C.q) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * qisz;
+        const float sc = scale_ * LOG2E;
         for (int j = 0; j < g; ++j) {
-            q_row(qbase + (size_t)j * D * qisz, C.qdt, D, Dp, scale_ * LOG2E, qf + (size_t)j * Dp);
+            const char* qj = qbase + (size_t)j * D * qisz;
+            if (C.dp) {
+                uint16_t* h = reinterpret_cast<uint16_t*>(qw + (size_t)j * Dp / 2);
+                std::memcpy(h, qj, (size_t)D * 2);
+                for (int d = D; d < Dp; ++d) h[d] = 0;
+            } else {
+                q_row(qj, C.qdt, D, Dp, sc, qf + (size_t)j * Dp);
+            }
             std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
             m[j] = -INFINITY;
             l[j] = 0.f;
         }
 
-        // 2. stream the chunk block by block
-        const size_t row_bytes = (size_t)Dp * isz_;
-        const size_t run_bytes = (size_t)P * row_bytes;
-        for (int32_t t = t0; t < t1; t += BT) {
-            const int nvalid = std::min(BT, t1 - t);
-            const char* kb = s.pages[C.layer][t / P] + (size_t)it.h * head_bytes_ + (size_t)(t % P) * row_bytes;
-            const char* vb = kb + run_bytes;
+        // 2. stream the chunk page by page
+        const size_t run_bytes = (size_t)P * Dp * isz_;
+        const auto& pages = s.pages[C.layer];
+        const int32_t plast = (t1 - 1) / P;
+        for (int32_t tb = t0; tb < t1; tb += P) {
+            const int nvalid = std::min(P, t1 - tb);
+            const int32_t pi = tb / P;
+            const char* kr = pages[(size_t)pi * Hkv_ + it.h];
+            const char* vr = kr + run_bytes;
 
-            // 2a. prefetch the next block (it may sit in another page)
-            if (t + BT < t1) {
-                int32_t tn = t + BT;
-                const char* kn = s.pages[C.layer][tn / P] + (size_t)it.h * head_bytes_ + (size_t)(tn % P) * row_bytes;
-                const size_t nb = (size_t)std::min(BT, t1 - tn) * row_bytes;
-                for (size_t o = 0; o < nb; o += 64) {
-                    __builtin_prefetch(kn + o, 0, 3);
-                    __builtin_prefetch(kn + run_bytes + o, 0, 3);
-                }
-            }
-
-            // 2b. scores for every query head of the group, from one pass over the K rows
-            const float* K;
-            if (dt_ == F32 && nvalid == BT) K = reinterpret_cast<const float*>(kb);
-            else { cvt_rows(kb, dt_, nvalid, Dp, Kf); K = Kf; }
-            for (int j = 0; j < g; ++j) scores16(qf + (size_t)j * Dp, K, Dp, S + (size_t)j * BT);
-
-            // 2c. online softmax: rescale the accumulators when the running max moves
+            // 2a. what to prefetch while this page is computed: the next page of this item, or
+            //     the first page of the item this thread runs next (simd.h: prefetch_lines)
+            const char* pf = !prefetch_ ? nullptr
+                             : pi < plast ? pages[(size_t)(pi + 1) * Hkv_ + it.h]
+                             : next      ? first_page(C, *next)
+                                         : nullptr;
+            // 2b. scores of every query head of the group: one pass over the K run
+#if defined(FD_HAVE_DPBF16)
+            if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
+            else
+#endif
+                scores_page(dt_, kr, Dp, qf, g, S, pf);
+            // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
-                float alpha = softmax16(S + (size_t)j * BT, nvalid, m[j], l[j]);
+                float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l[j]);
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
-
-            // 2d. acc += p V, again one pass over the V rows for all heads
-            const float* V;
-            if (dt_ == F32 && nvalid == BT) V = reinterpret_cast<const float*>(vb);
-            else { cvt_rows(vb, dt_, nvalid, Dp, Vf); V = Vf; }
-            for (int j = 0; j < g; ++j) pv16(S + (size_t)j * BT, V, Dp, acc + (size_t)j * Dp);
+            // 2d. acc += p V: one pass over the V run
+            pv_page(dt_, vr, nvalid, Dp, S, g, acc);
         }
 
         // 3. single chunk: normalise and write; else publish the partial, last one merges
         const size_t oisz = dtype_size(C.odt);
         char* obase = static_cast<char*>(C.out) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * oisz;
         if (it.nc == 1) {
-            for (int j = 0; j < g; ++j) out_row(acc + (size_t)j * Dp, 1.f / l[j], D, obase + (size_t)j * D * oisz, C.odt);
+            for (int j = 0; j < g; ++j)
+                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l[j], D, obase + (size_t)j * D * oisz, C.odt);
             return;
         }
         float* slot = parts_.p + (size_t)(it.part + it.c) * part_stride_;
@@ -434,7 +489,7 @@ private:
                 const float* pa = sl + (size_t)j * Dp;
                 for (int d = 0; d < Dp; ++d) a[d] += w * pa[d];
             }
-            out_row(a, 1.f / lsum, D_, obase + (size_t)j * D_ * oisz, odt);
+            out_row(a, apos_.data(), 1.f / lsum, D_, obase + (size_t)j * D_ * oisz, odt);
         }
     }
 
@@ -445,8 +500,12 @@ private:
     const int64_t capacity_;
     const std::vector<int> cpus_;
     const int spin_us_;
-    const size_t head_bytes_, page_bytes_;
+    const size_t page_bytes_;   // one head's K run + V run
 
+    // FASTDECODE_PREFETCH=0 turns software prefetch off (for measurements)
+    const bool prefetch_ = !(getenv("FASTDECODE_PREFETCH") && std::string(getenv("FASTDECODE_PREFETCH")) == "0");
+    std::vector<int> apos_;   // [Dp] accumulator index of each dim
+    bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
     // state (guarded by mu_)
     std::mutex mu_;
     Arena arena_;
@@ -455,8 +514,9 @@ private:
     std::unique_ptr<Pool> pool_;
 
     // per-call scratch, reused
-    struct RowDst { Seq* seq; char* dst; };
+    struct RowDst { Seq* seq; char* const* pages; int slot; };   // pages: the Hkv pages of its slot
     std::vector<RowDst> rows_;
+    std::vector<int64_t> segs_;
     std::vector<Seq*> touched_;
     std::vector<Item> items_;
     AlignedBuf parts_;

@@ -38,7 +38,9 @@ static inline void cpu_relax() {
 
 class Pool {
 public:
-    using Fn = void (*)(void* ctx, int64_t item);
+    // fn(ctx, item, next): `next` is the item this thread runs after `item` (-1: none), so an
+    // item can prefetch its successor's first data while it finishes
+    using Fn = void (*)(void* ctx, int64_t item, int64_t next);
 
     Pool(int nthreads, std::vector<int> cpus, int spin_us)
         : nthreads_(nthreads < 1 ? 1 : nthreads), cpus_(std::move(cpus)), spin_us_(spin_us) {}
@@ -47,12 +49,12 @@ public:
 
     int size() const { return nthreads_; }
 
-    // Run fn(ctx, i) for i in [0, n) on all threads; returns when every item is done.
+    // Run fn(ctx, i, next) for i in [0, n) on all threads; returns when every item is done.
     void run(int64_t n, Fn fn, void* ctx) {
         if (n <= 0) return;
         std::lock_guard<std::mutex> one_job(run_mu_);
         if (nthreads_ == 1 || n == 1) {
-            for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+            for (int64_t i = 0; i < n; ++i) fn(ctx, i, i + 1 < n ? i + 1 : -1);
             return;
         }
         if (workers_.empty()) start();
@@ -69,7 +71,7 @@ public:
             wake_cv_.notify_all();
         }
         // 2. the caller works too
-        for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < n;) fn(ctx, i);
+        take_items(n, fn, ctx);
         // 3. close; late workers see closed_ and back out. Wait for those still inside an item.
         closed_.store(true);
         if (active_.load() != 0) {
@@ -86,13 +88,23 @@ public:
         }
     }
 
-    // Convenience: any callable f(int64_t)
+    // Convenience: any callable f(int64_t item, int64_t next)
     template <class F>
     void parallel_for(int64_t n, F& f) {
-        run(n, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &f);
+        run(n, [](void* c, int64_t i, int64_t nx) { (*static_cast<F*>(c))(i, nx); }, &f);
     }
 
 private:
+    // claim items one ahead, so each call knows its successor
+    void take_items(int64_t n, Fn fn, void* ctx) {
+        int64_t cur = next_.fetch_add(1, std::memory_order_relaxed);
+        while (cur < n) {
+            int64_t nxt = next_.fetch_add(1, std::memory_order_relaxed);
+            fn(ctx, cur, nxt < n ? nxt : -1);
+            cur = nxt;
+        }
+    }
+
     static double elapsed_us(std::chrono::steady_clock::time_point t0) {
         return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     }
@@ -148,7 +160,7 @@ private:
                 const int64_t n = n_;
                 Fn fn = fn_;
                 void* ctx = ctx_;
-                for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < n;) fn(ctx, i);
+                take_items(n, fn, ctx);
             }
             if (active_.fetch_sub(1) == 1) {
                 std::lock_guard<std::mutex> lk(mu_);

@@ -1,25 +1,34 @@
-// simd.h — the per-ISA building blocks of decode attention.
+// simd.h — the per-ISA building blocks of decode attention over one page.
 //
 // kernels.cpp is compiled once per ISA; the compiler flags of each module define which branch
 // below exists in it (__AVX512F__, __AVX2__ or neither). Every branch implements the same
-// functions with the same meaning; the attention driver in attention.h calls only these.
+// functions with the same meaning; the driver in kvstore.h calls only these.
 //
-// Shapes: a block is BT = 16 tokens. Rows have Dp elements (head_dim rounded up to 16, the pad
-// is zero in the store), so no vector loop ever needs a tail.
+// A page holds PT = 32 tokens of one (sequence, layer). Per KV head it has
+//   K run  [Dw][PT] 32-bit words, Dw = Dp*itemsize/4: word w of token t holds dims (2w, 2w+1)
+//                   for bf16/fp16, dim w for fp32. One vector load = 16 tokens of one word, so
+//                   a K vector meets a broadcast q[d] of every query head of the group: one pass
+//                   over K serves all g heads, with no horizontal sums, tokens in natural order
+//   V run  [PT][Dp] token-major: acc[j][:] += p_j[t] * V[t][:]
+// Dp = head_dim rounded up to 16; pad dims are zero in the store.
 //
-//   cvt_rows(src, dt, nrows, Dp, dst)     KV rows of dtype dt -> fp32 [16][Dp], rows >= nrows zeroed
-//   scores16(q, K, Dp, s)                 s[t] = q . K[t]               (q already scaled)
-//   softmax16(s, nvalid, m, l)            online softmax step in base 2; s <- p; returns alpha
-//   scale_row(acc, alpha, Dp)             acc *= alpha
-//   pv16(p, V, Dp, acc)                   acc += sum_t p[t] * V[t]
-//   exp2_1(x)                             scalar 2^x computed exactly as the vector path does
-//   store_row(src, sdt, dst, ddt, D, Dp)  one row into the store with dtype conversion + zero pad
-//   q_row(src, sdt, D, Dp, scale, dst)    one query row -> fp32 * scale, zero pad
-//   out_row(acc, inv_l, D, dst, odt)      final normalisation, fp32 or bf16 out
+// bf16 -> fp32 is a 16-bit shift: a 32-bit word w holding two bf16 gives (w << 16) and
+// (w & 0xffff0000), the even and odd dims. For V rows that permutes dims inside each group of
+// 32 (16 with AVX2): the accumulators are kept in "acc" order (apos) and un-permuted on output.
+//
+//   scores_page(dt, K, Dp, q, g, S, pf)  S[j][t] = q_j . K[:, t] (q scaled, log2 units); also
+//                                        prefetches the next page's runs at pf (nullptr: none)
+//   softmax_page(S, nvalid, m, l)        online softmax step on one head's 32 tokens; S <- p
+//   pv_page(dt, V, nvalid, Dp, S, g, acc)  acc[j][apos] += sum_t p_j[t] V[t][:]
+//   scale_row(acc, alpha, Dp)            acc *= alpha
+//   apos(dt, d, Dp)                      accumulator index of dim d
+//   exp2_1(x)                            scalar 2^x computed exactly as the vector path does
+//   store_row(src, sdt, dst, ddt, D, Dp) one row into the store with dtype conversion + zero pad
 #pragma once
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 
@@ -29,7 +38,21 @@
 
 namespace FD_NS {
 
-constexpr int BT = 16;  // tokens per block (one AVX-512 vector of scores)
+constexpr int PT = 32;  // tokens per page (and per softmax block)
+
+// 2^r on [-0.5, 0.5]: Taylor coefficients ln2^k / k!, k = 0..7 (relative error < 1e-8)
+constexpr float EXP2_POLY[8] = {1.0f, 6.9314718055994531e-01f, 2.4022650695910071e-01f, 5.5504108664821580e-02f,
+                                9.6181291076284772e-03f, 1.3333558146428443e-03f, 1.5403530393381606e-04f,
+                                1.5252733804059840e-05f};
+
+// Software prefetch of the NEXT page while this one is computed: the scores loop walks the K
+// run of this page and, at twice its pace, the K+V runs of the next one (they are contiguous),
+// so a page arrives in cache as it is needed and the prefetches spread evenly over compute.
+// Measured against a burst of 256 prefetches at each page start (which queues on the L1 miss
+// buffers), L2-only hints and none: bench/KERNEL_NOTES.md.
+static inline void prefetch_lines(const char* p, size_t from, size_t to) {
+    for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
 
 // ============================================================================
 // shared scalar helpers
@@ -58,13 +81,43 @@ static inline void q_row(const void* src, int sdt, int D, int Dp, float scale, f
     for (int i = D; i < Dp; ++i) dst[i] = 0.f;
 }
 
-static inline void out_row(const float* acc, float inv_l, int D, void* dst, int odt) {
+// final normalisation; acc is in accumulator order, pos[d] maps dim -> accumulator index
+static inline void out_row(const float* acc, const int* pos, float inv_l, int D, void* dst, int odt) {
     if (odt == F32) {
         float* o = static_cast<float*>(dst);
-        for (int i = 0; i < D; ++i) o[i] = acc[i] * inv_l;
+        for (int i = 0; i < D; ++i) o[i] = acc[pos[i]] * inv_l;
     } else {
         uint16_t* o = static_cast<uint16_t*>(dst);
-        for (int i = 0; i < D; ++i) o[i] = f32_to_bf16(acc[i] * inv_l);
+        for (int i = 0; i < D; ++i) o[i] = f32_to_bf16(acc[pos[i]] * inv_l);
+    }
+}
+
+// Dispatch a runtime (dtype, group size) to a template instantiation. F(DT, GH) must be a
+// generic lambda-like functor taking std::integral_constant arguments.
+template <int DT, int MAXG, class F>
+static inline void with_group(int gh, F&& f) {
+    switch (gh) {
+        case 1: f(std::integral_constant<int, DT>(), std::integral_constant<int, 1>()); break;
+        case 2: if constexpr (MAXG >= 2) f(std::integral_constant<int, DT>(), std::integral_constant<int, 2>()); break;
+        case 3: if constexpr (MAXG >= 3) f(std::integral_constant<int, DT>(), std::integral_constant<int, 3>()); break;
+        case 4: if constexpr (MAXG >= 4) f(std::integral_constant<int, DT>(), std::integral_constant<int, 4>()); break;
+        case 5: if constexpr (MAXG >= 5) f(std::integral_constant<int, DT>(), std::integral_constant<int, 5>()); break;
+        case 6: if constexpr (MAXG >= 6) f(std::integral_constant<int, DT>(), std::integral_constant<int, 6>()); break;
+        case 7: if constexpr (MAXG >= 7) f(std::integral_constant<int, DT>(), std::integral_constant<int, 7>()); break;
+        case 8: if constexpr (MAXG >= 8) f(std::integral_constant<int, DT>(), std::integral_constant<int, 8>()); break;
+        default: break;
+    }
+}
+
+template <int MAXG, class F>
+static inline void for_groups(int dt, int g, F&& f) {
+    // heads in groups of at most MAXG (the register budget), each group one template call
+    for (int j0 = 0; j0 < g; j0 += MAXG) {
+        int gh = g - j0 < MAXG ? g - j0 : MAXG;
+        auto call = [&](auto DT, auto GH) { f(DT, GH, j0); };
+        if (dt == BF16) with_group<BF16, MAXG>(gh, call);
+        else if (dt == F16) with_group<F16, MAXG>(gh, call);
+        else with_group<F32, MAXG>(gh, call);
     }
 }
 
@@ -74,53 +127,194 @@ static inline void out_row(const float* acc, float inv_l, int D, void* dst, int 
 // ============================================================================
 #define FD_ISA_NAME "avx512"
 
-static inline void cvt_rows(const void* src, int dt, int nrows, int Dp, float* dst) {
-    const size_t n = (size_t)nrows * Dp;
-    if (dt == BF16) {
-        // bf16 -> fp32 is exact: widen to 32 bits and shift into the high half
-        const uint16_t* s = static_cast<const uint16_t*>(src);
-        for (size_t i = 0; i < n; i += 16) {
-            __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + i)));
-            _mm512_store_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-        }
-    } else if (dt == F16) {
-        const uint16_t* s = static_cast<const uint16_t*>(src);
-        for (size_t i = 0; i < n; i += 16)
-            _mm512_store_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + i))));
+// accumulator index of dim d: even/odd split inside every full 32-dim chunk of a bf16 V row
+static inline int apos(int dt, int d, int Dp) {
+    if (dt != BF16 || d >= Dp / 32 * 32) return d;
+    int c = d & ~31, r = d & 31;
+    return c + (r & 1) * 16 + (r >> 1);
+}
+
+// two fp32 vectors from 32 stored values (bf16: even/odd split; else natural halves)
+template <int DT>
+static inline void load32(const void* p, __m512& a, __m512& b) {
+    if constexpr (DT == BF16) {
+        __m512i x = _mm512_loadu_si512(p);
+        a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+    } else if constexpr (DT == F16) {
+        a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+        b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p + 1));
     } else {
-        std::memcpy(dst, src, n * 4);
+        a = _mm512_loadu_ps(static_cast<const float*>(p));
+        b = _mm512_loadu_ps(static_cast<const float*>(p) + 16);
     }
-    for (size_t i = n; i < (size_t)BT * Dp; i += 16) _mm512_store_ps(dst + i, _mm512_setzero_ps());
 }
 
-// lane t of the result = horizontal sum of a[t]; 45 shuffles/adds for 16 vectors
-static inline __m512 transpose_sum16(__m512 a[16]) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; ++i)   // per 128-bit lane: [a0 a1 a0 a1] partial pairs
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) { // per 128-bit lane: [t0 t1 t2 t3] of that quarter
-        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; ++i)   // fold quarters: [t0-3 (q0+q1), t0-3 (q2+q3), t4-7 ..., t4-7 ...]
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+template <int DT>
+static inline __m512 load16(const void* p) {  // natural order
+    if constexpr (DT == BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    else if constexpr (DT == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    else return _mm512_loadu_ps(static_cast<const float*>(p));
 }
 
-static inline void scores16(const float* q, const float* K, int Dp, float* s) {
-    __m512 a[16];
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
-    for (int d = 0; d < Dp; d += 16) {
-        __m512 qv = _mm512_loadu_ps(q + d);
-#pragma GCC unroll 16
-        for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(K + (size_t)t * Dp + d), a[t]);
+// one K word-row of 16 tokens -> the fp32 vectors of its dims (2 for 16-bit dtypes, 1 for fp32)
+template <int DT>
+static inline void kword16(const char* p, __m512& x, __m512& y) {
+    if constexpr (DT == BF16) {
+        __m512i w = _mm512_loadu_si512(p);
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));                                   // dim 2w
+        y = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));  // dim 2w+1
+    } else {  // F16: split the halves, then convert
+        __m512i w = _mm512_loadu_si512(p);
+        x = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+        y = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
     }
-    _mm512_storeu_ps(s, transpose_sum16(a));
+}
+
+// S[j][0:32] for GH heads; 4 accumulators per head keep enough FMA chains in flight
+template <int DT, int GH>
+static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf) {
+    const char* k = static_cast<const char*>(K);
+    __m512 a0[GH], a1[GH], b0[GH], b1[GH];   // a: tokens 0-15, b: tokens 16-31; 0/1: two dims
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j) a0[j] = a1[j] = b0[j] = b1[j] = _mm512_setzero_ps();
+    // each step consumes 2 dims of 32 tokens = 128 bytes (bf16/fp16: 1 word-row, fp32: 2)
+    for (int d = 0; d < Dp; d += 2) {
+        const char* row = k + (size_t)d * PT * (DT == F32 ? 4 : 2);
+        if (pf) prefetch_lines(pf, 2 * (size_t)d * PT * (DT == F32 ? 4 : 2), 2 * (size_t)(d + 2) * PT * (DT == F32 ? 4 : 2));
+        __m512 xa, ya, xb, yb;
+        if constexpr (DT == F32) {
+            xa = _mm512_loadu_ps((const float*)row);
+            xb = _mm512_loadu_ps((const float*)row + 16);
+            ya = _mm512_loadu_ps((const float*)row + 32);
+            yb = _mm512_loadu_ps((const float*)row + 48);
+        } else {
+            kword16<DT>(row, xa, ya);
+            kword16<DT>(row + 64, xb, yb);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            __m512 q0 = _mm512_set1_ps(q[(size_t)j * Dp + d]), q1 = _mm512_set1_ps(q[(size_t)j * Dp + d + 1]);
+            a0[j] = _mm512_fmadd_ps(xa, q0, a0[j]);
+            b0[j] = _mm512_fmadd_ps(xb, q0, b0[j]);
+            a1[j] = _mm512_fmadd_ps(ya, q1, a1[j]);
+            b1[j] = _mm512_fmadd_ps(yb, q1, b1[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j) {
+        _mm512_storeu_ps(S + (size_t)j * PT, _mm512_add_ps(a0[j], a1[j]));
+        _mm512_storeu_ps(S + (size_t)j * PT + 16, _mm512_add_ps(b0[j], b1[j]));
+    }
+}
+
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+    for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
+        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr);
+    });
+}
+
+// acc[j][d0 : d0+32*TC] += sum_{t < nvalid} p_j[t] V[t][...] for GH heads: TC chunks of 32 dims
+// per pass, so one broadcast of p_j[t] feeds 2*TC FMAs and acc moves through memory once a page
+template <int DT, int GH, int TC>
+static inline void pv_tile(const char* v, int nvalid, size_t row, int d0, int Dp, const float* S, float* acc) {
+    constexpr size_t esz = DT == F32 ? 4 : 2;
+    __m512 a[GH][2 * TC];
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm512_loadu_ps(acc + (size_t)j * Dp + d0 + 16 * c);
+    for (int t = 0; t < nvalid; ++t) {
+        __m512 x[2 * TC];
+#pragma GCC unroll 4
+        for (int c = 0; c < TC; ++c) load32<DT>(v + t * row + (d0 + 32 * c) * esz, x[2 * c], x[2 * c + 1]);
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            __m512 p = _mm512_set1_ps(S[(size_t)j * PT + t]);
+#pragma GCC unroll 8
+            for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm512_fmadd_ps(x[c], p, a[j][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < 2 * TC; ++c) _mm512_storeu_ps(acc + (size_t)j * Dp + d0 + 16 * c, a[j][c]);
+}
+
+template <int DT, int GH>
+static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc) {
+    constexpr size_t esz = DT == F32 ? 4 : 2;
+    constexpr int TC = GH <= 2 ? 4 : GH <= 4 ? 2 : 1;   // accumulators 2*TC*GH <= 16
+    const char* v = static_cast<const char*>(V);
+    const size_t row = (size_t)Dp * esz;
+    int d = 0;
+    for (; d + 32 * TC <= Dp; d += 32 * TC) pv_tile<DT, GH, TC>(v, nvalid, row, d, Dp, S, acc);
+    for (; d + 32 <= Dp; d += 32) pv_tile<DT, GH, 1>(v, nvalid, row, d, Dp, S, acc);
+    if (d < Dp) {  // a 16-dim tail (Dp % 32 == 16), natural order
+        __m512 a[GH];
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) a[j] = _mm512_loadu_ps(acc + (size_t)j * Dp + d);
+        for (int t = 0; t < nvalid; ++t) {
+            __m512 x = load16<DT>(v + t * row + d * esz);
+#pragma GCC unroll 8
+            for (int j = 0; j < GH; ++j) a[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(S[(size_t)j * PT + t]), a[j]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) _mm512_storeu_ps(acc + (size_t)j * Dp + d, a[j]);
+    }
+}
+
+static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc) {
+    for_groups<8>(dt, g, [&](auto DT, auto GH, int j0) {
+        pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
+    });
+}
+
+// ---- AVX512-BF16 scores: bf16 K with bf16 queries --------------------------------------
+// When q arrives as bf16 (the S-worker ships bf16) every product q[d]*k[d] is exact in fp32, so
+// vdpbf16ps (two products + add per lane) computes the same dot product as widening K and
+// using FMAs, in 1 instruction per 32 values instead of 2 + 2/g. Not used for fp32 queries:
+// rounding q to bf16 would lose precision. The module runs on AVX-512 CPUs without BF16, so
+// these functions carry their own target attribute and run only if cpuid reports avx512bf16.
+#define FD_HAVE_DPBF16 1
+
+template <int GH>
+__attribute__((target("avx512bf16"))) static void scores_group_dp(const char* k, int Dw, const uint32_t* qw, float sc,
+                                                                 float* S, const char* pf) {
+    __m512 a0[GH], b0[GH], a1[GH], b1[GH];   // a: tokens 0-15, b: 16-31; 0/1: even/odd word rows
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j) a0[j] = b0[j] = a1[j] = b1[j] = _mm512_setzero_ps();
+    for (int w = 0; w < Dw; w += 2) {                  // Dw is even (Dp is a multiple of 16)
+        const char* row = k + (size_t)w * PT * 4;    // 2 word rows = 256 bytes
+        if (pf) prefetch_lines(pf, 2 * (size_t)w * PT * 4, 2 * (size_t)(w + 2) * PT * 4);
+        __m512i x0 = _mm512_loadu_si512(row), y0 = _mm512_loadu_si512(row + 64);
+        __m512i x1 = _mm512_loadu_si512(row + 128), y1 = _mm512_loadu_si512(row + 192);
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            __m512i q0 = _mm512_set1_epi32((int)qw[(size_t)j * Dw + w]);
+            __m512i q1 = _mm512_set1_epi32((int)qw[(size_t)j * Dw + w + 1]);
+            a0[j] = _mm512_dpbf16_ps(a0[j], (__m512bh)x0, (__m512bh)q0);
+            b0[j] = _mm512_dpbf16_ps(b0[j], (__m512bh)y0, (__m512bh)q0);
+            a1[j] = _mm512_dpbf16_ps(a1[j], (__m512bh)x1, (__m512bh)q1);
+            b1[j] = _mm512_dpbf16_ps(b1[j], (__m512bh)y1, (__m512bh)q1);
+        }
+    }
+    const __m512 vs = _mm512_set1_ps(sc);
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j) {
+        _mm512_storeu_ps(S + (size_t)j * PT, _mm512_mul_ps(_mm512_add_ps(a0[j], a1[j]), vs));
+        _mm512_storeu_ps(S + (size_t)j * PT + 16, _mm512_mul_ps(_mm512_add_ps(b0[j], b1[j]), vs));
+    }
+}
+
+// qw [g][Dw]: query pairs as bf16 words (unscaled); S gets scores * sc
+static inline void scores_page_dp(const void* K, int Dp, const uint32_t* qw, float sc, int g, float* S, const char* pf) {
+    const int Dw = Dp / 2;
+    for_groups<4>(BF16, g, [&](auto, auto GH, int j0) {
+        scores_group_dp<GH.value>(static_cast<const char*>(K), Dw, qw + (size_t)j0 * Dw, sc, S + (size_t)j0 * PT,
+                                  j0 == 0 ? pf : nullptr);
+    });
 }
 
 // 2^x for x <= 0 (softmax arguments): 2^round(x) * poly(frac), degree-7 Taylor, rel err < 1e-8
@@ -128,27 +322,28 @@ static inline __m512 exp2v(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));  // -inf -> 2^-200 -> 0 after scalef
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-02f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_POLY[7]);
+#pragma GCC unroll 7
+    for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP2_POLY[i]));
     return _mm512_scalef_ps(p, n);
 }
 
 static inline float exp2_1(float x) { return _mm512_cvtss_f32(exp2v(_mm512_set1_ps(x))); }
 
-static inline float softmax16(float* s, int nvalid, float& m, float& l) {
-    const __mmask16 valid = (__mmask16)((1u << nvalid) - 1u);
-    __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s);
-    float mn = std::fmax(m, _mm512_reduce_max_ps(x));
-    __m512 p = _mm512_maskz_mov_ps(valid, exp2v(_mm512_sub_ps(x, _mm512_set1_ps(mn))));
-    _mm512_storeu_ps(s, p);
+// one head's 32 tokens: mask invalid ones, update running max m and sum l, S <- p
+static inline float softmax_page(float* S, int nvalid, float& m, float& l) {
+    const __mmask16 ka = (__mmask16)((1u << (nvalid < 16 ? nvalid : 16)) - 1u);
+    const __mmask16 kb = (__mmask16)((1u << (nvalid > 16 ? nvalid - 16 : 0)) - 1u);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 x = _mm512_mask_loadu_ps(ninf, ka, S), y = _mm512_mask_loadu_ps(ninf, kb, S + 16);
+    float mn = std::fmax(m, _mm512_reduce_max_ps(_mm512_max_ps(x, y)));
+    __m512 vm = _mm512_set1_ps(mn);
+    __m512 px = _mm512_maskz_mov_ps(ka, exp2v(_mm512_sub_ps(x, vm)));
+    __m512 py = _mm512_maskz_mov_ps(kb, exp2v(_mm512_sub_ps(y, vm)));
+    _mm512_storeu_ps(S, px);
+    _mm512_storeu_ps(S + 16, py);
     float alpha = (mn == m) ? 1.f : exp2_1(m - mn);
-    l = l * alpha + _mm512_reduce_add_ps(p);
+    l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(px, py));
     m = mn;
     return alpha;
 }
@@ -156,37 +351,6 @@ static inline float softmax16(float* s, int nvalid, float& m, float& l) {
 static inline void scale_row(float* acc, float alpha, int Dp) {
     __m512 a = _mm512_set1_ps(alpha);
     for (int d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(a, _mm512_loadu_ps(acc + d)));
-}
-
-// R register tiles of 16 floats each: acc[0:16R] += sum_t p[t] V[t][0:16R]
-template <int R>
-static inline void pv_tile(const float* p, const float* V, int Dp, float* acc) {
-    __m512 c[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) c[r] = _mm512_loadu_ps(acc + 16 * r);
-#pragma GCC unroll 4
-    for (int t = 0; t < 16; ++t) {
-        __m512 pt = _mm512_set1_ps(p[t]);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(V + (size_t)t * Dp + 16 * r), c[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + 16 * r, c[r]);
-}
-
-static inline void pv16(const float* p, const float* V, int Dp, float* acc) {
-    int d = 0;
-    for (; d + 128 <= Dp; d += 128) pv_tile<8>(p, V + d, Dp, acc + d);
-    switch ((Dp - d) / 16) {
-        case 7: pv_tile<7>(p, V + d, Dp, acc + d); break;
-        case 6: pv_tile<6>(p, V + d, Dp, acc + d); break;
-        case 5: pv_tile<5>(p, V + d, Dp, acc + d); break;
-        case 4: pv_tile<4>(p, V + d, Dp, acc + d); break;
-        case 3: pv_tile<3>(p, V + d, Dp, acc + d); break;
-        case 2: pv_tile<2>(p, V + d, Dp, acc + d); break;
-        case 1: pv_tile<1>(p, V + d, Dp, acc + d); break;
-        default: break;
-    }
 }
 
 static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D, int Dp) {
@@ -197,8 +361,7 @@ static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D
     for (int i = 0; i < D; i += 16) {
         __m512 x;
         if (sdt == F32) x = _mm512_loadu_ps(static_cast<const float*>(src) + i);
-        else x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(src) + i))), 16));
+        else x = load16<BF16>(static_cast<const uint16_t*>(src) + i);
         if (ddt == F32) {
             _mm512_storeu_ps(static_cast<float*>(dst) + i, x);
         } else if (ddt == F16) {
@@ -220,66 +383,124 @@ static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D
 
 #elif defined(__AVX2__)
 // ============================================================================
-// AVX2 + FMA + F16C: 8 fp32 lanes; a 16-token block is two groups of 8
+// AVX2 + FMA + F16C: 8 fp32 lanes; 32 tokens / 32 dims = 4 vectors
 // ============================================================================
 #define FD_ISA_NAME "avx2"
 
-static inline void cvt_rows(const void* src, int dt, int nrows, int Dp, float* dst) {
-    const size_t n = (size_t)nrows * Dp;
-    if (dt == BF16) {
-        const uint16_t* s = static_cast<const uint16_t*>(src);
-        for (size_t i = 0; i < n; i += 8) {
-            __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(s + i)));
-            _mm256_store_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
-        }
-    } else if (dt == F16) {
-        const uint16_t* s = static_cast<const uint16_t*>(src);
-        for (size_t i = 0; i < n; i += 8) _mm256_store_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+// bf16: each 16-value half splits into even (8) then odd (8)
+static inline int split16(int r) { return (r & 16) + (r & 1) * 8 + ((r & 15) >> 1); }
+static inline int apos(int dt, int d, int) { return dt == BF16 ? (d & ~31) + split16(d & 31) : d; }
+
+template <int DT>
+static inline void load16(const void* p, __m256& a, __m256& b) {  // 16 stored values -> 2 vectors
+    if constexpr (DT == BF16) {
+        __m256i x = _mm256_loadu_si256((const __m256i*)p);
+        a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+    } else if constexpr (DT == F16) {
+        a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + 1));
     } else {
-        std::memcpy(dst, src, n * 4);
+        a = _mm256_loadu_ps(static_cast<const float*>(p));
+        b = _mm256_loadu_ps(static_cast<const float*>(p) + 8);
     }
-    for (size_t i = n; i < (size_t)BT * Dp; i += 8) _mm256_store_ps(dst + i, _mm256_setzero_ps());
 }
 
-// lane t of the result = horizontal sum of a[t], 8 vectors
-static inline __m256 transpose_sum8(__m256 a[8]) {
-    __m256 b[4], c[2];
-    for (int i = 0; i < 4; ++i)
-        b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 2; ++i) {
-        __m256d x = _mm256_castps_pd(b[2 * i]), y = _mm256_castps_pd(b[2 * i + 1]);
-        c[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-    }
-    return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
-}
-
-static inline void scores16(const float* q, const float* K, int Dp, float* s) {
-    for (int half = 0; half < 2; ++half) {
-        const float* Kh = K + (size_t)half * 8 * Dp;
-        __m256 a[8];
+// S[j][0:32] for GH heads: per K word-row, 4 loads of 8 tokens
+template <int DT, int GH>
+static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf) {
+    constexpr int dims_per_row = DT == F32 ? 1 : 2;
+    const char* k = static_cast<const char*>(K);
+    __m256 acc[GH][4];
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
-        for (int d = 0; d < Dp; d += 8) {
-            __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < GH; ++j)
+        for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+    for (int d = 0; d < Dp; d += dims_per_row) {
+        const char* row = k + (size_t)d * PT * (DT == F32 ? 4 : 2);    // 128 bytes
+        if (pf) prefetch_lines(pf, 2 * (row - k), 2 * (row - k) + 256);
+        for (int i = 0; i < 4; ++i) {
+            if constexpr (DT == F32) {
+                __m256 x = _mm256_loadu_ps((const float*)row + 8 * i);
 #pragma GCC unroll 8
-            for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(Kh + (size_t)t * Dp + d), a[t]);
+                for (int j = 0; j < GH; ++j)
+                    acc[j][i] = _mm256_fmadd_ps(x, _mm256_broadcast_ss(q + (size_t)j * Dp + d), acc[j][i]);
+            } else {
+                __m256i w = _mm256_loadu_si256((const __m256i*)row + i);
+                __m256 x, y;
+                if constexpr (DT == BF16) {
+                    x = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                    y = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+                } else {  // F16: gather the low / high halves of the 8 words, then convert
+                    const __m256i lo = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+                    __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, lo), 0x08);
+                    __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_srli_epi32(w, 16), lo), 0x08);
+                    x = _mm256_cvtph_ps(_mm256_castsi256_si128(a));
+                    y = _mm256_cvtph_ps(_mm256_castsi256_si128(b));
+                }
+#pragma GCC unroll 8
+                for (int j = 0; j < GH; ++j) {
+                    acc[j][i] = _mm256_fmadd_ps(x, _mm256_broadcast_ss(q + (size_t)j * Dp + d), acc[j][i]);
+                    acc[j][i] = _mm256_fmadd_ps(y, _mm256_broadcast_ss(q + (size_t)j * Dp + d + 1), acc[j][i]);
+                }
+            }
         }
-        _mm256_storeu_ps(s + 8 * half, transpose_sum8(a));
     }
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(S + (size_t)j * PT + 8 * i, acc[j][i]);
+}
+
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+    for_groups<2>(dt, g, [&](auto DT, auto GH, int j0) {
+        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr);
+    });
+}
+
+// 16 dims (2 vectors) per tile, GH heads
+template <int DT, int GH>
+static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc) {
+    constexpr size_t esz = DT == F32 ? 4 : 2;
+    const char* v = static_cast<const char*>(V);
+    const size_t row = (size_t)Dp * esz;
+    for (int d = 0; d < Dp; d += 16) {
+        __m256 a[GH][2];
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            a[j][0] = _mm256_loadu_ps(acc + (size_t)j * Dp + d);
+            a[j][1] = _mm256_loadu_ps(acc + (size_t)j * Dp + d + 8);
+        }
+        for (int t = 0; t < nvalid; ++t) {
+            __m256 x, y;
+            load16<DT>(v + t * row + d * esz, x, y);
+#pragma GCC unroll 8
+            for (int j = 0; j < GH; ++j) {
+                __m256 p = _mm256_broadcast_ss(S + (size_t)j * PT + t);
+                a[j][0] = _mm256_fmadd_ps(x, p, a[j][0]);
+                a[j][1] = _mm256_fmadd_ps(y, p, a[j][1]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            _mm256_storeu_ps(acc + (size_t)j * Dp + d, a[j][0]);
+            _mm256_storeu_ps(acc + (size_t)j * Dp + d + 8, a[j][1]);
+        }
+    }
+}
+
+static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc) {
+    for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
+        pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
+    });
 }
 
 static inline __m256 exp2v(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));  // keeps 2^n a normal float
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.5403530393381606e-04f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428443e-03f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-03f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-02f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-01f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-01f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_POLY[7]);
+#pragma GCC unroll 7
+    for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP2_POLY[i]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -300,24 +521,23 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-static inline __m256 lane_mask(int nvalid) {  // lanes [0, nvalid) all-ones
-    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid), idx));
-}
-
-static inline float softmax16(float* s, int nvalid, float& m, float& l) {
+static inline float softmax_page(float* S, int nvalid, float& m, float& l) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    __m256 k0 = lane_mask(nvalid), k1 = lane_mask(nvalid - 8);
-    __m256 x0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s), k0);
-    __m256 x1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + 8), k1);
-    float mn = std::fmax(m, hmax8(_mm256_max_ps(x0, x1)));
-    __m256 vm = _mm256_set1_ps(mn);
-    __m256 p0 = _mm256_and_ps(k0, exp2v(_mm256_sub_ps(x0, vm)));
-    __m256 p1 = _mm256_and_ps(k1, exp2v(_mm256_sub_ps(x1, vm)));
-    _mm256_storeu_ps(s, p0);
-    _mm256_storeu_ps(s + 8, p1);
+    __m256 k[4], x[4];
+    for (int i = 0; i < 4; ++i) {  // lanes of tokens < nvalid
+        k[i] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * i), lane));
+        x[i] = _mm256_blendv_ps(ninf, _mm256_loadu_ps(S + 8 * i), k[i]);
+    }
+    float mn = std::fmax(m, hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3]))));
+    __m256 vm = _mm256_set1_ps(mn), sum = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        __m256 p = _mm256_and_ps(k[i], exp2v(_mm256_sub_ps(x[i], vm)));
+        _mm256_storeu_ps(S + 8 * i, p);
+        sum = _mm256_add_ps(sum, p);
+    }
     float alpha = (mn == m) ? 1.f : exp2_1(m - mn);
-    l = l * alpha + hsum8(_mm256_add_ps(p0, p1));
+    l = l * alpha + hsum8(sum);
     m = mn;
     return alpha;
 }
@@ -325,36 +545,6 @@ static inline float softmax16(float* s, int nvalid, float& m, float& l) {
 static inline void scale_row(float* acc, float alpha, int Dp) {
     __m256 a = _mm256_set1_ps(alpha);
     for (int d = 0; d < Dp; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(a, _mm256_loadu_ps(acc + d)));
-}
-
-template <int R>
-static inline void pv_tile(const float* p, const float* V, int Dp, float* acc) {
-    __m256 c[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) c[r] = _mm256_loadu_ps(acc + 8 * r);
-#pragma GCC unroll 4
-    for (int t = 0; t < 16; ++t) {
-        __m256 pt = _mm256_broadcast_ss(p + t);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) c[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(V + (size_t)t * Dp + 8 * r), c[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + 8 * r, c[r]);
-}
-
-static inline void pv16(const float* p, const float* V, int Dp, float* acc) {
-    int d = 0;
-    for (; d + 64 <= Dp; d += 64) pv_tile<8>(p, V + d, Dp, acc + d);
-    switch ((Dp - d) / 8) {
-        case 7: pv_tile<7>(p, V + d, Dp, acc + d); break;
-        case 6: pv_tile<6>(p, V + d, Dp, acc + d); break;
-        case 5: pv_tile<5>(p, V + d, Dp, acc + d); break;
-        case 4: pv_tile<4>(p, V + d, Dp, acc + d); break;
-        case 3: pv_tile<3>(p, V + d, Dp, acc + d); break;
-        case 2: pv_tile<2>(p, V + d, Dp, acc + d); break;
-        case 1: pv_tile<1>(p, V + d, Dp, acc + d); break;
-        default: break;
-    }
 }
 
 static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D, int Dp) {
@@ -375,44 +565,80 @@ static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D
 
 #else
 // ============================================================================
-// portable: plain C++, baseline ISA only (SSE2 on x86-64); loops written so -O3 vectorizes
-// them with whatever the baseline offers. No intrinsics.
+// portable: plain C++, baseline ISA only (SSE2 on x86-64); inner loops over 32 tokens or over
+// dims are written so -O3 vectorizes them with whatever the baseline offers. No intrinsics.
 // ============================================================================
 #define FD_ISA_NAME "portable"
 
-static inline void cvt_rows(const void* src, int dt, int nrows, int Dp, float* dst) {
-    const size_t n = (size_t)nrows * Dp;
-    if (dt == BF16) {
-        const uint16_t* s = static_cast<const uint16_t*>(src);
-        for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-    } else if (dt == F16) {
-        const uint16_t* s = static_cast<const uint16_t*>(src);
-        for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
-    } else {
-        std::memcpy(dst, src, n * 4);
+static inline int apos(int, int d, int) { return d; }
+
+template <int DT>
+static inline float ld(const void* p, size_t i) {
+    if constexpr (DT == BF16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    else if constexpr (DT == F16) return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    else return static_cast<const float*>(p)[i];
+}
+
+template <int DT>
+static inline void scores_t(const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+    constexpr int dpr = DT == F32 ? 1 : 2;   // dims per 32-bit word
+    const uint32_t* k = static_cast<const uint32_t*>(K);
+    for (int i = 0; i < g * PT; ++i) S[i] = 0.f;
+    float x[PT], y[PT];
+    for (int d = 0; d < Dp; d += dpr) {
+        const uint32_t* row = k + (size_t)(d / dpr) * PT;
+        if (pf) prefetch_lines(pf, 2 * (size_t)(d / dpr) * PT * 4, 2 * (size_t)(d / dpr + 1) * PT * 4);
+        for (int t = 0; t < PT; ++t) {
+            if constexpr (DT == F32) x[t] = bits_f32(row[t]);
+            else if constexpr (DT == BF16) { x[t] = bits_f32(row[t] << 16); y[t] = bits_f32(row[t] & 0xffff0000u); }
+            else { x[t] = f16_to_f32((uint16_t)row[t]); y[t] = f16_to_f32((uint16_t)(row[t] >> 16)); }
+        }
+        for (int j = 0; j < g; ++j) {
+            float* s = S + (size_t)j * PT;
+            const float q0 = q[(size_t)j * Dp + d];
+            for (int t = 0; t < PT; ++t) s[t] += q0 * x[t];
+            if constexpr (dpr == 2) {
+                const float q1 = q[(size_t)j * Dp + d + 1];
+                for (int t = 0; t < PT; ++t) s[t] += q1 * y[t];
+            }
+        }
     }
-    for (size_t i = n; i < (size_t)BT * Dp; ++i) dst[i] = 0.f;
 }
 
-static inline float dot8(const float* a, const float* b, int Dp) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 independent partial sums (vectorizable)
-    for (int d = 0; d < Dp; d += 8)
-        for (int u = 0; u < 8; ++u) acc[u] += a[d + u] * b[d + u];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+    if (dt == BF16) scores_t<BF16>(K, Dp, q, g, S, pf);
+    else if (dt == F16) scores_t<F16>(K, Dp, q, g, S, pf);
+    else scores_t<F32>(K, Dp, q, g, S, pf);
 }
 
-static inline void scores16(const float* q, const float* K, int Dp, float* s) {
-    for (int t = 0; t < 16; ++t) s[t] = dot8(q, K + (size_t)t * Dp, Dp);
+template <int DT>
+static inline void pv_t(const void* V, int nvalid, int Dp, const float* S, int g, float* acc, float* v) {
+    for (int t = 0; t < nvalid; ++t) {
+        for (int d = 0; d < Dp; ++d) v[d] = ld<DT>(V, (size_t)t * Dp + d);
+        for (int j = 0; j < g; ++j) {
+            const float p = S[(size_t)j * PT + t];
+            float* a = acc + (size_t)j * Dp;
+            for (int d = 0; d < Dp; ++d) a[d] += p * v[d];
+        }
+    }
+}
+
+static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc) {
+    thread_local AlignedBuf vb;
+    float* v = vb.get(Dp);
+    if (dt == BF16) pv_t<BF16>(V, nvalid, Dp, S, g, acc, v);
+    else if (dt == F16) pv_t<F16>(V, nvalid, Dp, S, g, acc, v);
+    else pv_t<F32>(V, nvalid, Dp, S, g, acc, v);
 }
 
 static inline float exp2_1(float x) { return std::exp2(x); }
 
-static inline float softmax16(float* s, int nvalid, float& m, float& l) {
+static inline float softmax_page(float* s, int nvalid, float& m, float& l) {
     float bm = -INFINITY;
     for (int t = 0; t < nvalid; ++t) bm = std::fmax(bm, s[t]);
     float mn = std::fmax(m, bm);
     float sum = 0.f;
-    for (int t = 0; t < 16; ++t) {
+    for (int t = 0; t < PT; ++t) {
         s[t] = (t < nvalid) ? std::exp2(s[t] - mn) : 0.f;
         sum += s[t];
     }
@@ -424,14 +650,6 @@ static inline float softmax16(float* s, int nvalid, float& m, float& l) {
 
 static inline void scale_row(float* acc, float alpha, int Dp) {
     for (int d = 0; d < Dp; ++d) acc[d] *= alpha;
-}
-
-static inline void pv16(const float* p, const float* V, int Dp, float* acc) {
-    for (int t = 0; t < 16; ++t) {
-        const float pt = p[t];
-        const float* v = V + (size_t)t * Dp;
-        for (int d = 0; d < Dp; ++d) acc[d] += pt * v[d];
-    }
 }
 
 static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D, int Dp) {
