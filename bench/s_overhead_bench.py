@@ -21,49 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.engine import EngineArgs, LLMEngine
-from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo
-from fastdecode.rpart.staging import HostBuffer, Stager
+from fastdecode.rpart.loopback import LoopbackBackend
 from fastdecode.runner import ModelRunner
 from fastdecode.sampling_params import SamplingParams
 from fastdecode.sequence import Request, Sequence, Status
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class LoopbackBackend(RBackend):
-    """The S-worker half of the MPI transport with the network and R-workers cut out."""
-
-    def __init__(self, config, device, dtype):
-        self.workers = [WorkerInfo(rank=1, host="loopback", threads=0, isa="none", capacity_bytes=1 << 50)]
-        self.hq, self.d = config.num_heads, config.head_dim
-        self.stager = Stager(device)
-        pinned = device.type == "cuda"
-        self.slots = {}
-        self.dtype, self.pinned = dtype, pinned
-
-    def decode_begin(self, minibatches):
-        self.n = {mb: len(ids) for mb, (ids, _) in enumerate(minibatches)}
-        for mb in self.n:
-            if mb not in self.slots:
-                outs = [HostBuffer(self.dtype, self.pinned), HostBuffer(self.dtype, self.pinned)]
-                self.slots[mb] = {"send": HostBuffer(self.dtype, self.pinned), "out": outs, "ready": None}
-            for buf in self.slots[mb]["out"]:
-                buf.ensure(self.n[mb] * self.hq * self.d)
-                buf.tensor.normal_()
-
-    def decode_submit(self, layer, mb, q, k, v):
-        slot = self.slots[mb]
-        slot["ready"] = self.stager.to_host([q, k, v], slot["send"])
-
-    def decode_wait(self, layer, mb):
-        slot = self.slots[mb]
-        self.stager.wait(slot["ready"])          # the reply cannot come before the rows left
-        n = self.n[mb]
-        host = slot["out"][layer % 2].tensor[: n * self.hq * self.d].view(n, self.hq, self.d)
-        return self.stager.to_device(host)
-
-    def decode_end(self):
-        return StepStats()
 
 
 def pure_layer(config, dtype, device, batch, repeats):
@@ -124,7 +87,7 @@ def main():
     args = ap.parse_args()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, kv_dtype="bf16", max_batch=1 << 20))
     m, c = engine.model, engine.config
-    loop = LoopbackBackend(c, m.device, m.dtype)
+    loop = LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype)
     rows = []
     for batch in args.batches:
         seqs = fake_sequences(batch, c.vocab_size, 64)

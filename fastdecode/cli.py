@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--r-bytes", type=_bytes, default=256 << 20,
                     help="KV bytes of the long R-worker timing (default 256M; exceed the CPU caches)")
     pr.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions (median)")
+    pr.add_argument("--prompt-lens", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
+                    help="comma-separated prompt lengths for the prefill cost (default 16,128,512,2048)")
     from .plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     sub.add_parser("info", help="versions, ISA path, MPI, devices")
@@ -222,7 +224,7 @@ def run_profile_s_worker(args, comm) -> int:
     engine = LLMEngine(engine_args(args), comm)
     try:
         prof = run_profile(engine, args.batches, r_seqs=args.r_seqs, r_target_bytes=args.r_bytes,
-                           repeats=args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))
+                           repeats=args.repeats, prompt_lens=args.prompt_lens, log=lambda m: print(m, file=sys.stderr, flush=True))
     finally:
         engine.close()
     tmp = args.output + ".tmp"

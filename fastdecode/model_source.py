@@ -130,20 +130,30 @@ def _gguf_hf_dict(path: str) -> dict:
 
 
 def random_config_dict(spec: str) -> dict:
-    """`random:<shape>[:layers=N]`: a model of a published shape with random weights, for
-    benchmarks (FastDecode's evaluation does the same with fewer layers). Prompts are token ids."""
+    """`random:<shape>[:key=N ...]`: a model of a published shape with random weights, for
+    benchmarks (FastDecode's evaluation does the same with fewer layers). Prompts are token ids.
+    Keys override the shape: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab
+    (e.g. a dense part as cheap against its KV on a one-core S-worker as a 7B layer is on a GPU)."""
+    import dataclasses
+
     from .sizing import MODEL_PRESETS
     parts = spec.split(":")
     name = parts[1] if len(parts) > 1 else ""
     if name not in MODEL_PRESETS:
         raise ConfigError(f"{spec}: unknown shape {name!r}; random models take one of {', '.join(MODEL_PRESETS)}")
-    dims = MODEL_PRESETS[name]
-    layers = dims.num_layers
+    keys = {"layers": "num_layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
+            "head_dim": "head_dim", "intermediate": "intermediate", "vocab": "vocab"}
+    changes = {}
     for opt in parts[2:]:
         key, _, value = opt.partition("=")
-        if key != "layers" or not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"{spec}: expected random:<shape>[:layers=N], got option {opt!r}")
-        layers = int(value)
+        if key not in keys or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{spec}: expected random:<shape>[:key=N] with key one of {', '.join(keys)}, "
+                              f"got {opt!r}")
+        changes[keys[key]] = int(value)
+    dims = dataclasses.replace(MODEL_PRESETS[name], **changes)
+    if dims.heads % dims.kv_heads:
+        raise ConfigError(f"{spec}: heads ({dims.heads}) must be a multiple of kv_heads ({dims.kv_heads})")
+    layers = dims.num_layers
     return {"model_type": "llama", "hidden_size": dims.hidden, "num_hidden_layers": layers,
             "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads, "head_dim": dims.head_dim,
             "intermediate_size": dims.intermediate, "vocab_size": dims.vocab, "rms_norm_eps": 1e-5,

@@ -1,7 +1,8 @@
 """`fastdecode profile`: measure what the sizing model needs on the machines at hand.
 
-- T_S(B): the S-part of one layer (averaged over all layers, as the engine runs it) and the LM
-  head + sampling, over a batch grid on the S-worker's device;
+- T_S(B): the S-part of one layer (the engine's decode step through a loopback R-part, per
+  layer) and the LM head + sampling, over a batch grid on the S-worker's device;
+- prefill: seconds per prompt token over a prompt-length grid (the engine's prefill);
 - each R-worker's attention cost: seconds per KV byte and per call (every rank under mpirun);
 - the S<->R link: one-way time by message size (echo round trip / 2).
 The result is a `fastdecode-profile/1` JSON that `fastdecode plan --profile` reads.
@@ -16,11 +17,15 @@ import torch
 
 from .engine import KV_ITEMSIZE, LLMEngine
 from .sampler import SamplingBatch, sample
+from .rpart.loopback import LoopbackBackend
+from .runner import ModelRunner
 from .sampling_params import SamplingParams
+from .sequence import Request, Sequence, Status
 from .sizing import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
 
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
+PROMPT_GRID = [16, 128, 512, 2048]
 LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 22, 16 << 20, 64 << 20]
 
 
@@ -29,8 +34,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(fn, device, repeats: int) -> float:
-    fn()
+def _median(fn, device, repeats: int, warmup: bool = True) -> float:
+    if warmup:
+        fn()
     _sync(device)
     times = []
     for _ in range(repeats):
@@ -41,29 +47,53 @@ def _median(fn, device, repeats: int) -> float:
     return float(np.median(times))
 
 
+def fake_sequences(count: int, prompt_len: int, vocab: int, first_id: int = 1) -> list[Sequence]:
+    """`count` running sequences with `prompt_len` tokens of context each (token ids arbitrary)."""
+    rng = np.random.default_rng(prompt_len)
+    seqs = []
+    for i in range(count):
+        ids = rng.integers(0, vocab, prompt_len).tolist()
+        req = Request(i, str(i), None, ids, SamplingParams(max_tokens=8, temperature=0), seed=i)
+        seqs.append(Sequence(first_id + i, req, 0, 8, output_ids=[int(rng.integers(0, vocab))],
+                             status=Status.RUNNING, worker=0))
+    return seqs
+
+
 @torch.inference_mode()
 def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float, float]:
-    """(seconds per layer, seconds for LM head + greedy sampling) at `batch` rows."""
+    """(seconds per layer, seconds for LM head + sampling) of a decode step at `batch` rows.
+
+    The step is the engine's own (ModelRunner.decode: embedding, RoPE, layers, transport packing
+    and staging, LM head, sampling) through a loopback R-part that attends nothing, at one
+    mini-batch: the sizing model composes mini-batches itself. Per layer = (step - head) / layers.
+    """
     m, c = engine.model, engine.config
-    gen = torch.Generator(device=m.device).manual_seed(batch)
-    x = torch.randn(batch, c.hidden_size, device=m.device, generator=gen).to(m.dtype)
-    o = torch.randn(batch, c.num_heads, c.head_dim, device=m.device, generator=gen).to(m.dtype)
-    positions = torch.randint(0, min(c.max_position, 4096), (batch,), device=m.device, generator=gen)
-    cos, sin = m.rope.cos_sin(positions)
-
-    def layers():
-        for i in range(c.num_layers):
-            m.qkv(i, x, cos, sin)
-            m.post_attn(i, x, o)
-
+    runner = ModelRunner(m, LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype), engine.eos_ids, depth=1)
+    seqs = fake_sequences(batch, 16, c.vocab_size)
+    x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
     rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
-    layer_s = _median(layers, m.device, repeats) / c.num_layers
     head_s = _median(lambda: sample(m.logits(x), rows), m.device, repeats)
-    return layer_s, head_s
+    step_s = _median(lambda: runner.decode(seqs), m.device, repeats)
+    return max(step_s - head_s, 1e-9) / c.num_layers, head_s
+
+
+@torch.inference_mode()
+def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int, repeats: int = 1) -> float:
+    """Seconds per prompt token of a prefill chunk of `prompt_len`-token prompts (the engine's
+    ModelRunner.prefill: dense layers, causal attention over the prompt, K/V staged for sending,
+    first-token sampling), about `chunk_tokens` tokens per chunk (past the GEMM knee: per-token
+    cost no longer falls with the chunk, so the profile need not run whole --max-prefill-tokens)."""
+    m, c = engine.model, engine.config
+    runner = ModelRunner(m, LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype), engine.eos_ids, depth=1)
+    count = max(1, chunk_tokens // prompt_len)
+    seqs = fake_sequences(count, prompt_len, c.vocab_size)
+    runner.prefill(fake_sequences(1, 8, c.vocab_size))       # warm-up, cheap
+    return _median(lambda: runner.prefill(seqs), m.device, repeats, warmup=False) / (count * prompt_len)
 
 
 def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
                 r_target_bytes: int = 256 << 20, link_sizes: list[int] | None = None, repeats: int = 3,
+                prompt_lens: list[int] | None = None,
                 log=print) -> Profile:
     c = engine.config
     grid = sorted(batches or (GPU_GRID if engine.device.type == "cuda" else CPU_GRID))
@@ -73,11 +103,19 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
         layer_s.append(ls)
         head_s.append(hs)
         log(f"S-part  B={b:>6}: {ls * 1e3:8.3f} ms/layer, head {hs * 1e3:8.3f} ms")
+    max_prompt = min(c.max_position, engine.args.max_prefill_tokens)
+    prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt] or [max_prompt]
+    chunk = min(engine.args.max_prefill_tokens, 16384 if engine.device.type == "cuda" else 1024)
+    prefill_s = []
+    for p in prompt_grid:
+        prefill_s.append(time_prefill(engine, p, max(chunk, p)))
+        log(f"prefill prompt={p:>5}: {prefill_s[-1] * 1e6:8.2f} us per prompt token")
     device = (torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
               else f"cpu:{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads")
     mem = torch.cuda.get_device_properties(engine.device).total_memory if engine.device.type == "cuda" else 0
     s_worker = SWorkerProfile(device=device, batch_grid=grid, layer_time_s=layer_s, head_time_s=head_s,
-                              mem_bytes=float(mem))
+                              mem_bytes=float(mem), prefill_prompt_len=prompt_grid,
+                              prefill_token_s=prefill_s)
     r_raw = engine.backend.profile_workers(r_seqs, r_target_bytes)
     r_workers = []
     for r in r_raw:
@@ -94,8 +132,10 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
     span = times[-1] - times[0]
     bandwidth = (sizes[-1] - sizes[0]) / span if span > 0 else 1e15
     log(f"link: {latency * 1e6:.1f} us latency, {bandwidth / 1e9:.2f} GB/s")
-    link = LinkProfile(latency_s=latency, bandwidth_Bps=float(bandwidth), message_bytes=list(sizes),
-                       message_time_s=[float(t) for t in times] if span > 0 else [])
+    measured = span > 0       # in local mode there is no link: nothing to tabulate
+    link = LinkProfile(latency_s=latency, bandwidth_Bps=float(bandwidth),
+                       message_bytes=list(sizes) if measured else [],
+                       message_time_s=[float(t) for t in times] if measured else [])
     act_bytes = torch.finfo(engine.dtype).bits // 8
     dims = ModelDims(name=engine.source.name, num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads,
                      kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,

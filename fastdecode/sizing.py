@@ -13,9 +13,10 @@ holds. Prompt length: with the stabilized schedule a running sequence's age is u
     capacity  B·(prompt + S/2) <= C·P            (the admission controller's W_lim adds B·F/2)
 Prompts also cost the S-worker a prefill: in steady state B/S sequences start per step, so
 B·prompt/S prompt tokens per step run the dense layers (at the best E, chunks being large) and
-their K, V cross the link with the step's Q, K, V. Attention over the prompt on the GPU is left
-out (2·prompt·heads·head_dim FLOPs per token against ~12·hidden² for the dense part: 2% at
-Llama-7B, prompt 1024). The balance count above ignores prefill (it errs towards more R-workers).
+their K, V cross the link with the step's Q, K, V. A measured profile gives the prefill cost per
+prompt token (prompt attention and staging included) by prompt length; from stated hardware the
+attention over the prompt is left out (2·prompt·heads·head_dim FLOPs per token against
+~12·hidden² for the dense part: 2% at Llama-7B, prompt 1024). The balance count above ignores prefill (it errs towards more R-workers).
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ class SWorkerProfile:
     layer_time_s: list[float]       # S-part of one layer at each batch (s)
     head_time_s: list[float]        # LM head + sampling, once per step, at each batch (s)
     mem_bytes: float = 0.0          # device memory, 0 = unknown
+    prefill_prompt_len: list[int] = field(default_factory=list)   # prompt lengths measured, ascending
+    prefill_token_s: list[float] = field(default_factory=list)    # whole-model prefill, s per prompt token
 
     def _interp(self, values: list[float], batch: float) -> float:
         """log-log between grid points; below the grid flat (weights are read anyway), above
@@ -112,6 +115,13 @@ class SWorkerProfile:
 
     def head_time(self, batch: float) -> float:
         return self._interp(self.head_time_s, batch)
+
+    def prefill_time_per_token(self, prompt_len: float) -> float | None:
+        """Measured prefill cost per prompt token (all layers, prompt attention included),
+        linear in the prompt length between grid points, flat outside; None when not measured."""
+        if not self.prefill_prompt_len:
+            return None
+        return float(np.interp(prompt_len, self.prefill_prompt_len, self.prefill_token_s))
 
     def efficiency(self, batch: float) -> float:
         """E(B) = B / T(B): tokens per second through one layer."""
@@ -185,6 +195,9 @@ class Profile:
             raise ValueError("s_worker: batch_grid, layer_time_s and head_time_s must have equal, nonzero length")
         if list(s.batch_grid) != sorted(s.batch_grid) or min(s.layer_time_s) <= 0:
             raise ValueError("s_worker: batch_grid must ascend and layer times be positive")
+        if len(s.prefill_prompt_len) != len(s.prefill_token_s) or \
+                list(s.prefill_prompt_len) != sorted(s.prefill_prompt_len):
+            raise ValueError("s_worker: prefill_prompt_len must ascend and match prefill_token_s in length")
         workers = [from_known_keys(RWorkerProfile, w) for w in d["r_workers"]]
         if any(w.seconds_per_kv_byte <= 0 or w.capacity_bytes < 0 for w in workers):
             raise ValueError("r_workers: seconds_per_kv_byte must be > 0 and capacity_bytes >= 0")
@@ -416,7 +429,10 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth)
     n = profile.model.num_layers
     grid_best = max(b / x for b, x in zip(profile.s_worker.batch_grid, profile.s_worker.layer_time_s))
-    prefill = n * _prefill_tokens(batch_run, gen_len, prompt_len) / grid_best
+    per_token = profile.s_worker.prefill_time_per_token(prompt_len)
+    if per_token is None:      # stated hardware: dense layers at the best efficiency, attention left out
+        per_token = n / grid_best
+    prefill = _prefill_tokens(batch_run, gen_len, prompt_len) * per_token
     step = n * t["layer"] + profile.s_worker.head_time(batch_run) + prefill
     return Prediction(**common, batch_run=batch_run, s_layer_s=t["s"], r_layer_s=t["r"],
                       link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,

@@ -153,10 +153,12 @@ class RWorker:
                  for m in active}
         sends = {}
         t_step = time.perf_counter()
-        attend_s = 0.0
+        attend_s = idle_s = 0.0        # idle: blocked on the S-worker's next rows (not R-part work)
         for layer in range(self.num_layers):
             for m in active:
+                t = time.perf_counter()
                 prog.wait(recvs[m], self.timeout)
+                idle_s += time.perf_counter() - t
                 n = int(counts[m])
                 q = inbufs[m][: n * hq * d].reshape(n, hq, d)
                 k = inbufs[m][n * hq * d: n * (hq + hkv) * d].reshape(n, hkv, d)
@@ -172,7 +174,8 @@ class RWorker:
                                           self.s_name)
         for t in sends.values():
             prog.wait(t, self.timeout)
-        self.stats[:] = (attend_s, time.perf_counter() - t_step, self.store.bytes_used(), step)
+        busy_s = time.perf_counter() - t_step - idle_s
+        self.stats[:] = (attend_s, busy_s, self.store.bytes_used(), step)
         self.comm.Send(self.stats, dest=0, tag=P.TAG_INFO)
 
 

@@ -9,11 +9,14 @@ from conftest import run_fastdecode
 def test_profile_under_mpi_then_plan(tmp_path):
     prof = tmp_path / "profile.json"
     proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,8,32", "--r-bytes", "8M",
-                           "--r-seqs", "16", "--repeats", "2", "--kv-dtype", "bf16"], ranks=3, timeout=600)
+                           "--r-seqs", "16", "--repeats", "2", "--kv-dtype", "bf16", "--prompt-lens", "16,64",
+                           "--max-prefill-tokens", "256"], ranks=3, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(prof.read_text())
     assert data["schema"] == "fastdecode-profile/1"
     assert data["s_worker"]["batch_grid"] == [1, 8, 32]
+    assert data["s_worker"]["prefill_prompt_len"] == [16, 64]
+    assert all(t > 0 for t in data["s_worker"]["prefill_token_s"])
     assert all(t > 0 for t in data["s_worker"]["layer_time_s"] + data["s_worker"]["head_time_s"])
     assert [w["name"].split("@")[0] for w in data["r_workers"]] == ["rank1", "rank2"]
     assert all(w["seconds_per_kv_byte"] > 0 and w["capacity_bytes"] > 0 for w in data["r_workers"])
@@ -34,3 +37,17 @@ def test_plan_bad_input_exits_2(tmp_path):
     bad.write_text("{not json")
     proc = run_fastdecode(["plan", "--profile", str(bad), "--batch", "8"], timeout=60)
     assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+def test_local_profile_has_no_link_table_and_plans(tmp_path):
+    """Local mode (no MPI): the R-part reads the S-part's arrays, so the link is free and
+    untabulated; the profile must still be one that plan accepts."""
+    prof = tmp_path / "local.json"
+    proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,8", "--r-bytes", "4M", "--r-seqs", "8",
+                           "--repeats", "1", "--prompt-lens", "16", "--max-prefill-tokens", "64"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    link = json.loads(prof.read_text())["link"]
+    assert link["message_bytes"] == link["message_time_s"] == []
+    plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "32", "--batch", "8", "--json"], timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["bound"] in ("S", "R")

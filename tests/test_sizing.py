@@ -282,3 +282,21 @@ def test_prompts_add_prefill_to_the_s_worker_and_their_kv_to_the_link():
     r = 1024 * 1024 * KVB / (86 * 100e9)
     assert p.layer_s == pytest.approx(2e-3 + r + out + back)
     assert p.step_latency_s == pytest.approx(32 * p.layer_s + 1e-3 + 0.032)
+
+
+def test_a_measured_prefill_cost_replaces_the_dense_estimate():
+    # Profiled: 10 us per prompt token at prompt 128, 30 us at 2048 (prompt attention grows).
+    # Prompt 1088 lies halfway: 20 us. B = 1024, S = 1024: 1 sequence starts per step -> 1088
+    # prompt tokens -> 21.76 ms of prefill per step, whatever the dense layers' best efficiency.
+    prof = hand_profile()
+    prof.s_worker.prefill_prompt_len, prof.s_worker.prefill_token_s = [128, 2048], [10e-6, 30e-6]
+    p = predict(prof, 1024, 1024, prompt_len=1088, rworkers=86, depth=1)
+    assert p.prefill_s == pytest.approx(1088 * 20e-6)
+    assert predict(prof, 1024, 1024, prompt_len=64, rworkers=86).prefill_s == pytest.approx(64 * 10e-6)
+
+
+def test_profile_rejects_a_prefill_table_of_unequal_length():
+    d = hand_profile().to_dict()
+    d["s_worker"]["prefill_prompt_len"], d["s_worker"]["prefill_token_s"] = [16, 128], [1e-5]
+    with pytest.raises(ValueError, match="prefill_prompt_len"):
+        Profile.from_dict(d)

@@ -26,7 +26,7 @@ class WorkerInfo:
 class StepStats:
     """One decode step as the R-workers saw it (per worker, seconds and bytes)."""
     attend_s: list[float] = field(default_factory=list)   # time inside the kernel
-    busy_s: list[float] = field(default_factory=list)     # time handling the step's messages
+    busy_s: list[float] = field(default_factory=list)     # step time not spent waiting for the S-worker
     kv_bytes: list[int] = field(default_factory=list)     # KV bytes held after the step
 
 
