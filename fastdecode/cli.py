@@ -46,9 +46,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16)")
-    p.add_argument("--max-batch", type=_positive_int, default=256, help="most sequences decoding at once")
-    p.add_argument("--max-prefill-tokens", type=_positive_int, default=8192,
-                   help="prompt tokens prefilled per step")
+    p.add_argument("--max-batch", type=_positive_int, default=None,
+                   help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+                   help="prompt tokens prefilled per step (default 8192; on CUDA up to 32768 as memory allows)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--s-threads", type=_positive_int, default=None, help="torch threads on a CPU S-worker")
     p.add_argument("--r-threads", type=_positive_int, default=None,

@@ -1,6 +1,8 @@
 """LLMEngine: requests in, finished requests out; `step()` = schedule -> run -> postprocess."""
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import sys
 import time
@@ -43,8 +45,8 @@ class EngineArgs:
     device: str = "auto"              # auto | cpu | cuda[:i]
     dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16
-    max_batch: int = 256              # most sequences decoding at once
-    max_prefill_tokens: int = 8192    # prompt tokens per prefill step
+    max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
+    max_prefill_tokens: int | None = None  # prompt tokens per prefill step (8192 on CPU, up to 32768 on CUDA)
     seed: int = 0                     # seeds requests that name none
     s_threads: int | None = None      # torch threads on the S-worker (CPU)
     r_threads: int | None = None      # kernel threads per R-worker
@@ -61,6 +63,24 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelConfig,
+                         dtype: torch.dtype) -> EngineArgs:
+    """Fill in max_batch and max_prefill_tokens. A GPU S-worker exists to run thousands of rows
+    per step and large prefill chunks; the chunk is capped so that its activations (about
+    hidden*6 + intermediate*3 values per token, the largest live at once) take at most a quarter
+    of the free device memory."""
+    cuda = device.type == "cuda"
+    max_batch = args.max_batch or (4096 if cuda else 256)
+    prefill = args.max_prefill_tokens
+    if prefill is None:
+        prefill = 8192
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(device)
+            per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
+            prefill = int(min(32768, max(8192, free // 4 // per_token)))
+    return dataclasses.replace(args, max_batch=max_batch, max_prefill_tokens=prefill)
 
 
 def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype, str]:
@@ -81,6 +101,7 @@ class LLMEngine:
         self.config: ModelConfig = read_config(self.source)
         self.device = resolve_device(args.device)
         self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
+        self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
         self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
         self.s_cores = self._setup_cores()
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
