@@ -29,7 +29,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a dense part as cheap against its KV on a one-thread CPU S-worker as a Llama-7B layer is on an
 # H100 against its CPU R-workers (MHA, 4 KiB of bf16 KV per token and layer)
-DEFAULT_MODEL = "random:smollm2-135m:layers=4:hidden=256:heads=16:kv_heads=16:intermediate=512:vocab=4096"
+DEFAULT_MODEL = "random:smollm2-135m:layers=12:hidden=256:heads=16:kv_heads=16:intermediate=512:vocab=4096"
 
 
 def request_file(path: str, batch: int, prompt_len: int, gen: int) -> None:
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--launcher", default="mpiexec")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=256, help="first guess, calibrated to balance")
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])

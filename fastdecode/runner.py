@@ -77,6 +77,7 @@ class ModelRunner:
         S-part of one runs while the R-workers attend the others (FastDecode Fig. 4b):
             submit qkv(0, every mb)
             for layer: for mb: o = wait(layer, mb); x = post_attn(layer, x, o); submit qkv(layer + 1, mb)
+        and after the last layer each mini-batch samples at once, while the others are still attended.
         """
         m, be = self.model, self.backend
         mbs = split_by_r_load(seqs, self.depth)
@@ -95,17 +96,19 @@ class ModelRunner:
             rope.append(m.rope.cos_sin(positions))
             be.decode_submit(0, mb, *m.qkv(0, xs[mb], *rope[mb]))
         last = m.config.num_layers - 1
+        sampled = []
         for layer in range(m.config.num_layers):
-            for mb in range(len(plans)):
+            for mb, (mb_seqs, _, _) in enumerate(plans):
                 tw = time.perf_counter()
                 o = be.decode_wait(layer, mb)                              # [n_mb, Hq, D]
                 r_wait += time.perf_counter() - tw
                 xs[mb] = m.post_attn(layer, xs[mb], o)
                 if layer < last:
                     be.decode_submit(layer + 1, mb, *m.qkv(layer + 1, xs[mb], *rope[mb]))
+                else:   # this mini-batch's LM head and sampling run while the R-workers attend the next
+                    sampled.append(sample(m.logits(xs[mb]), self._sampling_rows(mb_seqs)))   # [n_mb]
         ordered = [s for part, _, _ in plans for s in part]
-        logits = m.logits(torch.cat(xs) if len(xs) > 1 else xs[0])
-        next_tokens = sample(logits, self._sampling_rows(ordered))
+        next_tokens = np.concatenate(sampled) if len(sampled) > 1 else sampled[0]
         stats = be.decode_end()
         self.decode_rows += len(ordered)
         self.last_r_wait = r_wait
