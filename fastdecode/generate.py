@@ -109,14 +109,15 @@ class BatchRunner:
             reported = now
 
         while True:
+            if not self._stopping():
+                self._refill()
+            tick()
+            if self.exhausted and not eng.has_unfinished():
+                break                      # complete, even if a stop came during the last step
             if self._stopping():
                 self.interrupted = True
                 break
-            self._refill()
-            tick()
             if not eng.has_unfinished():
-                if self.exhausted:
-                    break
                 continue
             for req in eng.step():
                 line = self.pending.pop(req.index)
@@ -170,8 +171,8 @@ class BatchJob:
         self.stop = stop
         self.writer = OutputWriter(output_path, overwrite=overwrite)
         self.index = ResumeIndex(index_dir)
-        try:
-            self.index.load(output_path, self.writer.start_size)
+        try:      # a stop during a long scan leaves the index incomplete: run() then serves nothing
+            self.index.load(output_path, self.writer.start_size, stop=lambda: stop is not None and stop.requested)
         except BaseException:
             self.close()
             raise

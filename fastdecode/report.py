@@ -106,7 +106,7 @@ def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: 
                      "partial_line_repaired_bytes": job.writer.repaired},
         this_run=this_run,
         rworkers=rworker_load(engine.backend.workers, engine.recorder.steps))
-    report["history"] = (report["history"] + [{
+    report["history"] = (report.pop("history") + [{
         "run": report["runs"], "state": report["state"], "signal": signal_name, "wall_s": this_run["wall_s"],
         "requests": this_run["requests"], "errors": this_run["errors"], "skipped_done": index.skipped}])[-HISTORY_KEEP:]
     write_atomic(path, report)

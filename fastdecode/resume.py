@@ -81,15 +81,20 @@ class ResumeIndex:
         self.retried = 0             # input lines whose earlier row was a retryable error
         self.rows_total = 0          # lines in the output file now
         self._no_id_lines = 0
+        self.complete = True         # False: earlier rows not all indexed, claiming would redo them
 
     # ------------------------------------------------------------------ earlier runs' rows
 
-    def load(self, path: str, end: int) -> None:
-        """Index the output rows in path[0:end] (whole lines: the writer repaired the tail)."""
+    def load(self, path: str, end: int, stop=None) -> bool:
+        """Index the output rows in path[0:end] (whole lines: the writer repaired the tail).
+        Returns False if stop() turned true first; then no line may be claimed."""
         db, no_id = self.db, 0
         for off, text in scan_lines(path):
             if off >= end:
                 break
+            if stop is not None and self.prior_rows % 10_000 == 0 and stop():
+                self.complete = False
+                return False
             self.prior_rows += 1
             kind = classify_row(text)
             if kind is None:
@@ -111,11 +116,14 @@ class ResumeIndex:
             db.execute("INSERT OR REPLACE INTO prior VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (cid, k, j, off, len(text), code, int(done)))
         self.rows_total = self.prior_rows
+        return True
 
     # ------------------------------------------------------------------ input lines, in input order
 
     def claim(self, line_no: int, custom_id: str | None) -> tuple[str, int | None]:
         """(NEW, None): serve the line; (DONE, None): an earlier run answered it; (DUP, first_line)."""
+        if not self.complete:
+            raise RuntimeError("resume index incomplete: earlier rows were not all read")
         db = self.db
         if custom_id is None:
             self._no_id_lines += 1
