@@ -125,7 +125,12 @@ def profile(result: dict, final_bytes: int) -> dict:
         if hit is not None:
             at[f"{int(frac * 100)}%"] = round(hit * mib, 1)
     serving = [rss for _, rss, size in s if size - start >= 0.1 * span]
-    result.update(output_bytes_at_start=start, rss_mib_at_progress=at,
+    deciles = {}          # median RSS while the run wrote each tenth of its rows: the trend without step spikes
+    for d in range(10):
+        band = sorted(rss for _, rss, size in s if d / 10 <= (size - start) / span < (d + 1) / 10 and size > start)
+        if band:
+            deciles[f"{d * 10}-{d * 10 + 10}%"] = round(band[len(band) // 2] * mib, 1)
+    result.update(output_bytes_at_start=start, rss_mib_at_progress=at, rss_mib_median_by_decile=deciles,
                   rss_mib_peak=round(max(r for _, r, _ in s) * mib, 1),
                   rss_mib_at_10pct=round(serving[0] * mib, 1) if serving else None,
                   rss_mib_max_from_10pct=round(max(serving) * mib, 1) if serving else None,

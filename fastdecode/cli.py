@@ -205,31 +205,14 @@ def engine_args(args):
 def run_s_worker(args, comm) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
-    from . import report as rep
     from .engine import LLMEngine
-    from .generate import BatchJob, print_summary, run_summary
+    from .generate import print_summary, run_generate
     from .interrupt import StopRequest
 
     stop = StopRequest(second_sigint_aborts=comm is None).install()
     try:
         engine = LLMEngine(engine_args(args), comm)
-        try:
-            job = BatchJob(args.input, args.output, overwrite=args.overwrite, index_dir=args.index_dir, stop=stop)
-        except BaseException:
-            engine.close()
-            raise
-        try:
-            summary_path = args.summary_json or rep.default_path(args.output)
-            report = rep.started(summary_path, rep.previous(summary_path, args.overwrite), args.input, args.output)
-            try:
-                interrupted = job.run(engine, show_progress=not args.quiet)
-            finally:
-                engine.close()         # the R-workers go before the final rewrite, which may take a while
-            dropped = job.finish(sort=args.sort_output)
-            summary = run_summary(job.runner, job.wall)
-            rep.finished(summary_path, report, job, engine, summary, stop.name, dropped, args.sort_output)
-        finally:
-            job.close()
+        summary, interrupted = run_generate(engine, args, stop)
     finally:
         stop.restore()
     if args.stats_json:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from contextlib import ExitStack
 
+from . import report
 from .batch_io import BatchLine, error_line, read_lines, success_line
 from .engine import LLMEngine, RequestError
 from .interrupt import StopRequest
@@ -211,3 +213,37 @@ class BatchJob:
     def close(self) -> None:
         self.writer.close()
         self.index.close()
+
+    def __enter__(self) -> BatchJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool]:
+    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, interrupted).
+    The engine is closed on every path, and before the final rewrite (which may take a while)."""
+    path = args.summary_json or report.default_path(args.output)
+    closed = []
+
+    def close_engine() -> None:          # once: a second SHUTDOWN would reach R-workers that are gone
+        if not closed:
+            closed.append(True)
+            engine.close()
+
+    with ExitStack() as stack:
+        stack.callback(close_engine)
+        job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
+                                           index_dir=args.index_dir, stop=stop))
+        rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
+        try:
+            interrupted = job.run(engine, show_progress=not args.quiet)
+        except BaseException as e:
+            report.failed(path, rep, e)
+            raise
+        close_engine()
+        dropped = job.finish(sort=args.sort_output)
+        summary = run_summary(job.runner, job.wall)
+        report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
+    return summary, interrupted

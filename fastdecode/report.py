@@ -1,7 +1,7 @@
 """The run report next to the output (`OUT.jsonl.summary.json`): what the file holds, what this
 run did, and how the R-workers were loaded. Written when a run starts (state "running", so a
 run that died is visible) and again when it ends ("done" or "interrupted"); `runs` counts the
-runs of this output since it was started (or --overwrite)."""
+runs of this output since it was started (or --overwrite); state "failed" names the exception."""
 from __future__ import annotations
 
 import json
@@ -86,6 +86,12 @@ def started(path: str, prev: dict, input_path: str, output_path: str) -> dict:
               "history": history}
     write_atomic(path, report)
     return report
+
+
+def failed(path: str, report: dict, exc: BaseException) -> None:
+    """A run that ended by an exception: its rows so far are on disk, a rerun resumes."""
+    report.update(state="failed", interrupted=False, error=f"{type(exc).__name__}: {exc}")
+    write_atomic(path, report)
 
 
 def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: str | None,

@@ -202,3 +202,20 @@ def test_output_that_is_the_input_exits_2(tmp_path):
     proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(inp)], timeout=120)
     assert proc.returncode == 2 and "is the input file" in proc.stderr
     assert inp.read_text().count("\n") == 1
+
+
+def test_failed_run_is_reported_and_a_rerun_completes_it(tmp_path):
+    good = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([batch_line("A", good), "{bad", batch_line("B", good)]) + "\n")
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], timeout=300,
+                          env={"FASTDECODE_INJECT_FAULT": "0:step"})
+    assert proc.returncode == 1 and "injected fault" in proc.stderr
+    assert [r["custom_id"] for r in read_output(out)] == [None]       # the bad line was answered when read
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert report["state"] == "failed" and "InjectedFault" in report["error"]
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["custom_id"] for r in read_output(out)] == ["A", None, "B"]
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert report["runs"] == 2 and report["state"] == "done" and report["this_run"]["skipped_done"] == 1
