@@ -209,12 +209,11 @@ def run_s_worker(args, comm) -> int:
     from .generate import print_summary, run_generate
     from .interrupt import StopRequest
 
-    stop = StopRequest(second_sigint_aborts=comm is None).install()
-    try:
-        engine = LLMEngine(engine_args(args), comm)
-        summary, interrupted = run_generate(engine, args, stop)
-    finally:
-        stop.restore()
+    # installed before the (long) model load and kept to the exit: a signal at any point after
+    # this is a clean stop, never the default action (which would end rank 0 without a report)
+    stop = StopRequest().install()
+    engine = LLMEngine(engine_args(args), comm)
+    summary, interrupted = run_generate(engine, args, stop)
     if args.stats_json:
         engine.recorder.write(args.stats_json, summary)
     print_summary(summary)

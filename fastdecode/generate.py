@@ -178,26 +178,31 @@ class BatchJob:
         except BaseException:
             self.close()
             raise
+        self.total_lines = count_lines(input_path)      # streamed; for the progress total and messages
         if self.index.prior_rows:
-            print(f"fastdecode: {output_path}: resuming after {self.index.prior_rows} earlier line(s)",
+            rows = self.index.prior_rows - self.index.junk
+            print(f"fastdecode: resuming: {rows} of {self.total_lines} requests already in {output_path}",
                   file=sys.stderr, flush=True)
         self.runner: BatchRunner | None = None
         self.wall = 0.0
 
     def run(self, engine: LLMEngine, show_progress: bool = True) -> bool:
-        total = count_lines(self.input_path)
+        total = self.total_lines
         self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop)
         start = time.perf_counter()
         with Progress(total, enabled=show_progress) as progress:
             interrupted = self.runner.run(progress)
         self.wall = time.perf_counter() - start
-        self.total_lines = total
         self.writer.close()
         if interrupted:
-            print(f"fastdecode: {self.stop.name} received: stopped after the step in flight; "
-                  f"{self.runner.done_lines()} of {total} input lines are answered in {self.output_path}; "
+            print(f"fastdecode: interrupted by {self.stop.name}: {self.done_lines()} of {total} requests done; "
                   f"rerun the same command to resume", file=sys.stderr, flush=True)
         return interrupted
+
+    def done_lines(self) -> int:
+        """Input lines answered in the output now: this run's rows, the earlier rows it matched,
+        and the earlier done rows of lines it did not reach (an interrupted run)."""
+        return sum(self.index.codes(pending_prior=True).values())
 
     def finish(self, sort: bool) -> int:
         """After the engine is closed: the final rewrite of a complete run; rows dropped."""

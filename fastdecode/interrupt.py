@@ -5,19 +5,31 @@ The handler only sets a flag; the decode loop looks at it between steps, so the 
 finishes, what is done is written, the R-workers are shut down and the job exits with
 EX_TEMPFAIL (75), which the SLURM scripts requeue on. mpiexec (hydra) and srun forward these
 signals to every rank; R-workers ignore them and wait for rank 0's shutdown.
+
+A further signal while stopping is only noted: the rows being written must not be cut short,
+and under a launcher one signal often arrives twice (sent to the task and forwarded by the
+script or the supervisor). SIGKILL remains for "now".
 """
 from __future__ import annotations
 
+import os
 import signal
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
+def _say(text: str) -> None:
+    # os.write, not print: a handler may run while the main thread is inside a print to stderr
+    try:
+        os.write(2, f"fastdecode: {text}\n".encode())
+    except OSError:
+        pass
+
+
 class StopRequest:
-    def __init__(self, second_sigint_aborts: bool = False):
-        # a second Ctrl-C in a terminal means "now"; under a launcher one Ctrl-C may arrive twice
-        self.second_sigint_aborts = second_sigint_aborts
+    def __init__(self):
         self.signum: int | None = None
+        self.repeats = 0                 # signals received after the first
         self._old: dict[int, object] = {}
 
     def install(self) -> StopRequest:
@@ -26,10 +38,13 @@ class StopRequest:
         return self
 
     def _handle(self, signum, _frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT and self.second_sigint_aborts:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum
+            _say(f"got {name}: stopping after the step in flight, saving what is done")
+        else:
+            self.repeats += 1
+            _say(f"got {name} while stopping: ignored, still saving (SIGKILL ends at once)")
 
     @property
     def requested(self) -> bool:

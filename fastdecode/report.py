@@ -32,6 +32,8 @@ def write_atomic(path: str, obj: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -102,8 +104,15 @@ def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: 
     answered = sum(codes.values())
     this_run = dict(this_run, skipped_done=index.skipped, retried=index.retried,
                     errors_by_code=dict(runner.errors), token_latency=token_latency(engine.token_gaps.values()))
+    latency = this_run["token_latency"]
     report.update(
         state="interrupted" if interrupted else "done", interrupted=interrupted, signal=signal_name,
+        # this run's rates (the Throughput line); earlier runs are in history
+        throughput={k: this_run.get(k) for k in ("wall_s", "requests_per_s", "output_tokens_per_s",
+                                                  "total_tokens_per_s")},
+        token_latency={k: latency[k] for k in ("p50_s", "p90_s", "p99_s")} if latency else None,
+        requests={"served_this_run": this_run["requests"], "errors_this_run": this_run["errors"],
+                  "skipped_done_by_earlier_runs": index.skipped, "retried": index.retried},
         exit_code=75 if interrupted else 0,
         lines={"input": job.total_lines, "answered": answered, "remaining": max(job.total_lines - answered, 0),
                "ok": codes.get("ok", 0), "errors": answered - codes.get("ok", 0)},
