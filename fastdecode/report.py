@@ -46,37 +46,17 @@ def token_latency(gaps: np.ndarray) -> dict | None:
             "mean_s": round(float(gaps.mean()), 6), "max_s": round(float(gaps.max()), 6), "samples": int(gaps.size)}
 
 
-def rworker_load(workers, steps: list[dict]) -> list[dict]:
-    """Per R-worker: KV held (tokens: peak and mean over decode steps; bytes: peak) and kernel time."""
-    n = len(workers)
-    tok_peak, tok_sum, bytes_peak = [0] * n, [0] * n, [0] * n
-    attend, busy = [0.0] * n, [0.0] * n
-    decode_steps = 0
-    for row in steps:
-        kv = row["kv_tokens"]
-        for w in range(n):
-            tok_peak[w] = max(tok_peak[w], kv[w])
-        if "s_time_s" in row:
-            decode_steps += 1
-            for w in range(n):
-                tok_sum[w] += kv[w]
-        for w, b in enumerate(row.get("kv_bytes", ())):
-            bytes_peak[w] = max(bytes_peak[w], int(b))
-        for w, t in enumerate(row.get("r_attend_s", ())):
-            attend[w] += t
-        for w, t in enumerate(row.get("r_busy_s", ())):
-            busy[w] += t
-    total_attend = sum(attend)
+def rworker_load(workers, recorder) -> list[dict]:
+    """Per R-worker: where it runs, its KV capacity, and its load over every step (stats.py)."""
+    load = recorder.per_worker()
+    total_attend = sum(w["attend_s"] for w in load)
     out = []
-    for w, info in enumerate(workers):
+    for info, w in zip(workers, load):
         out.append({"rank": info.rank, "host": info.host, "threads": info.threads, "isa": info.isa,
-                    "kv_capacity_bytes": info.capacity_bytes,
-                    "kv_tokens_peak": tok_peak[w],
-                    "kv_tokens_mean": round(tok_sum[w] / decode_steps, 1) if decode_steps else 0.0,
-                    "kv_bytes_peak": bytes_peak[w],
-                    "kv_peak_fraction": round(bytes_peak[w] / info.capacity_bytes, 6) if info.capacity_bytes else None,
-                    "attend_s": round(attend[w], 4), "busy_s": round(busy[w], 4),
-                    "attend_share": round(attend[w] / total_attend, 4) if total_attend else None})
+                    "kv_capacity_bytes": info.capacity_bytes, **w,
+                    "kv_peak_fraction": round(w["kv_bytes_peak"] / info.capacity_bytes, 6)
+                    if info.capacity_bytes else None,
+                    "attend_share": round(w["attend_s"] / total_attend, 4) if total_attend else None})
     return out
 
 
@@ -120,7 +100,7 @@ def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: 
         output_file={"sorted": bool(sort and not interrupted), "rows_dropped": dropped,
                      "partial_line_repaired_bytes": job.writer.repaired},
         this_run=this_run,
-        rworkers=rworker_load(engine.backend.workers, engine.recorder.steps))
+        rworkers=rworker_load(engine.backend.workers, engine.recorder))
     report["history"] = (report.pop("history") + [{
         "run": report["runs"], "state": report["state"], "signal": signal_name, "wall_s": this_run["wall_s"],
         "requests": this_run["requests"], "errors": this_run["errors"], "skipped_done": index.skipped}])[-HISTORY_KEEP:]

@@ -43,6 +43,13 @@ def test_1000_lines_10_percent_malformed(tmp_path):
     report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert report["lines"]["ok"] == 900 and report["lines"]["errors"] == 100
     assert report["errors_by_code"] == dict(want)
+    assert report["interrupted"] is False and report["state"] == "done"
+    assert set(report["throughput"]) == {"wall_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s"}
+    assert report["throughput"]["requests_per_s"] > 0 and report["requests"]["served_this_run"] == 900
+    assert report["requests"]["skipped_done_by_earlier_runs"] == 0
+    assert report["token_latency"] is None          # max_tokens=1: no gaps between tokens
+    (worker,) = report["rworkers"]                 # local mode: the in-process R-part
+    assert {"kv_tokens_peak", "kv_bytes_peak", "kv_tokens_mean", "attend_s", "attend_share"} <= set(worker)
 
 
 def test_index_python_memory_does_not_grow_with_lines(tmp_path):
@@ -108,3 +115,25 @@ def test_stop_while_indexing_earlier_rows_claims_nothing(tmp_path):
             raise AssertionError("claim on an incomplete index must raise")
     finally:
         index.close()
+
+
+def test_step_recorder_keeps_bounded_evenly_spaced_rows_and_exact_totals(monkeypatch):
+    """Millions of steps: the rows kept for --stats-json are bounded; totals cover every step."""
+    from types import SimpleNamespace
+
+    from fastdecode import stats
+    monkeypatch.setattr(stats, "MAX_ROWS", 64)
+    rec = stats.StepRecorder(2)
+    runner = SimpleNamespace(last_s_time=0.01, last_r_wait=0.0)
+    for step in range(1, 1001):
+        running = [SimpleNamespace(worker=0, kv_len=step), SimpleNamespace(worker=1, kv_len=2)]
+        st = SimpleNamespace(attend_s=[0.001, 0.002], busy_s=[0.003, 0.004], kv_bytes=[step * 10, 20])
+        rec.record(step, 2, running, runner, st, 0.0, 0.02, decode=True)
+    assert len(rec.steps) < 64 and rec.stride == 16
+    assert [r["step"] for r in rec.steps] == list(range(1, 1001, 16))
+    s = rec.summary(30.0, 2000, 100, stats.np.array([]))
+    assert s["steps"] == s["decode_steps"] == 1000 and s["decode_s"] == 20.0
+    assert s["s_bubble_fraction"] == 0.5 and s["r_time_cv"] == 0.0
+    w0, w1 = rec.per_worker()
+    assert w0["kv_tokens_peak"] == 1000 and w0["kv_tokens_mean"] == 500.5 and w0["kv_bytes_peak"] == 10000
+    assert w1["kv_tokens_peak"] == 2 and w1["attend_s"] == 2.0 and w1["busy_s"] == 4.0

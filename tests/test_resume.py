@@ -120,6 +120,10 @@ def test_three_interruptions_then_resume_equal_uninterrupted(job_input, referenc
     assert report["lines"] == {"input": len(lines), "answered": len(lines), "remaining": 0,
                                "ok": N_REQ, "errors": 3}
     assert sum(h["requests"] for h in report["history"]) == N_REQ    # nothing served twice
+    assert report["requests"]["skipped_done_by_earlier_runs"] == before_last
+    assert set(report["token_latency"]) == {"p50_s", "p90_s", "p99_s"}
+    assert [w["rank"] for w in report["rworkers"]] == ([0] if ranks is None else [1])
+    assert all(w["kv_tokens_peak"] > 0 and w["kv_bytes_peak"] > 0 for w in report["rworkers"])
 
 
 def test_partial_last_line_is_repaired(job_input, reference):
