@@ -81,8 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-i", "--input", required=True, help="OpenAI batch JSONL file of requests")
     g.add_argument("-o", "--output", required=True, help="JSONL file of results (one line per input line)")
     add_engine_options(g)
-    g.add_argument("--no-sort-output", dest="sort_output", action="store_false",
-                   help="leave output lines in completion order (default: input order)")
+    g.add_argument("--sort-output", dest="sort_output", action=argparse.BooleanOptionalAction, default=True,
+                   help="when the input is done, rewrite the output in input order, lines of earlier runs "
+                        "included (default); --no-sort-output keeps completion order")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start over: empty an existing output file (default: resume, skipping the lines it "
+                        "already answers)")
+    g.add_argument("--summary-json", default=None,
+                   help="run report: throughput, token latency, R-worker load, errors by code, runs "
+                        "(default: OUTPUT.summary.json)")
+    g.add_argument("--index-dir", default=None,
+                   help="directory for the scratch index of custom_ids while resuming/deduplicating "
+                        "(default: $TMPDIR or /tmp; node-local disk is best)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
     g.add_argument("--quiet", action="store_true", help="no progress output")
     pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
@@ -122,6 +132,13 @@ def validate_generate(args) -> None:
         raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
     if os.path.exists(args.output) and not os.access(args.output, os.W_OK):
         raise UsageError(f"output {args.output} is not writable")
+    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        raise UsageError(f"output {args.output} is the input file")
+    if args.index_dir is not None and not (os.path.isdir(args.index_dir) and os.access(args.index_dir, os.W_OK)):
+        raise UsageError(f"--index-dir {args.index_dir} is not a writable directory")
+    summary = args.summary_json or args.output + ".summary.json"
+    if os.path.isdir(summary) or not os.access(os.path.dirname(os.path.abspath(summary)), os.W_OK):
+        raise UsageError(f"--summary-json {summary}: not a writable file path")
     try:
         read_config(resolve_model(args.model))
     except ConfigError as e:
@@ -186,22 +203,21 @@ def engine_args(args):
 
 
 def run_s_worker(args, comm) -> int:
+    """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
+    flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
     from .engine import LLMEngine
-    from .generate import BatchRunner, print_summary
+    from .generate import print_summary, run_generate
+    from .interrupt import StopRequest
 
-    eargs = engine_args(args)
-    engine = LLMEngine(eargs, comm)
-    try:
-        if os.path.exists(args.output):
-            os.truncate(args.output, 0)
-        runner = BatchRunner(engine, args.input, args.output)
-        summary = runner.run(sort_output=args.sort_output, show_progress=not args.quiet)
-    finally:
-        engine.close()
+    # installed before the (long) model load and kept to the exit: a signal at any point after
+    # this is a clean stop, never the default action (which would end rank 0 without a report)
+    stop = StopRequest().install()
+    engine = LLMEngine(engine_args(args), comm)
+    summary, interrupted = run_generate(engine, args, stop)
     if args.stats_json:
         engine.recorder.write(args.stats_json, summary)
     print_summary(summary)
-    return EXIT_OK
+    return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
 
 
 def validate_model(args) -> None:

@@ -1,34 +1,82 @@
-"""The output JSONL file: lines appended and flushed as requests finish, sorted at the end.
+"""The output JSONL file: whole lines appended and flushed as requests finish; rewritten at the end.
 
-Every line is written whole and flushed, so what is finished is on disk even if the job dies.
-An index (input line number, byte offset, length) per written line lets `finalize` rewrite the
-file in input order, atomically (write to a temporary file, then rename).
+A line is written in one piece and flushed, so what is finished is on disk even if the job dies.
+A crash can still cut the last line short (a kill between two write calls of a long line, a node
+lost before the page cache reached the disk): opening the file for appending first cuts it back
+to its last newline, so every run starts from whole lines. The final rewrite (input order, or
+dropping superseded lines) goes to a temporary file that replaces the output atomically.
 """
 from __future__ import annotations
 
 import json
 import os
-from array import array
+import sys
+import time
+from collections.abc import Iterable, Iterator
+
+FSYNC_EVERY_S = 10.0      # bound what a lost node can take with it; a kill loses nothing flushed
+
+
+def repair_tail(path: str, chunk: int = 1 << 16) -> int:
+    """Cut a partial last line (no trailing newline) off `path`; return the bytes removed."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:
+            start = max(0, end - chunk)
+            f.seek(start)
+            block = f.read(end - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            end = start
+        else:
+            keep = 0
+        if keep < size:
+            f.truncate(keep)
+        return size - keep
+
+
+def scan_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, line with its newline) of every line, streamed."""
+    off = 0
+    with open(path, "rb") as f:
+        for data in f:
+            yield off, data
+            off += len(data)
 
 
 class OutputWriter:
-    def __init__(self, path: str):
+    def __init__(self, path: str, overwrite: bool = False):
         self.path = path
+        if overwrite or not os.path.exists(path):
+            open(path, "wb").close()
+            self.repaired = 0
+        else:
+            self.repaired = repair_tail(path)
+            if self.repaired:
+                print(f"fastdecode: {path}: removed a partial last line ({self.repaired} bytes) left by an "
+                      f"interrupted run; that request is redone", file=sys.stderr, flush=True)
         self.f = open(path, "ab")
-        self.index_line = array("q")    # input line number of each written line
-        self.index_off = array("q")     # its byte offset in the file
-        self.index_len = array("q")     # its length in bytes, newline included
+        self.start_size = self.f.tell()      # rows before this offset are earlier runs'
         self.count = 0
+        self._last_sync = time.monotonic()
 
-    def write(self, line_no: int, obj: dict) -> None:
+    def write(self, obj: dict) -> tuple[int, int]:
+        """Append one line; return its (byte offset, length with the newline)."""
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
         off = self.f.tell()
         self.f.write(data)
         self.f.flush()
-        self.index_line.append(line_no)
-        self.index_off.append(off)
-        self.index_len.append(len(data))
         self.count += 1
+        return off, len(data)
+
+    def sync(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_sync >= FSYNC_EVERY_S:
+            os.fsync(self.f.fileno())
+            self._last_sync = now
 
     def close(self) -> None:
         if not self.f.closed:
@@ -36,19 +84,17 @@ class OutputWriter:
             os.fsync(self.f.fileno())
             self.f.close()
 
-    def finalize(self, sort: bool = True) -> None:
-        """Close; with sort, rewrite the lines of this run in input-line order."""
-        self.close()
-        if not sort or self.count == 0:
-            return
-        order = sorted(range(self.count), key=self.index_line.__getitem__)
-        if order == list(range(self.count)):
-            return
-        tmp = f"{self.path}.sorting.{os.getpid()}"
-        with open(self.path, "rb") as src, open(tmp, "wb") as dst:
-            for i in order:
-                src.seek(self.index_off[i])
-                dst.write(src.read(self.index_len[i]))
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, self.path)
+
+def rewrite(path: str, ranges: Iterable[tuple[int, int]]) -> int:
+    """Replace `path` by the byte ranges (offset, length) of it, in the order given; atomic."""
+    tmp = f"{path}.rewrite.tmp"
+    n = 0
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for off, length in ranges:
+            src.seek(off)
+            dst.write(src.read(length))
+            n += 1
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
+    return n

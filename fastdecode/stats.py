@@ -7,10 +7,61 @@ import os
 import numpy as np
 
 
+MAX_ROWS = 65_536     # per-step rows kept for --stats-json (about 40 MiB); see StepRecorder
+
+
 class StepRecorder:
+    """Per-step rows for --stats-json, and running totals for the summary and the report.
+
+    A job of millions of requests runs millions of steps: the rows kept are bounded. When
+    MAX_ROWS are held every other one is dropped and from then on only every `stride`-th step is
+    recorded, so the rows stay an evenly spaced sample of the whole run (each names its step).
+    Totals, peaks and per-worker load are kept over every step."""
+
     def __init__(self, num_workers: int):
         self.num_workers = num_workers
         self.steps: list[dict] = []
+        self.stride = 1
+        self.num_steps = self.num_decode = 0
+        self.s_busy = self.r_busy = self.decode_s = 0.0
+        self.r_time_n, self.r_time_sum, self.r_time_sq = 0, 0.0, 0.0   # r_time_max_s over decode steps
+        n = num_workers
+        self.kv_tokens_peak, self.kv_tokens_sum = [0] * n, [0] * n    # sum over decode steps
+        self.kv_bytes_peak = [0] * n
+        self.attend_s, self.busy_s = [0.0] * n, [0.0] * n
+
+    def _accumulate(self, row: dict) -> None:
+        self.num_steps += 1
+        kv = row["kv_tokens"]
+        decode = "s_time_s" in row
+        for w in range(self.num_workers):
+            self.kv_tokens_peak[w] = max(self.kv_tokens_peak[w], kv[w])
+            if decode:
+                self.kv_tokens_sum[w] += kv[w]
+        for w, b in enumerate(row.get("kv_bytes", ())):
+            self.kv_bytes_peak[w] = max(self.kv_bytes_peak[w], int(b))
+        for w, t in enumerate(row.get("r_attend_s", ())):
+            self.attend_s[w] += t
+        for w, t in enumerate(row.get("r_busy_s", ())):
+            self.busy_s[w] += t
+        if decode:
+            self.num_decode += 1
+            self.s_busy += row["s_time_s"]
+            self.decode_s += row["step_s"] - row["prefill_s"]
+            r = row.get("r_time_max_s")
+            if r is not None:
+                self.r_busy += r
+                self.r_time_n += 1
+                self.r_time_sum += r
+                self.r_time_sq += r * r
+
+    def _keep(self, row: dict) -> None:
+        if (self.num_steps - 1) % self.stride:
+            return
+        self.steps.append(row)
+        if len(self.steps) >= MAX_ROWS:
+            del self.steps[1::2]
+            self.stride *= 2
 
     def record(self, step: int, active: int, running, runner, stats, prefill_s: float, step_s: float,
                decode: bool) -> None:
@@ -27,17 +78,25 @@ class StepRecorder:
             row["r_busy_s"] = [round(x, 6) for x in stats.busy_s]
             row["r_time_max_s"] = round(max(stats.attend_s), 6)
             row["kv_bytes"] = stats.kv_bytes
-        self.steps.append(row)
+        self._accumulate(row)
+        self._keep(row)
+
+    def per_worker(self) -> list[dict]:
+        """Per R-worker over every step: KV held (tokens: peak, mean over decode steps; bytes:
+        peak) and kernel / message-handling seconds."""
+        d = self.num_decode
+        return [{"kv_tokens_peak": self.kv_tokens_peak[w],
+                 "kv_tokens_mean": round(self.kv_tokens_sum[w] / d, 1) if d else 0.0,
+                 "kv_bytes_peak": self.kv_bytes_peak[w],
+                 "attend_s": round(self.attend_s[w], 4), "busy_s": round(self.busy_s[w], 4)}
+                for w in range(self.num_workers)]
 
     def summary(self, wall_s: float, output_tokens: int, prompt_tokens: int, token_gaps: np.ndarray) -> dict:
-        dec = [r for r in self.steps if "s_time_s" in r]
-        s_busy = sum(r["s_time_s"] for r in dec)
-        r_busy = sum(r.get("r_time_max_s", 0.0) for r in dec)
-        decode_s = sum(r["step_s"] - r["prefill_s"] for r in dec)
+        s_busy, r_busy, decode_s = self.s_busy, self.r_busy, self.decode_s
         out = {
             "wall_s": round(wall_s, 4),
-            "steps": len(self.steps),
-            "decode_steps": len(dec),
+            "steps": self.num_steps,
+            "decode_steps": self.num_decode,
             "output_tokens": output_tokens,
             "prompt_tokens": prompt_tokens,
             "output_tokens_per_s": round(output_tokens / wall_s, 3) if wall_s else None,
@@ -50,15 +109,16 @@ class StepRecorder:
         if token_gaps.size:
             out["token_latency_p50_s"] = round(float(np.percentile(token_gaps, 50)), 6)
             out["token_latency_p99_s"] = round(float(np.percentile(token_gaps, 99)), 6)
-        if dec and any("r_time_max_s" in r for r in dec):
-            r_times = np.array([r["r_time_max_s"] for r in dec if "r_time_max_s" in r])
-            out["r_time_cv"] = round(float(r_times.std() / r_times.mean()), 4) if r_times.mean() > 0 else None
+        if self.r_time_n:
+            mean = self.r_time_sum / self.r_time_n
+            var = max(self.r_time_sq / self.r_time_n - mean * mean, 0.0)
+            out["r_time_cv"] = round(float(np.sqrt(var) / mean), 4) if mean > 0 else None
         return out
 
     def write(self, path: str, summary: dict) -> None:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"summary": summary, "steps": self.steps}, f)
+            json.dump({"summary": summary, "steps_stride": self.stride, "steps": self.steps}, f)
         os.replace(tmp, path)
 
 

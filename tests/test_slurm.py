@@ -1,9 +1,13 @@
 """The SLURM job scripts on a real SLURM (Debian's slurm-wlm 22.05): a two-node test cluster on
-this machine (tests/slurm/cluster.py) runs scripts/slurm/*.sbatch with a stand-in program.
+this machine (tests/slurm/cluster.py) runs scripts/slurm/*.sbatch.
+
+The one-node srun job and the signal/requeue/resume job run the real `fastdecode generate` on
+the embedded model (a few greedy requests; the resumed output must equal an uninterrupted local
+run). The other tests check launchers, rank placement and binding, which a stand-in program
+reports about itself (tests/slurm/fake_fastdecode.py; FASTDECODE_TEST_CMD replaces it).
 
 Needs root and apt-get (scripts/slurm/install_test_cluster.sh installs slurm and munge);
-skipped with the reason otherwise. FASTDECODE_TEST_CMD replaces the stand-in program
-(default: `<this python> tests/slurm/fake_fastdecode.py`).
+skipped with the reason otherwise.
 """
 import json
 import os
@@ -26,6 +30,10 @@ SINGLE = REPO / "scripts" / "slurm" / "fastdecode-single.sbatch"
 HETJOB = REPO / "scripts" / "slurm" / "fastdecode-hetjob.sbatch"
 FAKE = REPO / "tests" / "slurm" / "fake_fastdecode.py"
 PROGRAM = os.environ.get("FASTDECODE_TEST_CMD", f"{sys.executable} {FAKE}")
+REAL = f"{sys.executable} -m fastdecode"          # this checkout's CLI (PYTHONPATH below)
+# greedy, fixed length: the same rows whatever the batch, rank count or interruptions
+REAL_BODY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+REAL_ARGS = "--max-batch 2 --quiet"               # small steps: a run lasts seconds, signals land mid-run
 HET_OPTS = ("--cpus-per-task=1", ":", "--nodes=1")   # fit the test nodes (4 CPUs each)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SLURM: Linux only")
@@ -46,18 +54,20 @@ class Job:
     """One submission of a script: its files under tmp_path, a unique job name."""
 
     def __init__(self, cluster, tmp_path, script, n_lines=12, program=PROGRAM, delay=0.05,
-                 **settings):
+                 real=False, **settings):
         self.cluster, self.script = cluster, script
         self.name = f"fd-{uuid.uuid4().hex[:8]}"
         self.input, self.output, self.log = (tmp_path / f for f in
                                              ("in.jsonl", "out.jsonl", "job.log"))
         self.ids = [f"req-{i:03d}" for i in range(n_lines)]
-        self.input.write_text("".join(
-            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
-                        "body": {"prompt": cid, "max_tokens": 4}}) + "\n" for cid in self.ids))
-        self.env = {**cluster.env, "FASTDECODE_CMD": program, "FAKE_DELAY": str(delay),
-                    "FD_MODEL": "smollm2-135m", "FD_INPUT": str(self.input),
-                    "FD_OUTPUT": str(self.output), "FD_SRUN_MPI": "pmi2"}
+        write_input(self.input, self.ids, real)
+        self.env = {**cluster.env, "FASTDECODE_CMD": REAL if real else program,
+                    "FAKE_DELAY": str(delay), "FD_MODEL": "smollm2-135m",
+                    "FD_INPUT": str(self.input), "FD_OUTPUT": str(self.output),
+                    "FD_SRUN_MPI": "pmi2"}
+        if real:    # one kernel thread per R-worker: 3 ranks share the 2 cores here
+            self.env["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+            settings = {"extra_args": REAL_ARGS, "r_threads": 1, **settings}
         self.env.update({f"FD_{k.upper()}": str(v) for k, v in settings.items()})
 
     def sbatch_cmd(self, *opts, wait=True) -> list[str]:
@@ -69,10 +79,18 @@ class Job:
         return subprocess.run(self.sbatch_cmd(*opts), env=self.env, timeout=120,
                               stdout=subprocess.DEVNULL).returncode
 
-    def output_ids(self) -> list[str]:
+    def rows(self) -> list[dict]:
+        """The output's whole lines (a line being written may be cut short when read)."""
         if not self.output.exists():
             return []
-        return [json.loads(line)["custom_id"] for line in self.output.read_text().splitlines()]
+        data = self.output.read_bytes()
+        return [json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines()]
+
+    def output_ids(self) -> list[str]:
+        return [r["custom_id"] for r in self.rows()]
+
+    def report(self) -> dict:
+        return json.loads(Path(f"{self.output}.summary.json").read_text())
 
     def ranks(self) -> dict[int, dict]:
         """The stand-in's `rank R of N on HOST node=.. cpus=[..] mem=.. ...` lines, by rank.
@@ -109,6 +127,41 @@ class Job:
         assert sorted(got) == sorted(self.ids) and len(got) == len(set(got)), "each id once"
 
 
+def write_input(path: Path, ids: list[str], real: bool) -> None:
+    body = REAL_BODY if real else {"max_tokens": 4}
+    path.write_text("".join(
+        json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": f"Request {cid}:", **body}}) + "\n" for cid in ids))
+
+
+def stable(row: dict) -> str:
+    """A row less its random ids and timestamp: equal across runs for greedy requests."""
+    row = json.loads(json.dumps(row))
+    row.pop("id", None)
+    resp = row.get("response") or {}
+    resp.pop("request_id", None)
+    for key in ("id", "created"):
+        (resp.get("body") or {}).pop(key, None)
+    return json.dumps(row, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """rows(n): the output of an uninterrupted local-mode run over the first n request ids."""
+    from conftest import run_fastdecode
+    tmp, done = tmp_path_factory.mktemp("slurm-reference"), {}
+
+    def rows(n: int) -> list[str]:
+        if n not in done:
+            inp, out = tmp / f"in-{n}.jsonl", tmp / f"out-{n}.jsonl"
+            write_input(inp, [f"req-{i:03d}" for i in range(n)], real=True)
+            proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[n] = [stable(json.loads(line)) for line in out.read_text().splitlines()]
+        return done[n]
+    return rows
+
+
 def wait_for(predicate, timeout, what):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -126,7 +179,21 @@ def test_cluster_has_two_idle_nodes_and_a_gpu(cluster):
 
 
 # ---- single allocation --------------------------------------------------------------------------
-def test_single_one_node_srun_pmi2(cluster, tmp_path):
+def test_single_one_node_srun_pmi2_real_fastdecode(cluster, tmp_path, reference):
+    job = Job(cluster, tmp_path, SINGLE, real=True)
+    assert job.run("-N", "1") == 0, job.text()
+    job.check_done()
+    assert [stable(r) for r in job.rows()] == reference(len(job.ids)), job.text()
+    log = job.text()
+    for rank in (1, 2):                   # rank 0's roster: one R-worker per socket, 1 thread each
+        assert re.search(rf"rank {rank} = R-worker pid \d+ on \S+: \w+, 1 threads", log), log
+    assert "Throughput:" in log and "via srun --mpi=pmi2" in log and "binding: numactl" in log
+    report = job.report()
+    assert report["state"] == "done" and report["lines"]["ok"] == len(job.ids)
+    assert [w["rank"] for w in report["rworkers"]] == [1, 2]
+
+
+def test_single_one_node_srun_pmi2_binds_r_workers(cluster, tmp_path):
     job = Job(cluster, tmp_path, SINGLE)
     assert job.run("-N", "1") == 0, job.text()
     job.check_done()
@@ -244,18 +311,24 @@ def interrupt_and_resume(job, opts, signals):
             proc.kill()
 
 
-def test_single_signals_requeue_and_resume_three_times(cluster, tmp_path):
-    job = Job(cluster, tmp_path, SINGLE, n_lines=40, delay=0.1)
+def test_single_signals_requeue_and_resume_three_times(cluster, tmp_path, reference):
+    """The real program: each signal stops it after the step in flight (exit 75), the job
+    requeues, the rerun resumes from the output; the end result is the uninterrupted output."""
+    job = Job(cluster, tmp_path, SINGLE, n_lines=32, real=True)
     assert interrupt_and_resume(job, ("-N", "1"), ["USR1", "TERM", "USR1"]) == 0, job.text()
     job.check_done(requeues=3)
+    assert [stable(r) for r in job.rows()] == reference(len(job.ids)), job.text()
     log = job.text()
     for n in (1, 2, 3):                          # SLURM_RESTART_COUNT as the script saw it
         assert re.search(rf"rerun #{n} of job \d+: resuming", log), log
     assert log.count("got SIGUSR1, forwarding") == 2 and log.count("got SIGTERM, forwarding") >= 1
-    assert log.count("fake: got SIG") == 3       # the signal reached the program each time
+    # the script forwards both as SIGUSR1; the program saved and said so each time
+    assert len(re.findall(r"interrupted by SIG\w+: \d+ of 32 requests done", log)) == 3, log
+    assert log.count("fastdecode: resuming: ") == 3
     assert log.count("interrupted with work saved: requeueing job") == 3
-    runs = {json.loads(line)["restart"] for line in job.output.read_text().splitlines()}
-    assert runs == {0, 1, 2, 3}                  # every run wrote part of the output
+    history = job.report()["history"]            # every run served part, none served a line twice
+    assert [h["state"] for h in history] == ["interrupted"] * 3 + ["done"], history
+    assert all(h["requests"] > 0 for h in history) and sum(h["requests"] for h in history) == 32
 
 
 def test_hetjob_signal_requeue_and_resume(cluster, tmp_path):

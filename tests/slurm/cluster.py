@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -79,6 +80,11 @@ InactiveLimit=0
 # Keep finished jobs only 4 s: `sbatch --wait` then polls every 2 s instead of 2, 8, 32 s.
 MinJobAge=4
 JobRequeue=1
+# Job ids start anew with every fresh state dir. MPICH names its shared-memory segments after
+# the PMI job (/dev/shm/mpich_shm_<hash of job id>_<node>), and a rank killed earlier leaves its
+# segment behind: a later job with the same id then fails MPI_Init ("Out of memory" in
+# MPIDI_POSIX_comm_bootstrap). A random first id keeps each cluster's ids apart.
+FirstJobId={first_job_id}
 GresTypes=gpu
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
@@ -174,6 +180,7 @@ class SlurmCluster:
         (self.root / "gres.conf").write_text(
             f"NodeName={self.nodes[0]} Name=gpu File={fake_dev}\n")
         self.conf.write_text(SLURM_CONF.format(host=host, ctld_port=_free_port(),
+                                               first_job_id=random.randrange(1000, 60_000_000, 1000),
                                                root=self.root, nodes=nodes))
 
     def _daemon(self, cmd: list[str], name: str):
