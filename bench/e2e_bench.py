@@ -40,7 +40,7 @@ def run_ours(args, launcher, rworkers, threads, prompt, batch, tmp):
     tag = f"{rworkers}x{threads}_{prompt}_{batch}"
     out, stats = os.path.join(tmp, f"out_{tag}.jsonl"), os.path.join(tmp, f"stats_{tag}.json")
     cmd = launcher + ["-n", str(rworkers + 1), sys.executable, "-m", "fastdecode", "generate", "-m", args.model,
-                      "-i", inp, "-o", out, "--quiet", "--kv-dtype", "bf16", "--max-batch", str(batch),
+                      "-i", inp, "-o", out, "--quiet", "--overwrite", "--kv-dtype", "bf16", "--max-batch", str(batch),
                       "--max-prefill-tokens", str(args.prefill_tokens), "--r-threads", str(threads),
                       "--stats-json", stats] + shlex.split(args.extra)
     t = time.perf_counter()

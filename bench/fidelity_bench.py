@@ -80,7 +80,7 @@ def main() -> None:
         inp = os.path.join(tmp, f"in_{batch}_{r}_{prompt}_{gen}.jsonl")
         out, stats = inp.replace("in_", "out_"), inp.replace("in_", "stats_").replace(".jsonl", ".json")
         request_file(inp, batch, prompt, gen)
-        run(fastdecode_cmd(launcher, r + 1, ["generate", "-m", args.model, "-i", inp, "-o", out, "--quiet",
+        run(fastdecode_cmd(launcher, r + 1, ["generate", "-m", args.model, "-i", inp, "-o", out, "--quiet", "--overwrite",
                                              "--max-batch", str(batch), "--max-prefill-tokens",
                                              str(max(8192, batch * prompt)), "--stats-json", stats] + engine),
             args.timeout)

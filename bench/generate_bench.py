@@ -41,7 +41,7 @@ def batch_file(path: str, texts: list[str], new_tokens: int) -> None:
 def run_fastdecode(inp: str, ranks: int | None, extra: list[str]) -> dict:
     out = tempfile.mktemp(suffix=".jsonl")
     stats = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, "-m", "fastdecode", "generate", "-i", inp, "-o", out, "--quiet",
+    cmd = [sys.executable, "-m", "fastdecode", "generate", "-i", inp, "-o", out, "--quiet", "--overwrite",
            "--stats-json", stats] + extra
     if ranks:
         cmd = [shutil.which("mpiexec"), "-n", str(ranks)] + cmd

@@ -48,7 +48,7 @@ def run_once(args, tmp: str, prompt_len: int, depth: int) -> dict:
     out = os.path.join(tmp, f"out_{prompt_len}_{depth}.jsonl")
     stats = os.path.join(tmp, f"stats_{prompt_len}_{depth}.json")
     cmd = shlex.split(args.launcher) + ["-n", "2", sys.executable, "-m", "fastdecode", "generate",
-                                        "-m", args.model, "-i", inp, "-o", out, "--quiet", "--kv-dtype", "bf16",
+                                        "-m", args.model, "-i", inp, "-o", out, "--quiet", "--overwrite", "--kv-dtype", "bf16",
                                         "--max-batch", str(args.batch), "--max-prefill-tokens",
                                         str(args.batch * prompt_len), "--pipeline-depth", str(depth),
                                         "--s-threads", str(args.threads), "--r-threads", str(args.threads),

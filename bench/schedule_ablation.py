@@ -43,7 +43,7 @@ def requests(n: int, seed: int) -> list[dict]:
 def run(schedule: list[str], inp: str, tmp: str, name: str, ranks: int, extra: list[str]) -> dict:
     out, stats = os.path.join(tmp, f"out_{name}.jsonl"), os.path.join(tmp, f"stats_{name}.json")
     cmd = [shutil.which("mpiexec"), "-n", str(ranks), sys.executable, "-m", "fastdecode", "generate", "-i", inp,
-           "-o", out, "--quiet", "--stats-json", stats] + schedule + extra
+           "-o", out, "--quiet", "--overwrite", "--stats-json", stats] + schedule + extra
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
