@@ -1,7 +1,7 @@
 """`fastdecode profile`: measure what the sizing model needs on the machines at hand.
 
-- T_S(B): the S-part of one layer (the engine's decode step through a loopback R-part, per
-  layer) and the LM head + sampling, over a batch grid on the S-worker's device;
+- T_S(B): the S-worker's part of one layer (its busy time in the engine's own decode step on the
+  job's R-workers, over short sequences) and the LM head + sampling, over a batch grid;
 - prefill: seconds per prompt token over a prompt-length grid (the engine's prefill);
 - each R-worker's attention cost: seconds per KV byte and per call (every rank under mpirun);
 - the S<->R link: one-way time by message size (echo round trip / 2).
@@ -17,7 +17,6 @@ import torch
 
 from .engine import KV_ITEMSIZE, LLMEngine
 from .sampler import SamplingBatch, sample
-from .rpart.loopback import LoopbackBackend
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .sequence import Request, Sequence, Status
@@ -26,6 +25,7 @@ from .sizing import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProf
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
 PROMPT_GRID = [16, 128, 512, 2048]
+PROFILE_SEQ_BASE = 1 << 48      # ids of the profile's own sequences, clear of the engine's
 LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 22, 16 << 20, 64 << 20]
 
 
@@ -59,36 +59,66 @@ def fake_sequences(count: int, prompt_len: int, vocab: int, first_id: int = 1) -
     return seqs
 
 
+def _placed(engine: LLMEngine, count: int, prompt_len: int, first_id: int) -> list[Sequence]:
+    """The profile's own sequences, spread over the R-workers round-robin."""
+    seqs = fake_sequences(count, prompt_len, engine.config.vocab_size, first_id)
+    for i, s in enumerate(seqs):
+        s.worker = i % engine.backend.num_workers
+    return seqs
+
+
+def _free(engine: LLMEngine, seqs: list[Sequence]) -> None:
+    by_worker = [[] for _ in engine.backend.workers]
+    for s in seqs:
+        by_worker[s.worker].append(s.seq_id)
+    engine.backend.free(by_worker)
+
+
 @torch.inference_mode()
 def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float, float]:
-    """(seconds per layer, seconds for LM head + sampling) of a decode step at `batch` rows.
+    """(seconds per layer, seconds for LM head + sampling) of the S-worker in a decode step at
+    `batch` rows, one mini-batch (the sizing model composes mini-batches itself).
 
-    The step is the engine's own (ModelRunner.decode: embedding, RoPE, layers, transport packing
-    and staging, LM head, sampling) through a loopback R-part that attends nothing, at one
-    mini-batch: the sizing model composes mini-batches itself. Per layer = (step - head) / layers.
+    The step is the engine's own (ModelRunner.decode) on the job's real R-workers and transport,
+    over sequences of 16 tokens, so the R-part is short and the S-worker's busy time (the step
+    less its waits for replies) carries everything it pays per layer: RoPE, packing, staging,
+    MPI calls, its progress thread, a core shared with nothing else. Per layer = (busy - head) / layers.
     """
     m, c = engine.model, engine.config
-    runner = ModelRunner(m, LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype), engine.eos_ids, depth=1)
-    seqs = fake_sequences(batch, 16, c.vocab_size)
+    runner = ModelRunner(m, engine.backend, engine.eos_ids, depth=1)
+    seqs = _placed(engine, batch, 16, PROFILE_SEQ_BASE)
+    runner.prefill(seqs)
     x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
     rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
     head_s = _median(lambda: sample(m.logits(x), rows), m.device, repeats)
-    step_s = _median(lambda: runner.decode(seqs), m.device, repeats)
-    return max(step_s - head_s, 1e-9) / c.num_layers, head_s
+    busy = []
+    for _ in range(repeats + 1):          # the first is a warm-up (buffers grow)
+        runner.decode(seqs)
+        busy.append(runner.last_s_time)
+    _free(engine, seqs)
+    return max(float(np.median(busy[1:])) - head_s, 1e-9) / c.num_layers, head_s
 
 
 @torch.inference_mode()
-def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int, repeats: int = 1) -> float:
-    """Seconds per prompt token of a prefill chunk of `prompt_len`-token prompts (the engine's
-    ModelRunner.prefill: dense layers, causal attention over the prompt, K/V staged for sending,
-    first-token sampling), about `chunk_tokens` tokens per chunk (past the GEMM knee: per-token
-    cost no longer falls with the chunk, so the profile need not run whole --max-prefill-tokens)."""
+def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float:
+    """Seconds per prompt token of a prefill chunk of `prompt_len`-token prompts: the engine's
+    ModelRunner.prefill (dense layers, causal attention over the prompt, K/V shipped to the
+    R-workers, first-token sampling), about `chunk_tokens` tokens per chunk (past the GEMM knee:
+    per-token cost no longer falls with the chunk, so the profile need not run whole
+    --max-prefill-tokens)."""
     m, c = engine.model, engine.config
-    runner = ModelRunner(m, LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype), engine.eos_ids, depth=1)
-    count = max(1, chunk_tokens // prompt_len)
-    seqs = fake_sequences(count, prompt_len, c.vocab_size)
-    runner.prefill(fake_sequences(1, 8, c.vocab_size))       # warm-up, cheap
-    return _median(lambda: runner.prefill(seqs), m.device, repeats, warmup=False) / (count * prompt_len)
+    runner = ModelRunner(m, engine.backend, engine.eos_ids, depth=1)
+    warm = _placed(engine, 1, 8, PROFILE_SEQ_BASE)
+    runner.prefill(warm)
+    _free(engine, warm)
+    seqs = _placed(engine, max(1, chunk_tokens // prompt_len), prompt_len, PROFILE_SEQ_BASE)
+    _sync(m.device)
+    t = time.perf_counter()
+    runner.prefill(seqs)
+    _sync(m.device)
+    elapsed = time.perf_counter() - t
+    _free(engine, seqs)
+    return elapsed / (len(seqs) * prompt_len)
 
 
 def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
