@@ -40,10 +40,10 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return proc
 
 
-def request_file(path: str, batch: int, prompt_len: int, gen: int, vocab_lo: int = 100) -> None:
+def request_file(path: str, batch: int, prompt_len: int, gen: int, vocab_lo: int = 100, span: int = 5000) -> None:
     with open(path, "w") as f:
         for i in range(batch):
-            ids = [vocab_lo + (i * 7 + j * 13) % 5000 for j in range(prompt_len)]
+            ids = [vocab_lo + (i * 7 + j * 13) % span for j in range(prompt_len)]
             body = {"prompt": ids, "max_tokens": gen, "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": body})
                     + "\n")
@@ -57,8 +57,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="*", default=None, help="B,R,prompt,gen (R=0: local mode)")
     ap.add_argument("--engine-args", default="--kv-dtype bf16", help="flags for profile and generate alike")
     ap.add_argument("--batches", default=None, help="profile batch grid (default: around the configs)")
-    ap.add_argument("--r-bytes", default="128M")
+    ap.add_argument("--r-bytes", default=None, help="profile --r-bytes (default: the profile's own)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--token-span", type=int, default=5000, help="prompt token ids lie in 100..100+span")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else DEFAULT_CONFIGS
     launcher = shlex.split(args.launcher)
@@ -71,20 +72,23 @@ def main() -> None:
     for r in sorted({c[1] for c in configs}):
         path = os.path.join(tmp, f"profile_r{r}.json")
         t = time.perf_counter()
-        run(fastdecode_cmd(launcher, r + 1, ["profile", "-m", args.model, "-o", path, "--batches", grid,
-                                             "--r-bytes", args.r_bytes] + engine), args.timeout)
+        r_bytes = ["--r-bytes", args.r_bytes] if args.r_bytes else []
+        run(fastdecode_cmd(launcher, r + 1, ["profile", "-m", args.model, "-o", path, "--batches", grid]
+                           + r_bytes + engine), args.timeout)
         profiles[r] = path
         print(f"profiled R={r} in {time.perf_counter() - t:.0f} s", flush=True)
         result.setdefault("profiles", {})[str(r)] = json.load(open(path))
     for batch, r, prompt, gen in configs:
         inp = os.path.join(tmp, f"in_{batch}_{r}_{prompt}_{gen}.jsonl")
         out, stats = inp.replace("in_", "out_"), inp.replace("in_", "stats_").replace(".jsonl", ".json")
-        request_file(inp, batch, prompt, gen)
+        request_file(inp, batch, prompt, gen, span=args.token_span)
         run(fastdecode_cmd(launcher, r + 1, ["generate", "-m", args.model, "-i", inp, "-o", out, "--quiet", "--overwrite",
                                              "--max-batch", str(batch), "--max-prefill-tokens",
                                              str(max(8192, batch * prompt)), "--stats-json", stats] + engine),
             args.timeout)
         summary = json.load(open(stats))["summary"]
+        if summary.get("errors") or summary["output_tokens"] != batch * gen:
+            raise RuntimeError(f"{inp}: not every request was served ({summary.get('errors')} errors); see {out}")
         steps = [s for s in json.load(open(stats))["steps"] if "s_time_s" in s]
         decode_steps = [s["step_s"] - s["prefill_s"] for s in steps]
         depth = next((int(engine[i + 1]) for i, a in enumerate(engine) if a == "--pipeline-depth"), 2)
@@ -98,6 +102,11 @@ def main() -> None:
                "measured_tokens_per_s": round(summary["output_tokens"] / summary["wall_s"], 3),
                "predicted_step_latency_s": round(plan["step_latency_s"], 5),
                "predicted_tokens_per_s": round(plan["tokens_per_s"], 3), "predicted_bound": plan["bound"]}
+        # the decode step alone (prefill taken out of both sides): the S/R/link part of the model
+        row["predicted_decode_step_s"] = round(plan["step_latency_s"] - plan["prefill_s"], 5)
+        row["decode_step_error"] = round(row["predicted_decode_step_s"] / row["measured_decode_step_s_mean"] - 1, 4)
+        row["measured_prefill_s_per_token"] = round(sum(s["prefill_s"] for s in steps) / (batch * prompt), 7)
+        row["predicted_prefill_s_per_token"] = round(plan["prefill_s"] * gen / (batch * prompt), 7)
         row["step_latency_error"] = round(row["predicted_step_latency_s"] / measured_step - 1, 4)
         row["tokens_per_s_error"] = round(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1, 4)
         result["runs"].append(row)
@@ -105,6 +114,7 @@ def main() -> None:
     errs = [abs(r["step_latency_error"]) for r in result["runs"]]
     result["max_abs_step_latency_error"] = max(errs)
     result["within_15_percent"] = sum(e <= 0.15 for e in errs)
+    result["max_abs_decode_step_error"] = max(abs(r["decode_step_error"]) for r in result["runs"])
     os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
     base = os.path.join(REPO, "bench", "results", f"fidelity_{args.label}")
     with open(base + ".json", "w") as f:

@@ -39,6 +39,7 @@ from kernel_ref import attention_ref, bf16_bits_to_f32, f32_to_bf16_bits  # noqa
 
 from rworker import KVStore  # noqa: E402
 from rworker import isa as isa_mod  # noqa: E402
+from rworker.bench import largest_cache_bytes  # noqa: E402
 from rworker._threads import default_threads, pin_cpus  # noqa: E402
 
 # name: (num_kv_heads, num_query_heads, head_dim, layers)
@@ -49,30 +50,6 @@ MODELS = {
 }
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 PATH_DTYPES = {"avx512": ("bf16", "fp16", "fp32"), "avx2": ("bf16", "fp32"), "portable": ("bf16",)}
-
-
-def l3_bytes() -> int:
-    """Largest CPU cache (sysfs), 0 if unknown: the KV working set must not fit in it."""
-    best = 0
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        for idx in os.listdir(base):
-            if not idx.startswith("index"):
-                continue
-            with open(os.path.join(base, idx, "size")) as f:
-                txt = f.read().strip()
-            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(txt[-1], 1)
-            best = max(best, int(txt.rstrip("KMG")) * mult)
-    except (OSError, ValueError):
-        pass
-    try:  # a VM may show one slice in sysfs while sharing a larger host cache (cpuid via glibc)
-        import subprocess
-
-        out = subprocess.run(["getconf", "LEVEL3_CACHE_SIZE"], capture_output=True, text=True, timeout=5).stdout
-        best = max(best, int(out.strip() or 0))
-    except (OSError, ValueError, subprocess.SubprocessError):
-        pass
-    return best
 
 
 def best_time(fn, reps: int, min_time: float = 0.0) -> tuple[float, float]:
@@ -314,7 +291,7 @@ def main(argv=None):
     args.models = args.models.split(",")
     ctx_default = "128,1024,16384" if args.quick else "128,1024,4096,16384"
     args.contexts = [int(c) for c in (args.contexts or ctx_default).split(",")]
-    cache = l3_bytes()
+    cache = largest_cache_bytes()
     args.min_mb = args.min_mb or max(128 if args.quick else 256, 3 * cache // 2**20)
     args.reps = args.reps or (3 if args.quick else 7)
     args.min_time = args.min_time if args.min_time is not None else (0.0 if args.quick else 0.3)

@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batches", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
                     help="comma-separated batch grid for T_S(B) (default: 1..512 on CPU, 1..16384 on CUDA)")
     pr.add_argument("--r-seqs", type=_positive_int, default=64, help="sequences per R-worker timing call")
-    pr.add_argument("--r-bytes", type=_bytes, default=256 << 20,
-                    help="KV bytes of the long R-worker timing (default 256M; exceed the CPU caches)")
+    pr.add_argument("--r-bytes", type=_bytes, default=0,
+                    help="KV bytes of the long R-worker timing (default: 3x the largest CPU cache, >= 256M, "
+                         "so it streams from memory)")
     pr.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions (median)")
     pr.add_argument("--prompt-lens", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
                     help="comma-separated prompt lengths for the prefill cost (default 16,128,512,2048)")

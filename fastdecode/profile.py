@@ -122,7 +122,7 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float
 
 
 def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
-                r_target_bytes: int = 256 << 20, link_sizes: list[int] | None = None, repeats: int = 3,
+                r_target_bytes: int = 0, link_sizes: list[int] | None = None, repeats: int = 3,
                 prompt_lens: list[int] | None = None,
                 log=print) -> Profile:
     c = engine.config

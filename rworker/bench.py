@@ -5,6 +5,8 @@ with the same number of sequences, each timed as the median of several calls.
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 import numpy as np
@@ -12,6 +14,35 @@ import numpy as np
 from .kvstore import KVStore
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def largest_cache_bytes() -> int:
+    """Largest CPU cache (sysfs), 0 if unknown: a timed KV working set must not fit in it."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in os.listdir(base):
+            if not idx.startswith("index"):
+                continue
+            with open(os.path.join(base, idx, "size")) as f:
+                txt = f.read().strip()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(txt[-1], 1)
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    try:  # a VM may show one slice in sysfs while sharing a larger host cache (cpuid via glibc)
+        out = subprocess.run(["getconf", "LEVEL3_CACHE_SIZE"], capture_output=True, text=True, timeout=5).stdout
+        best = max(best, int(out.strip() or 0))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return best
+
+
+def default_target_bytes() -> int:
+    """KV bytes of the long timing: 3x the largest cache, at least 256 MiB, so it streams from DRAM
+    as a decode step over every layer's KV does (a smaller set runs partly from cache and
+    overstates the bandwidth)."""
+    return max(256 << 20, 3 * largest_cache_bytes())
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -25,9 +56,11 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None,
-                      seqs: int = 64, target_bytes: int = 256 << 20, repeats: int = 5, seed: int = 0) -> dict:
-    """Seconds per KV byte and fixed seconds per call of `attend` on this machine."""
+                      seqs: int = 64, target_bytes: int = 0, repeats: int = 5, seed: int = 0) -> dict:
+    """Seconds per KV byte and fixed seconds per call of `attend` on this machine
+    (target_bytes 0: default_target_bytes())."""
     rng = np.random.default_rng(seed)
+    target_bytes = target_bytes or default_target_bytes()
     token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZE[kv_dtype]          # K and V of one token, one layer
     long_len = max(64, int(target_bytes // (seqs * token_bytes)))
     points = []
