@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from . import mpi_env
@@ -271,6 +272,11 @@ def cmd_info(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("generate", "profile") and mpi_env.launched_rank() > 0:
+        # R-workers outlive SLURM's stop signals (rank 0 finishes the step and shuts them down);
+        # ignore them from the start: one arriving while this rank still loads would kill it
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     if args.command in ("generate", "profile"):
         from . import supervise
         if supervise.should_supervise():      # under a launcher: a dead rank gets named

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -60,8 +59,6 @@ def fail(comm, exc: BaseException, code: int = 1) -> None:
     where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()})" if comm is not None else "fastdecode"
     print(f"fastdecode: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     if comm is not None and comm.Get_size() > 1:
-        # MPI_Abort has the launcher tear down every rank and its output forwarding; a moment
-        # first lets this line reach the job's stderr (it was lost now and then under hydra)
-        time.sleep(0.5)
-        comm.Abort(code)
+        from rworker.wait import abort_job
+        abort_job(comm, code)
     sys.exit(code)

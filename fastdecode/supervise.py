@@ -31,8 +31,10 @@ def run_supervised(argv: list[str]) -> int:
     env = dict(os.environ, **{ENV_FLAG: "1"})
     # close_fds=False: the launcher's PMI connection (PMI_FD) must reach the child
     child = subprocess.Popen([sys.executable, "-m", "fastdecode"] + argv, env=env, close_fds=False)
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    rank = launched_rank()
+    for sig in FORWARDED:       # R-workers ignore stop signals (rank 0 shuts them down)
+        signal.signal(sig, signal.SIG_IGN if rank > 0 and sig != signal.SIGUSR2 else
+                      (lambda signum, _frame: child.send_signal(signum)))
     while True:
         try:
             code = child.wait()
@@ -41,7 +43,6 @@ def run_supervised(argv: list[str]) -> int:
             continue
     if code in CLEAN_EXITS or code == 1:     # 1: the child reported its own failure already
         return code
-    rank = launched_rank()
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     print(f"fastdecode: rank {rank} ({role_name(rank)} pid {child.pid} on {socket.gethostname()}) died: {how}",
           file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ short spin, sleep with exponential backoff. `spin` is right when every rank has 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from mpi4py import MPI
@@ -80,3 +81,11 @@ def wait_message(comm: MPI.Comm, source: int, tag: int, policy: str = "adaptive"
         time.sleep(delay)
         delay = min(delay * 2, MAX_SLEEP_S)
     return status
+
+
+def abort_job(comm, code: int) -> None:
+    """MPI_Abort after a moment: the abort has the launcher tear down every rank and its output
+    forwarding, and the line naming the failed rank, just written, was lost now and then (hydra)."""
+    sys.stderr.flush()
+    time.sleep(0.5)
+    comm.Abort(code)

@@ -24,7 +24,7 @@ from ._threads import physical_cpus
 from .cores import bind, rworker_cpus
 from .kvstore import KVStore
 from .progress import Progressor
-from .wait import PeerTimeout, choose_policy, node_layout, wait_message
+from .wait import PeerTimeout, abort_job, choose_policy, node_layout, wait_message
 
 
 class RWorker:
@@ -192,5 +192,5 @@ def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None =
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
         print(f"fastdecode: rank {comm.Get_rank()} (R-worker on {socket.gethostname()}) failed: "
               f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        comm.Abort(75 if isinstance(e, PeerTimeout) else 1)   # 75: requeue (outputs are saved)
+        abort_job(comm, 75 if isinstance(e, PeerTimeout) else 1)   # 75: requeue (outputs are saved)
     return 0

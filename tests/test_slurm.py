@@ -289,6 +289,18 @@ def release(job, jid):
     wait_for(running, 60, "the requeued job to start again")
 
 
+def ranks_up(log: str, runs: int) -> bool:
+    """Every rank has announced itself `runs` times in the job log: the stand-in's "rank i of n"
+    lines, or the real program's roster ("fastdecode: rank i = R-worker ...", printed once every
+    R-worker has said hello)."""
+    fake = re.findall(r"rank (\d+) of (\d+)", log)
+    if fake:
+        size = int(fake[-1][1])
+        return all(sum(1 for r, _ in fake if int(r) == i) >= runs for i in range(size))
+    real = re.findall(r"fastdecode: rank (\d+) = R-worker", log)
+    return bool(real) and all(real.count(r) >= runs for r in set(real))
+
+
 def interrupt_and_resume(job, opts, signals):
     """`sbatch --wait` the job; for each signal: let it write some lines, signal the batch
     script, see the job requeue itself, release it; `sbatch --wait` returns when it is done."""
@@ -298,11 +310,14 @@ def interrupt_and_resume(job, opts, signals):
         for restart, sig in enumerate(signals):
             start = len(job.output_ids())
             wait_for(lambda: len(job.output_ids()) >= start + 3, 60, f"progress in run {restart}")
+            # every rank must be up (its signal handling in place) before the signal: rank 0 may
+            # write lines while the other component's tasks are still starting
+            wait_for(lambda: ranks_up(job.text(), restart + 1), 60, f"every rank up in run {restart}")
             [jid] = {c["JobId"] for c in job.live() if c.get("HetJobOffset", "0") == "0"}
             assert all(c["Restarts"] == str(restart) for c in job.live())
             job.cluster.run("scancel", f"--signal={sig}", "--batch", jid)
             wait_for(lambda: job.live() and all(c["Restarts"] == str(restart + 1)
-                                                for c in job.live()), 60,
+                                                for c in job.live()), 120,
                      f"requeue #{restart + 1}")
             release(job, jid)
         return proc.wait(timeout=120)
@@ -348,7 +363,7 @@ def test_time_limit_warning_signal_requeues_before_the_limit(cluster, tmp_path):
     proc = subprocess.Popen(job.sbatch_cmd("-N", "1", "--time=1", "--signal=B:USR1@55"),
                             env=job.env, stdout=subprocess.DEVNULL)
     try:
-        wait_for(lambda: job.live() and job.live()[0]["Restarts"] == "1", 60, "the requeue")
+        wait_for(lambda: job.live() and job.live()[0]["Restarts"] == "1", 120, "the requeue")
         release(job, job.live()[0]["JobId"])
         assert proc.wait(timeout=60) == 0, job.text()
     finally:
