@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fastdecode.engine import EngineArgs, LLMEngine
+from fastdecode.profile import fake_sequences, median_time
 from fastdecode.rpart.loopback import LoopbackBackend
 from fastdecode.runner import ModelRunner
 from fastdecode.sampling_params import SamplingParams
-from fastdecode.sequence import Request, Sequence, Status
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,35 +44,7 @@ def pure_layer(config, dtype, device, batch, repeats):
         hh = F.rms_norm(y, (h,))
         gate, up = (hh @ w_gu.T).chunk(2, dim=-1)
         return y + (F.silu(gate) * up) @ w_d.T
-    return timed(layer, device, repeats)
-
-
-def timed(fn, device, repeats):
-    for _ in range(2):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def fake_sequences(batch, vocab, context):
-    rng = np.random.default_rng(0)
-    seqs = []
-    for i in range(batch):
-        req = Request(i, str(i), None, [1] * context, SamplingParams(max_tokens=8, temperature=0), seed=i)
-        s = Sequence(i + 1, req, 0, 8, output_ids=[int(rng.integers(0, vocab))], status=Status.RUNNING, worker=0)
-        seqs.append(s)
-    return seqs
+    return median_time(layer, device, repeats)
 
 
 def main():
@@ -90,16 +60,16 @@ def main():
     loop = LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype)
     rows = []
     for batch in args.batches:
-        seqs = fake_sequences(batch, c.vocab_size, 64)
+        seqs = fake_sequences(batch, 64, c.vocab_size)
         pure = pure_layer(c, m.dtype, m.device, batch, args.repeats)
         x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
         from fastdecode.sampler import SamplingBatch, sample
         head_rows = SamplingBatch([(SamplingParams(temperature=0), 0, 0, 0, None)] * batch, m.device)
-        head = timed(lambda: sample(m.logits(x), head_rows), m.device, args.repeats)
+        head = median_time(lambda: sample(m.logits(x), head_rows), m.device, args.repeats)
         row = {"batch": batch, "pure_layer_ms": round(pure * 1e3, 4), "head_ms": round(head * 1e3, 3)}
         for depth in (1, 2):
             runner = ModelRunner(m, loop, engine.eos_ids, depth)
-            step = timed(lambda: runner.decode(seqs), m.device, args.repeats)
+            step = median_time(lambda: runner.decode(seqs), m.device, args.repeats)
             per_layer = (step - head) / c.num_layers
             row[f"depth{depth}_step_ms"] = round(step * 1e3, 3)
             row[f"depth{depth}_layer_ms"] = round(per_layer * 1e3, 4)

@@ -34,9 +34,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(fn, device, repeats: int, warmup: bool = True) -> float:
-    if warmup:
-        fn()
+def median_time(fn, device, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` calls after one warm-up (device work included)."""
+    fn()
     _sync(device)
     times = []
     for _ in range(repeats):
@@ -90,7 +90,7 @@ def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float,
     runner.prefill(seqs)
     x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
     rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
-    head_s = _median(lambda: sample(m.logits(x), rows), m.device, repeats)
+    head_s = median_time(lambda: sample(m.logits(x), rows), m.device, repeats)
     busy = []
     for _ in range(repeats + 1):          # the first is a warm-up (buffers grow)
         runner.decode(seqs)
@@ -106,7 +106,7 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float
     R-workers, first-token sampling), about `chunk_tokens` tokens per chunk (past the GEMM knee:
     per-token cost no longer falls with the chunk, so the profile need not run whole
     --max-prefill-tokens)."""
-    m, c = engine.model, engine.config
+    m = engine.model
     runner = ModelRunner(m, engine.backend, engine.eos_ids, depth=1)
     warm = _placed(engine, 1, 8, PROFILE_SEQ_BASE)
     runner.prefill(warm)

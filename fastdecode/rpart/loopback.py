@@ -2,9 +2,9 @@
 
 It packs Q/K/V (and prompt K/V) into host buffers exactly as the MPI transport does (device->host
 on the side stream on CUDA) and hands back O from a host buffer (host->device), but runs no
-attention and sends nothing. `fastdecode profile` times the engine's real decode and prefill
-through it, so T_S(B) includes everything the S-worker does per layer (RoPE, packing, staging,
-Python per mini-batch), not only the GEMMs; bench/s_overhead_bench.py compares it to pure GEMMs.
+attention and sends nothing. bench/s_overhead_bench.py times the engine's real decode step
+through it (RoPE, packing, staging, Python per mini-batch: everything the S-worker does per
+layer) against the pure dense GEMMs.
 """
 from __future__ import annotations
 
