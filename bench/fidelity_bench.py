@@ -24,6 +24,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (batch, R-workers (0 = local mode), prompt tokens, generated tokens)
+MAX_PREFILL = 32768         # prompt tokens per prefill chunk (a GPU's activations must fit)
 DEFAULT_CONFIGS = [(16, 1, 64, 48), (64, 1, 64, 48), (64, 2, 256, 48), (128, 2, 32, 32),
                    (32, 1, 512, 32), (64, 0, 128, 48)]
 
@@ -84,7 +85,8 @@ def main() -> None:
         request_file(inp, batch, prompt, gen, span=args.token_span)
         run(fastdecode_cmd(launcher, r + 1, ["generate", "-m", args.model, "-i", inp, "-o", out, "--quiet", "--overwrite",
                                              "--max-batch", str(batch), "--max-prefill-tokens",
-                                             str(max(8192, batch * prompt)), "--stats-json", stats] + engine),
+                                             str(min(max(8192, batch * prompt), MAX_PREFILL)), "--stats-json",
+                                             stats] + engine),
             args.timeout)
         summary = json.load(open(stats))["summary"]
         if summary.get("errors") or summary["output_tokens"] != batch * gen:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup kernel soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests kernel soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to bench/results/ and, after every stage, into
 # $OUT/results.tar.gz (when $OUT is set) so that a cut run still returns what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FASTDECODE_NO_SUPERVISOR=1     # the site's Open MPI launches the ranks directly
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 PY=python3
 LOG=${OUT:-/tmp}/gpu_box.log
 LAUNCHER="mpirun --allow-run-as-root --oversubscribe --bind-to none"
@@ -26,13 +27,15 @@ case $s in
 setup)
     nvidia-smi -L | tee -a "$LOG"
     command -v mpirun >/dev/null || say "no mpirun on PATH"
-    if ! ls rworker/_kernels_avx512*.so >/dev/null 2>&1; then stage build 120 $PY setup.py build_ext --inplace; fi
+    if ! ls rworker/_kernels_avx512*.so >/dev/null 2>&1; then stage build 120 $PY setup.py build_ext --inplace -j 3; fi
     $LAUNCHER -n 2 $PY -c "from mpi4py import MPI; c=MPI.COMM_WORLD; assert c.size == 2; print('mpi ok', MPI.Get_library_version()[:40])" 2>&1 | tail -2 | tee -a "$LOG"
     $PY -m fastdecode info 2>&1 | tee -a "$LOG" ;;
+tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local mode on CUDA
+    stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
     stage kernel 200 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
-    stage soverhead 80 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=4 \
+    stage soverhead 240 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 ;;
 e2e7b)       # issue 5: R-worker scaling (1 thread each) and the same 14 cores split differently; HF baseline
     stage e2e7b 170 $PY bench/e2e_bench.py --label h100-box --launcher "$LAUNCHER" \
@@ -43,10 +46,10 @@ e2e8b)       # issue 5: GQA model, short and long context, 14 R-workers; HF base
         --model random:llama-3-8b:layers=4 --runs 14x1 --prompts 512 4096 --gen 16 --batch 256 --hf \
         --extra "--device cuda --dtype bfloat16" ;;
 fidelity)    # issue 4: plan vs measured on the GPU box
-    stage fidelity 190 $PY bench/fidelity_bench.py --label h100-box --model random:llama-3-8b:layers=4 \
+    stage fidelity 330 $PY bench/fidelity_bench.py --label h100-box --model random:llama-3-8b:layers=8 \
         --launcher "$LAUNCHER" --engine-args "--kv-dtype bf16 --device cuda --dtype bfloat16" \
-        --configs 64,2,512,16 256,2,512,16 256,4,1024,16 1024,14,512,16 256,14,2048,16 512,14,1024,16 \
-        --r-bytes 256M --timeout 120 ;;
+        --configs 64,2,512,32 256,2,512,32 256,4,1024,32 512,14,512,32 256,14,2048,32 1024,14,256,32 \
+        --r-bytes 256M --timeout 150 ;;
 *) say "unknown stage $s" ;;
 esac
 done

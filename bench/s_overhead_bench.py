@@ -3,25 +3,37 @@
 Pure: RMSNorm, fused QKV GEMM, O GEMM, RMSNorm, gate/up GEMM, SiLU*up, down GEMM at batch B
 (the anchor's s_part, DESIGN.md §5). Ours: the engine's real decode step (ModelRunner.decode:
 embedding, RoPE, the layers, LM head, sampling) at depth 1 and 2 with a loopback R-part that
-does all the S-worker's transport work (pack Q/K/V, device->host copy into pinned buffers on the
-side stream, host->device copy of O) but no attention, so only S-worker time is measured.
-Reports ms per layer (step time less the LM head + sampling, / layers) and the ratio to pure.
+does all the S-worker's transport work (Q/K/V packed in the wire layout, device->host into
+pinned buffers on the D2H stream, O host->device on the H2D stream) but no attention, so only
+S-worker time is measured. Per layer = the slope of the step time between the model's first L/2
+and all L layers ((step_L - step_L/2) / (L/2)), so the per-step costs (embedding, the host's
+per-sequence bookkeeping, pipeline fill and drain, LM head, sampling) fall out; they are reported
+apart as `step_fixed_ms`. Ratios to the pure layer; with the fused kernels (ops.py) and with the
+torch code.
 
-    python bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=4 --batches 1024 4096 16384
+The other physical limit, measured in the same run: the PCIe copies. Per layer the S-worker must
+move (Hq + 2 Hkv)·D·B activations to the host and Hq·D·B back; at the pinned copy bandwidths
+measured here (both directions at once) that is `pcie_layer_ms`, so no schedule can beat
+max(pure, pcie) per layer (`floor_layer_ms`).
+
+    python bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 --batches 1024 4096 16384
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 
 from fastdecode.engine import EngineArgs, LLMEngine
-from fastdecode.profile import fake_sequences, median_time
+from fastdecode.model.ops import SPartOps
+from fastdecode.profile import fake_sequences, first_layers, median_time, pcie_bandwidth
 from fastdecode.rpart.loopback import LoopbackBackend
 from fastdecode.runner import ModelRunner
+from fastdecode.sampler import SamplingBatch, sample
 from fastdecode.sampling_params import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,36 +62,65 @@ def pure_layer(config, dtype, device, batch, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
-    ap.add_argument("--model", default="random:llama-2-7b:layers=4")
+    ap.add_argument("--model", default="random:llama-2-7b:layers=8")
     ap.add_argument("--batches", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, kv_dtype="bf16", max_batch=1 << 20))
     m, c = engine.model, engine.config
     loop = LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype)
+    fused_ops = m.ops
+    torch_ops = SPartOps(m.device, m.dtype, c.hidden_size)
+    torch_ops.tri = None
+    variants = [("fused", fused_ops)] if fused_ops.fused else []
+    variants.append(("torch", torch_ops))
+    d2h_bw, h2d_bw = pcie_bandwidth(m.device)
+    act_bytes = m.embed.element_size()
     rows = []
     for batch in args.batches:
         seqs = fake_sequences(batch, 64, c.vocab_size)
         pure = pure_layer(c, m.dtype, m.device, batch, args.repeats)
+        out_bytes = batch * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * act_bytes
+        back_bytes = batch * c.num_heads * c.head_dim * act_bytes
+        pcie = max(out_bytes / d2h_bw, back_bytes / h2d_bw) if d2h_bw else 0.0
         x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
-        from fastdecode.sampler import SamplingBatch, sample
         head_rows = SamplingBatch([(SamplingParams(temperature=0), 0, 0, 0, None)] * batch, m.device)
         head = median_time(lambda: sample(m.logits(x), head_rows), m.device, args.repeats)
-        row = {"batch": batch, "pure_layer_ms": round(pure * 1e3, 4), "head_ms": round(head * 1e3, 3)}
-        for depth in (1, 2):
-            runner = ModelRunner(m, loop, engine.eos_ids, depth)
-            step = median_time(lambda: runner.decode(seqs), m.device, args.repeats)
-            per_layer = (step - head) / c.num_layers
-            row[f"depth{depth}_step_ms"] = round(step * 1e3, 3)
-            row[f"depth{depth}_layer_ms"] = round(per_layer * 1e3, 4)
-            row[f"depth{depth}_ratio_to_pure"] = round(per_layer / pure, 3)
+        row = {"batch": batch, "pure_layer_ms": round(pure * 1e3, 4), "pcie_layer_ms": round(pcie * 1e3, 4),
+               "floor_layer_ms": round(max(pure, pcie) * 1e3, 4), "head_ms": round(head * 1e3, 3)}
+        half = c.num_layers // 2
+        for name, ops in variants:
+            m.ops = ops
+            for depth in args.depths:
+                runner = ModelRunner(m, loop, engine.eos_ids, depth)
+                step = median_time(lambda: runner.decode(seqs), m.device, args.repeats)
+                with first_layers(m, half):
+                    step_half = median_time(lambda: runner.decode(seqs), m.device, args.repeats)
+                per_layer = (step - step_half) / (c.num_layers - half)
+                key = f"{name}_depth{depth}"
+                row[f"{key}_step_ms"] = round(step * 1e3, 3)
+                row[f"{key}_step_fixed_ms"] = round((step - c.num_layers * per_layer) * 1e3, 3)
+                row[f"{key}_layer_ms"] = round(per_layer * 1e3, 4)
+                row[f"{key}_ratio_to_pure"] = round(per_layer / pure, 3)
+                row[f"{key}_ratio_to_floor"] = round(per_layer / max(pure, pcie), 3)
+        m.ops = fused_ops
         rows.append(row)
         print(row, flush=True)
     result = {"label": args.label, "model": args.model, "device": str(m.device),
               "gpu": torch.cuda.get_device_name() if m.device.type == "cuda" else None,
-              "dtype": str(m.dtype), "layers": c.num_layers, "rows": rows,
-              "note": "ratio = (decode step - LM head/sampling) / layers / pure dense layer, same run"}
+              "dtype": str(m.dtype), "layers": c.num_layers, "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"),
+              "pcie_d2h_GBps": round(d2h_bw / 1e9, 2) if d2h_bw else None,
+              "pcie_h2d_GBps": round(h2d_bw / 1e9, 2) if h2d_bw else None,
+              "rows": rows,
+              "note": "layer = (step with all layers - step with the first half) / (layers - half); "
+                      "step_fixed = step - layers * layer (embedding, host bookkeeping, fill/drain, LM head, "
+                      "sampling); ratio = layer / pure dense layer, same run; "
+                      "floor = max(pure layer, PCIe time of the layer's activations at the bandwidths "
+                      "measured in this run with both directions busy); fused = Triton kernels, "
+                      "torch = the unfused torch code (FASTDECODE_FUSED=0)"}
     os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
     with open(os.path.join(REPO, "bench", "results", f"s_overhead_{args.label}.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -1,14 +1,19 @@
 """`fastdecode profile`: measure what the sizing model needs on the machines at hand.
 
-- T_S(B): the S-worker's part of one layer (its busy time in the engine's own decode step on the
-  job's R-workers, over short sequences) and the LM head + sampling, over a batch grid;
+- T_S(B): the S-worker's part of one layer and the rest of a step (LM head, sampling, host
+  bookkeeping), over a batch grid: on a CPU its busy time in the engine's own decode step on the
+  job's R-workers, over short sequences; on a GPU the device's time for the same step (the
+  host only queues work there);
 - prefill: seconds per prompt token over a prompt-length grid (the engine's prefill);
 - each R-worker's attention cost: seconds per KV byte and per call (every rank under mpirun);
-- the S<->R link: one-way time by message size (echo round trip / 2).
+- the S<->R link: one-way time by message size (echo round trip / 2), and on a GPU the pinned
+  device<->host copy bandwidth each way (PCIe), which every row crosses twice.
 The result is a `fastdecode-profile/1` JSON that `fastdecode plan --profile` reads.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import platform
 import time
 
@@ -17,6 +22,7 @@ import torch
 
 from .engine import KV_ITEMSIZE, LLMEngine
 from .sampler import SamplingBatch, sample
+from .rpart.loopback import LoopbackBackend
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .sequence import Request, Sequence, Status
@@ -74,6 +80,68 @@ def _free(engine: LLMEngine, seqs: list[Sequence]) -> None:
     engine.backend.free(by_worker)
 
 
+@contextlib.contextmanager
+def first_layers(model, count: int):
+    """Run `model` as if it had only its first `count` layers."""
+    config, layers = model.config, model.layers
+    model.config, model.layers = dataclasses.replace(config, num_layers=count), layers[:count]
+    try:
+        yield
+    finally:
+        model.config, model.layers = config, layers
+
+
+def pcie_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(device->host, host->device) bytes/s of pinned copies running at once on two streams, as
+    the S-worker's transport runs them; (0, 0) for a CPU S-worker (no such hop)."""
+    if device.type != "cuda":
+        return 0.0, 0.0
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dev_b = torch.empty_like(dev_a)
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    streams = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    best = [0.0, 0.0]
+    for _ in range(repeats + 1):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize(device)
+        for i, (stream, dst, src) in enumerate(zip(streams, (host_a, dev_b), (dev_a, host_b))):
+            with torch.cuda.stream(stream):
+                events[2 * i].record(stream)
+                dst.copy_(src, non_blocking=True)
+                events[2 * i + 1].record(stream)
+        torch.cuda.synchronize(device)
+        for i in range(2):
+            best[i] = max(best[i], nbytes / (events[2 * i].elapsed_time(events[2 * i + 1]) / 1e3))
+    return best[0], best[1]
+
+
+@torch.inference_mode()
+def time_s_part_device(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float, float]:
+    """(seconds per layer, seconds per step besides the layers) of a GPU S-worker at `batch` rows.
+
+    On a GPU the host only queues kernels and then waits, so its busy time says nothing: time
+    the device instead. The engine's own decode step through a loopback that moves nothing (the
+    device<->host copies belong to the link, measured apart); per layer is the slope between the
+    model's first half and all of its layers, and the rest of the step (embedding, the host's
+    bookkeeping, LM head, sampling) is the per-step remainder."""
+    m, c = engine.model, engine.config
+    loop = LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype, transfers=False)
+    runner = ModelRunner(m, loop, engine.eos_ids, depth=1)
+    seqs = fake_sequences(batch, 16, c.vocab_size, PROFILE_SEQ_BASE)
+    full = median_time(lambda: runner.decode(seqs), m.device, repeats)
+    half = c.num_layers // 2
+    if half < 1:                                       # one layer: no slope; the LM head apart
+        x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
+        rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
+        head = median_time(lambda: sample(m.logits(x), rows), m.device, repeats)
+        return max(full - head, 1e-9), head
+    with first_layers(m, half):
+        part = median_time(lambda: runner.decode(seqs), m.device, repeats)
+    per_layer = max(full - part, 1e-9) / (c.num_layers - half)
+    return per_layer, max(full - c.num_layers * per_layer, 1e-9)
+
+
 @torch.inference_mode()
 def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float, float]:
     """(seconds per layer, seconds for LM head + sampling) of the S-worker in a decode step at
@@ -126,10 +194,11 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
                 prompt_lens: list[int] | None = None,
                 log=print) -> Profile:
     c = engine.config
-    grid = sorted(batches or (GPU_GRID if engine.device.type == "cuda" else CPU_GRID))
+    cuda = engine.device.type == "cuda"
+    grid = sorted(batches or (GPU_GRID if cuda else CPU_GRID))
     layer_s, head_s = [], []
     for b in grid:
-        ls, hs = time_s_part(engine, b, repeats)
+        ls, hs = time_s_part_device(engine, b, repeats) if cuda else time_s_part(engine, b, repeats)
         layer_s.append(ls)
         head_s.append(hs)
         log(f"S-part  B={b:>6}: {ls * 1e3:8.3f} ms/layer, head {hs * 1e3:8.3f} ms")
@@ -163,9 +232,13 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
     bandwidth = (sizes[-1] - sizes[0]) / span if span > 0 else 1e15
     log(f"link: {latency * 1e6:.1f} us latency, {bandwidth / 1e9:.2f} GB/s")
     measured = span > 0       # in local mode there is no link: nothing to tabulate
+    d2h, h2d = pcie_bandwidth(engine.device)
+    if d2h:
+        log(f"device<->host copies: {d2h / 1e9:.1f} GB/s to the host, {h2d / 1e9:.1f} GB/s to the device")
     link = LinkProfile(latency_s=latency, bandwidth_Bps=float(bandwidth),
                        message_bytes=list(sizes) if measured else [],
-                       message_time_s=[float(t) for t in times] if measured else [])
+                       message_time_s=[float(t) for t in times] if measured else [],
+                       device_d2h_Bps=d2h, device_h2d_Bps=h2d)
     act_bytes = torch.finfo(engine.dtype).bits // 8
     dims = ModelDims(name=engine.source.name, num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads,
                      kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,

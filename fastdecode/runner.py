@@ -11,6 +11,8 @@ import torch
 
 from .model.llama import LlamaSPart
 from .rpart.base import RBackend, StepStats
+from .rpart.staging import host_to_device
+from .rpart.wire import WireLayout
 from .sampler import SamplingBatch, sample
 from .sequence import Sequence
 
@@ -80,34 +82,47 @@ class ModelRunner:
         and after the last layer each mini-batch samples at once, while the others are still attended.
         """
         m, be = self.model, self.backend
-        mbs = split_by_r_load(seqs, self.depth)
+        # one pass over the sequences; the rest of the bookkeeping is numpy (B can be 16k rows)
+        meta = np.array([(s.seq_id, s.worker, s.prompt_len + len(s.output_ids) - 1, s.output_ids[-1])
+                         for s in seqs], dtype=np.int64).reshape(-1, 4)        # [B, (id, worker, kv_len, token)]
         plans = []
-        for part in mbs:
-            ordered, counts = group_by_worker(part, be.num_workers)
-            plans.append((ordered, counts, np.array([s.seq_id for s in ordered], dtype=np.int64)))
+        for rows in split_by_r_load(meta[:, 2], meta[:, 0], self.depth):
+            rows = rows[np.lexsort((meta[rows, 0], meta[rows, 1]))]          # by worker, then seq id
+            counts = np.bincount(meta[rows, 1], minlength=be.num_workers).tolist()
+            plans.append(([seqs[i] for i in rows], counts, meta[rows, 0].copy(), rows))
         t0 = time.perf_counter()
         r_wait = 0.0
-        be.decode_begin([(ids, counts) for _, counts, ids in plans])
+        be.decode_begin([(ids, counts) for _, counts, ids, _ in plans])
+        c = m.config
+        layouts = [WireLayout(counts, c.num_heads, c.num_kv_heads, c.head_dim) for _, counts, _, _ in plans]
+
+        def submit(layer: int, mb: int) -> None:     # q|k|v of one mini-batch, straight into the wire layout
+            out = be.decode_buffer(layer, mb, layouts[mb].numel(), self.device, m.dtype)
+            m.qkv_packed(layer, xs[mb], *rope[mb], layouts[mb], out)
+            be.decode_submit(layer, mb, out)
+
         xs, rope = [], []
-        for mb, (ordered, _, _) in enumerate(plans):
-            tokens = torch.tensor([s.last_token for s in ordered], device=self.device)
-            positions = torch.tensor([s.kv_len for s in ordered], device=self.device)
+        for mb, (_, _, _, rows) in enumerate(plans):
+            tokens = host_to_device(meta[rows, 3], self.device)
+            positions = host_to_device(meta[rows, 2], self.device)
             xs.append(m.embed_tokens(tokens))                              # [n_mb, h]
-            rope.append(m.rope.cos_sin(positions))
-            be.decode_submit(0, mb, *m.qkv(0, xs[mb], *rope[mb]))
+            rope.append(m.rope.cos_sin(positions, int(meta[rows, 2].max())))
+            submit(0, mb)
         last = m.config.num_layers - 1
-        sampled = []
+        sampled, sampling = [], None
         for layer in range(m.config.num_layers):
-            for mb, (mb_seqs, _, _) in enumerate(plans):
+            for mb in range(len(plans)):
                 tw = time.perf_counter()
                 o = be.decode_wait(layer, mb)                              # [n_mb, Hq, D]
                 r_wait += time.perf_counter() - tw
                 xs[mb] = m.post_attn(layer, xs[mb], o)
                 if layer < last:
-                    be.decode_submit(layer + 1, mb, *m.qkv(layer + 1, xs[mb], *rope[mb]))
-                else:   # this mini-batch's LM head and sampling run while the R-workers attend the next
-                    sampled.append(sample(m.logits(xs[mb]), self._sampling_rows(mb_seqs)))   # [n_mb]
-        ordered = [s for part, _, _ in plans for s in part]
+                    submit(layer + 1, mb)
+                if sampling is None:    # built while the device has a layer queued, not after the last
+                    sampling = [self._sampling_rows(part) for part, _, _, _ in plans]
+                if layer == last:       # this mini-batch's LM head and sampling run while the R-workers attend the next
+                    sampled.append(sample(m.logits(xs[mb]), sampling[mb]))    # [n_mb]
+        ordered = [s for part, _, _, _ in plans for s in part]
         next_tokens = np.concatenate(sampled) if len(sampled) > 1 else sampled[0]
         stats = be.decode_end()
         self.decode_rows += len(ordered)
@@ -116,16 +131,16 @@ class ModelRunner:
         return ordered, next_tokens, stats
 
 
-def split_by_r_load(seqs: list[Sequence], depth: int) -> list[list[Sequence]]:
-    """Up to `depth` non-empty mini-batches with about equal total KV length (the R-part's cost),
-    longest first into the lightest (LPT); sequence ids keep each mini-batch's order stable."""
-    depth = max(1, min(depth, len(seqs)))
+def split_by_r_load(kv_len: np.ndarray, seq_id: np.ndarray, depth: int) -> list[np.ndarray]:
+    """Up to `depth` non-empty mini-batches (row indices) of about equal total KV length (the
+    R-part's cost): rows sorted longest first (ties by sequence id) are dealt out in snake order
+    0, 1, .., d-1, d-1, .., 0, 0, 1, .. so every mini-batch gets one of each d consecutive lengths;
+    the loads differ by at most the longest sequence. Depends only on the lengths and ids."""
+    n = len(kv_len)
+    depth = max(1, min(depth, n))
     if depth == 1:
-        return [seqs]
-    loads = [0] * depth
-    parts: list[list[Sequence]] = [[] for _ in range(depth)]
-    for s in sorted(seqs, key=lambda s: (-s.kv_len, s.seq_id)):
-        i = loads.index(min(loads))
-        parts[i].append(s)
-        loads[i] += s.kv_len + 1
-    return [sorted(p, key=lambda s: s.seq_id) for p in parts]
+        return [np.arange(n)]
+    order = np.lexsort((seq_id, -kv_len))
+    pos = np.arange(n) % (2 * depth)
+    mb = np.where(pos < depth, pos, 2 * depth - 1 - pos)
+    return [np.sort(order[mb == i]) for i in range(depth)]

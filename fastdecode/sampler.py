@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .rpart.staging import host_to_device
+
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -37,18 +39,21 @@ class SamplingBatch:
 
     def __init__(self, rows, device):
         # rows: list of (SamplingParams, seed:int, stream:int, position:int, suppress_ids:list[int]|None)
-        params = [r[0] for r in rows]
-        self.greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
-        self.temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device,
-                                        dtype=torch.float32)[:, None]
-        self.top_k = [p.top_k for p in params]
-        self.top_p = [p.top_p for p in params]
-        self.min_p = [p.min_p for p in params]
-        self.needs_filter = any(k > 0 for k in self.top_k) or any(p < 1 for p in self.top_p) or \
-            any(m > 0 for m in self.min_p)
-        self.seeds = np.array([r[1] for r in rows], dtype=np.uint64)
-        self.streams = np.array([r[2] for r in rows], dtype=np.uint64)
-        self.positions = np.array([r[3] for r in rows], dtype=np.uint64)
+        n = len(rows)
+        cols = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p, *_ in rows],
+                        dtype=np.float64).reshape(n, 4)                 # one pass: B can be 16k rows
+        temperature = cols[:, 0]
+        device = torch.device(device)
+        self.greedy = host_to_device(temperature == 0, device)
+        self.temperature = host_to_device(np.where(temperature == 0, 1.0, temperature).astype(np.float32),
+                                          device)[:, None]
+        self.top_k = cols[:, 1].astype(np.int64).tolist()
+        self.top_p = cols[:, 2].tolist()
+        self.min_p = cols[:, 3].tolist()
+        self.needs_filter = bool((cols[:, 1] > 0).any() or (cols[:, 2] < 1).any() or (cols[:, 3] > 0).any())
+        self.seeds = np.fromiter((r[1] for r in rows), np.uint64, n)
+        self.streams = np.fromiter((r[2] for r in rows), np.uint64, n)
+        self.positions = np.fromiter((r[3] for r in rows), np.uint64, n)
         self.suppress = [r[4] for r in rows]
 
 

@@ -152,6 +152,13 @@ class LinkProfile:
     bandwidth_Bps: float
     message_bytes: list[int] = field(default_factory=list)    # measured sizes, ascending
     message_time_s: list[float] = field(default_factory=list)  # one-way time for each
+    # a GPU S-worker's own hop between device and host memory (PCIe), bytes/s each way; 0 = none
+    device_d2h_Bps: float = 0.0
+    device_h2d_Bps: float = 0.0
+
+    def device_time(self, to_host_bytes: float, to_device_bytes: float) -> float:
+        t = to_host_bytes / self.device_d2h_Bps if self.device_d2h_Bps > 0 else 0.0
+        return t + (to_device_bytes / self.device_h2d_Bps if self.device_h2d_Bps > 0 else 0.0)
 
     def time(self, nbytes: float) -> float:
         """One-way time of a message: measured table where given (linear between points),
@@ -359,14 +366,16 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
     cycle: layer = max(depth*s, depth*r, depth*link, s + r + link). Depth 1 gives s + r + link;
     depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the link is too
-    slow to hide behind the other mini-batch. The step's prompt K, V travel with the Q, K, V."""
+    slow to hide behind the other mini-batch. The step's prompt K, V travel with the Q, K, V; on
+    a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain."""
     m = profile.model
     mini = batch / depth
     s = profile.s_worker.layer_time(mini)
     r = _r_time(profile, profile.workers(rworkers), mini * _avg_kv_len(gen_len, prompt_len))
     prompt_kv = _prefill_tokens(mini, gen_len, prompt_len) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
-    link = (profile.link.time(mini * m.to_rworker_bytes_per_token() + prompt_kv)
-            + profile.link.time(mini * m.from_rworker_bytes_per_token()))
+    out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
+    link = (profile.link.time(out_bytes) + profile.link.time(back_bytes)
+            + profile.link.device_time(out_bytes, back_bytes))
     parts = {"S": s, "R": r, "link": link}
     layer = max(depth * max(parts.values()), s + r + link)
     return {"s": depth * s, "r": depth * r, "link": depth * link, "layer": layer,

@@ -1,9 +1,10 @@
 """The S-part of a Llama-family decoder: every layer except attention over the KV-cache.
 
-A layer is cut at attention: `qkv()` (RMSNorm, fused QKV projection, RoPE) gives the rows the
-R-workers need; `post_attn()` (O projection, residual, RMSNorm, SwiGLU MLP, residual) consumes
-what they return. Numerics follow HF transformers' Llama (RMSNorm and RoPE in float32) so
-greedy outputs match it token for token in float32.
+A layer is cut at attention: `qkv()` / `qkv_packed()` (RMSNorm, fused QKV projection, RoPE) give
+the rows the R-workers need; `post_attn()` (O projection, residual, RMSNorm, SwiGLU MLP,
+residual) consumes what they return. Numerics follow HF transformers' Llama (RMSNorm and RoPE in
+float32) so greedy outputs match it token for token in float32; the elementwise passes run as
+fused kernels on a CUDA S-worker in bf16/fp16 (ops.py).
 """
 from __future__ import annotations
 
@@ -11,19 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # as HF's LlamaRMSNorm: normalize in float32, cast back, then scale
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from .ops import SPartOps, apply_rope
 
 
 class Rope:
@@ -51,9 +40,11 @@ class Rope:
         self._cos = emb.cos() * self.scaling
         self._sin = emb.sin() * self.scaling
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [n] int64 -> cos, sin: [n, 1, D] float32
-        need = int(positions.max()) + 1 if positions.numel() else 0
+    def cos_sin(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [n] int64 -> cos, sin: [n, 1, D] float32 (max_position from the host saves a sync)
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else -1
+        need = max_position + 1
         if need > self._cos.shape[0]:
             self._extend(max(need, 2 * self._cos.shape[0]), positions.device)
         return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
@@ -101,6 +92,7 @@ class LlamaSPart:
             self.layers.append(layer)
         self.rope = Rope(c, self.device, weights.get("rope_freqs"))
         self.scale = c.head_dim ** -0.5
+        self.ops = SPartOps(self.device, dtype, c.hidden_size)
 
     # ------------------------------------------------------------------ per-layer halves
 
@@ -109,29 +101,36 @@ class LlamaSPart:
 
     def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [n, h] residual stream -> q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] (RoPE applied)."""
-        c, L = self.config, self.layers[i]
-        h = rms_norm(x, L["ln1"], c.rms_norm_eps)
-        qkv = F.linear(h, L["w_qkv"], L["b_qkv"])                         # [n, (Hq + 2 Hkv) D]
+        c = self.config
+        qkv = self._qkv_proj(i, x)                                         # [n, (Hq + 2 Hkv) D]
         n = x.shape[0]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(n, c.num_heads, c.head_dim)
-        k = k.view(n, c.num_kv_heads, c.head_dim)
-        v = v.view(n, c.num_kv_heads, c.head_dim)
-        q = (q * cos + rotate_half(q) * sin).to(self.dtype)
-        k = (k * cos + rotate_half(k) * sin).to(self.dtype)
-        return q, k, v.contiguous()
+        q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin, self.dtype)
+        k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin, self.dtype)
+        return q, k, v.reshape(n, c.num_kv_heads, c.head_dim)
+
+    def qkv_packed(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout,
+                   out: torch.Tensor) -> None:
+        """As qkv(), written straight into `out` in the wire layout (rpart.wire.WireLayout)."""
+        c = self.config
+        self.ops.rope_pack(self._qkv_proj(i, x), cos, sin, layout, out, c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def _qkv_proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        L = self.layers[i]
+        h = self.ops.rms_norm(x, L["ln1"], self.config.rms_norm_eps)
+        return F.linear(h, L["w_qkv"], L["b_qkv"])                        # [n, (Hq + 2 Hkv) D]
 
     def post_attn(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: [n, h], o: [n, Hq, D] attention output -> next layer's residual stream [n, h]."""
         c, L = self.config, self.layers[i]
-        x = x + F.linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"])
-        h = rms_norm(x, L["ln2"], c.rms_norm_eps)
-        gate, up = F.linear(h, L["w_gate_up"]).chunk(2, dim=-1)          # [n, I] each
-        return x + F.linear(F.silu(gate) * up, L["w_down"])
+        attn = F.linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"])
+        x, h = self.ops.add_rms_norm(x, attn, L["ln2"], c.rms_norm_eps)
+        act = self.ops.silu_mul(F.linear(h, L["w_gate_up"]))              # [n, I]
+        return x + F.linear(act, L["w_down"])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, h] -> float32 logits [n, V]."""
-        h = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        h = self.ops.rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
     # ------------------------------------------------------------------ prefill attention

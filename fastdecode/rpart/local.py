@@ -13,6 +13,7 @@ from rworker.capacity import default_capacity_bytes
 
 from ..config import ModelConfig
 from .base import RBackend, StepStats, WorkerInfo, as_numpy
+from .wire import WireLayout
 
 
 class LocalBackend(RBackend):
@@ -52,9 +53,16 @@ class LocalBackend(RBackend):
         self._attend_s += time.perf_counter() - t
         return o
 
-    def decode_submit(self, layer, mb, q, k, v):
-        args = (layer, self._mb_ids[mb], as_numpy(q), as_numpy(k), as_numpy(v))
-        self._out[mb] = (self._pool.submit(self._attend, *args) if self._pool else self._attend(*args), q.device)
+    def decode_buffer(self, layer, mb, numel, device, dtype):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def decode_submit(self, layer, mb, packed):
+        device = packed.device
+        ids = self._mb_ids[mb]
+        q, k, v = WireLayout([len(ids)], self.num_heads, self.store.num_kv_heads, self.store.head_dim).views(
+            packed.cpu())[0]                                # one worker: q | k | v of all rows
+        args = (layer, ids, as_numpy(q), as_numpy(k), as_numpy(v))
+        self._out[mb] = (self._pool.submit(self._attend, *args) if self._pool else self._attend(*args), device)
 
     def decode_wait(self, layer, mb):
         o, device = self._out.pop(mb)

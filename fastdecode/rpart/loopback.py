@@ -1,10 +1,12 @@
 """A backend with the S-worker's transport work but no R-part: for measuring the S-worker alone.
 
-It packs Q/K/V (and prompt K/V) into host buffers exactly as the MPI transport does (device->host
-on the side stream on CUDA) and hands back O from a host buffer (host->device), but runs no
-attention and sends nothing. bench/s_overhead_bench.py times the engine's real decode step
-through it (RoPE, packing, staging, Python per mini-batch: everything the S-worker does per
-layer) against the pure dense GEMMs.
+It moves Q/K/V to host buffers exactly as the MPI transport does (device->host on the D2H side
+stream on CUDA) and hands back O from a host buffer (host->device on the H2D side stream), but
+runs no attention and sends nothing: a mini-batch's output is "back" as soon as its rows reached
+host memory. With transfers=False it moves nothing at all: the S-part's own compute, which is
+what `fastdecode profile` tables as T_S(B) on a GPU (the copies are the link's, DESIGN.md §4). bench/s_overhead_bench.py and `fastdecode profile` time the engine's real decode
+step through it (RoPE, packing, staging, Python per mini-batch: everything the S-worker does
+per layer) against the pure dense GEMMs.
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from .staging import HostBuffer, Stager
 
 
 class LoopbackBackend(RBackend):
-    def __init__(self, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+                 transfers: bool = True):
+        self.transfers = transfers          # False: no copies at all (the S-part's compute alone)
+        self.device = device
         self.workers = [WorkerInfo(rank=1, host="loopback", threads=0, isa="none", capacity_bytes=1 << 50)]
         self.hq, self.d = num_heads, head_dim
         self.dtype, self.pinned = dtype, device.type == "cuda"
@@ -29,7 +34,8 @@ class LoopbackBackend(RBackend):
         pass
 
     def prefill_layer(self, layer, k, v):
-        self.stager.wait(self.stager.to_host([k, v], self.prefill_buf))
+        packed = torch.cat([k.reshape(-1), v.reshape(-1)])
+        self.stager.wait(self.stager.to_host(packed, self.prefill_buf))
 
     def prefill_end(self):
         pass
@@ -40,22 +46,32 @@ class LoopbackBackend(RBackend):
             if mb not in self.slots:
                 self.slots[mb] = {"send": HostBuffer(self.dtype, self.pinned),
                                   "out": [HostBuffer(self.dtype, self.pinned), HostBuffer(self.dtype, self.pinned)],
-                                  "ready": None}
+                                  "ready": None, "out_free": [None, None]}
             for buf in self.slots[mb]["out"]:      # [n, Hq, D] replies, filled once with finite values
                 if buf.tensor.numel() < n * self.hq * self.d:
                     buf.ensure(n * self.hq * self.d)
                     buf.tensor.normal_()
 
-    def decode_submit(self, layer, mb, q, k, v):
+    def decode_buffer(self, layer, mb, numel, device, dtype):
+        return self.stager.buffer(numel, self.dtype, self.slots[mb]["send"] if self.transfers else None)
+
+    def decode_submit(self, layer, mb, packed):
         slot = self.slots[mb]
-        slot["ready"] = self.stager.to_host([q, k, v], slot["send"])
+        slot["ready"] = self.stager.to_host(packed, slot["send"]) if self.transfers else None
 
     def decode_wait(self, layer, mb):
         slot = self.slots[mb]
+        if not self.transfers:                    # the same finite rows, already on the device
+            n = self.n[mb]
+            if slot.get("device_out") is None or slot["device_out"].shape[0] != n:
+                host = slot["out"][0].tensor[: n * self.hq * self.d].view(n, self.hq, self.d)
+                slot["device_out"] = host.to(self.device)
+            return slot["device_out"]
         self.stager.wait(slot["ready"])           # a reply cannot come before the rows left
         n = self.n[mb]
         host = slot["out"][layer % 2].tensor[: n * self.hq * self.d].view(n, self.hq, self.d)
-        return self.stager.to_device(host)
+        o, slot["out_free"][layer % 2] = self.stager.to_device(host)
+        return o
 
     def decode_end(self):
         return StepStats()

@@ -2,8 +2,9 @@
 
 Only buffer-based (uppercase) nonblocking mpi4py calls on preallocated host buffers that are
 reused across layers and steps. Per layer and mini-batch each R-worker gets one message
-[q | k | v] of its rows and returns one [n, Hq, D], received straight into its rows of a
-double-buffered output (the gather copies nothing). A Progressor thread keeps messages moving
+[q | k | v] of its rows (rpart.wire: the S-part writes the whole buffer in one pass) and returns
+one [n, Hq, D], received straight into its rows of a double-buffered output (the gather copies
+nothing). A Progressor thread keeps messages moving
 while the S-part computes the other mini-batch. `bytes_sent/bytes_received` count payload.
 """
 from __future__ import annotations
@@ -104,9 +105,6 @@ class MPIBackend(RBackend):
         if ticket is not None:
             self.progress.wait(ticket, self.timeout or self._auto_timeout)
 
-    def _cast(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.dtype == self.act_dtype else t.to(self.act_dtype)
-
     # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
     def prefill_begin(self, row_ids, counts):
@@ -122,22 +120,32 @@ class MPIBackend(RBackend):
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
         self._wait(self._pf_tickets[slot])             # the send two layers ago has left this buffer
-        k, v = self._cast(k), self._cast(v)
         b = self._pf_bounds
         parts = []
         for w in range(len(self.ranks)):
-            parts += [k[b[w]:b[w + 1]], v[b[w]:b[w + 1]]]
+            parts += [k[b[w]:b[w + 1]].reshape(-1), v[b[w]:b[w + 1]].reshape(-1)]
         buf = self._pf_bufs[slot]
-        self.stager.wait(self.stager.to_host(parts, buf))
+        numel = sum(p.numel() for p in parts)
+        packed = self.stager.buffer(numel, self.act_dtype, buf)          # [sum_w (k_w | v_w)]
+        if packed.dtype == k.dtype:
+            torch.cat(parts, out=packed)
+        else:
+            packed.copy_(torch.cat(parts))
+        ready = self.stager.to_host(packed, buf)
         row = 2 * self.hkv * self.d
-        reqs, names = [], []
-        for w, n in enumerate(self._pf_counts):
-            if n:
-                seg = buf.array[b[w] * row:b[w + 1] * row]
-                reqs.append(self.comm.Isend(seg, dest=self.ranks[w], tag=P.TAG_KV))
-                names.append(self._names[w])
-                self.bytes_sent += seg.nbytes
-        self._pf_tickets[slot] = self.progress.track(reqs, names)
+        names = [self._names[w] for w, n in enumerate(self._pf_counts) if n]
+
+        def post_sends():
+            reqs = []
+            for w, n in enumerate(self._pf_counts):
+                if n:
+                    reqs.append(self.comm.Isend(buf.array[b[w] * row:b[w + 1] * row], dest=self.ranks[w],
+                                                tag=P.TAG_KV))
+            return reqs
+        self.bytes_sent += numel * buf.array.itemsize
+        # on a GPU the next layer's compute is queued while this layer's K/V cross PCIe and MPI
+        self._pf_tickets[slot] = self.progress.track(post_sends(), names) if ready is None \
+            else self.progress.track_after(ready.query, post_sends, names)
 
     def prefill_end(self):
         for slot in (0, 1):
@@ -168,15 +176,18 @@ class MPIBackend(RBackend):
                            for w, r in enumerate(self.ranks)]
         self._step_start = time.perf_counter()
 
-    def decode_submit(self, layer, mb, q, k, v):
+    def decode_buffer(self, layer, mb, numel, device, dtype):
+        """Where the S-part writes this mini-batch's packed q|k|v rows (rpart.wire layout): the
+        host send buffer itself on a CPU S-worker, device memory on a GPU."""
         slot = self._slots[mb]
         self._wait(slot.send_ticket)                  # the previous layer's rows have left the buffer
-        q, k, v = self._cast(q), self._cast(k), self._cast(v)
+        return self.stager.buffer(numel, self.act_dtype, slot.send)
+
+    def decode_submit(self, layer, mb, packed):
+        slot = self._slots[mb]
+        self._wait(slot.send_ticket)
+        ready = self.stager.to_host(packed, slot.send)
         b = slot.bounds
-        parts = []
-        for w in range(len(self.ranks)):
-            parts += [q[b[w]:b[w + 1]], k[b[w]:b[w + 1]], v[b[w]:b[w + 1]]]
-        ready = self.stager.to_host(parts, slot.send)
         n = int(b[-1])
         out = slot.out[layer % 2]
         out.ensure(n * self.hq * self.d)
@@ -190,6 +201,7 @@ class MPIBackend(RBackend):
                 recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.TAG_OUT + mb))
                 names.append(self._names[w])
                 self.bytes_received += out_rows[s:e].nbytes
+
         def post_sends():
             sends = []
             for w, r in enumerate(self.ranks):
@@ -211,11 +223,7 @@ class MPIBackend(RBackend):
         n = int(slot.bounds[-1])
         parity = layer % 2
         host = slot.out[parity].tensor[: n * self.hq * self.d].view(n, self.hq, self.d)
-        o = self.stager.to_device(host)
-        if self.stager.cuda:
-            done = torch.cuda.Event()
-            done.record()
-            slot.out_free[parity] = done
+        o, slot.out_free[parity] = self.stager.to_device(host)    # H2D on its own stream
         return o
 
     def decode_end(self):

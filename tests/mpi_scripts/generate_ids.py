@@ -1,7 +1,9 @@
 """Run under mpiexec (or alone): generate with the Python API and write token ids from rank 0.
 
 usage: generate_ids.py REQUESTS.json OUT.json [engine kwargs as JSON]
-REQUESTS.json: [{"prompt": str | null, "messages": [...] | null, "params": {SamplingParams fields}}]
+REQUESTS.json: [{"prompt": str | null, "messages": [...] | null, "prompt_ids": [int] | null,
+                 "params": {SamplingParams fields}}]
+engine kwargs may name the model ("model", default smollm2-135m).
 """
 import json
 import sys
@@ -10,9 +12,10 @@ from fastdecode import LLM, SamplingParams
 
 requests = json.load(open(sys.argv[1]))
 kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-llm = LLM("smollm2-135m", **kwargs)           # ranks 1..R serve as R-workers and exit here
+llm = LLM(kwargs.pop("model", "smollm2-135m"), **kwargs)           # ranks 1..R serve as R-workers and exit here
 tok = llm.engine.tokenizer
-prompts = [tok.encode(r["prompt"]) if r.get("prompt") is not None else tok.encode_chat(r["messages"])
+prompts = [r["prompt_ids"] if r.get("prompt_ids") is not None
+           else tok.encode(r["prompt"]) if r.get("prompt") is not None else tok.encode_chat(r["messages"])
            for r in requests]
 params = [SamplingParams(**r["params"]) for r in requests]
 outs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,0 +1,107 @@
+"""Elementwise passes of the S-part: torch reference code, and fused Triton kernels where they pay.
+
+The torch code rounds where HF transformers' Llama rounds (RMSNorm in float32, cast, then the
+weight; RoPE in float32). On a CUDA S-worker in bf16/fp16 the same functions run as single
+fused Triton kernels (triton_ops.py); FASTDECODE_FUSED=0 forces the torch code everywhere.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ops():
+    try:
+        from . import triton_ops
+    except Exception:      # noqa: BLE001 - no triton (CPU installs) or a broken one: torch code
+        return None
+    return triton_ops
+
+
+def fused_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Fused kernels for this device and activation dtype? CUDA with bf16/fp16 and triton present;
+    FASTDECODE_FUSED=1 also on the CPU (the Triton interpreter: tests only)."""
+    flag = os.environ.get("FASTDECODE_FUSED", "auto")
+    if flag == "0" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if device.type != "cuda" and flag != "1":
+        return False
+    return _triton_ops() is not None
+
+
+# ----------------------------------------------------------------------------- torch reference code
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as HF's LlamaRMSNorm: normalize in float32, cast back, then scale
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x: [n, H, D], cos/sin: [n, 1, D] float32 -> x rotated, in `dtype`."""
+    return (x * cos + rotate_half(x) * sin).to(dtype)
+
+
+# ----------------------------------------------------------------------------- the dispatching ops
+
+class SPartOps:
+    """The elementwise ops of one S-part (device, dtype), fused when `fused_enabled`."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, hidden: int):
+        self.dtype = dtype
+        tri = _triton_ops()
+        self.tri = tri if fused_enabled(device, dtype) and hidden <= tri.MAX_FUSED_HIDDEN else None
+
+    @property
+    def fused(self) -> bool:
+        return self.tri is not None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [n, h] -> RMSNorm(x) [n, h]."""
+        if self.tri is not None and x.is_contiguous():
+            return self.tri.rms_norm(x, weight, eps)[1]
+        return rms_norm_torch(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, delta: [n, h] -> (x + delta, RMSNorm(x + delta))."""
+        if self.tri is not None and x.is_contiguous() and delta.is_contiguous():
+            return self.tri.rms_norm(x, weight, eps, delta)
+        x = x + delta
+        return x, rms_norm_torch(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [n, 2I] -> silu(gate) * up [n, I]."""
+        if self.tri is not None and gate_up.is_contiguous():
+            return self.tri.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_pack(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, out: torch.Tensor,
+                  hq: int, hkv: int, d: int) -> None:
+        """qkv: [n, (Hq + 2 Hkv) D] projections, cos/sin: [n, 1, D] float32 -> `out` (1-D, the
+        wire layout of `layout`, a rpart.base.WireLayout) holds RoPE'd q, k and v."""
+        n = qkv.shape[0]
+        if self.tri is not None and qkv.is_contiguous():
+            self.tri.rope_pack(qkv, cos.reshape(n, d), sin.reshape(n, d), layout.row_offsets(qkv.device),
+                               out, hq, hkv, d)
+            return
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rope(q.view(n, hq, d), cos, sin, self.dtype)
+        k = apply_rope(k.view(n, hkv, d), cos, sin, self.dtype)
+        v = v.reshape(n, hkv, d)
+        for (s, e), (oq, ok, ov) in zip(layout.bounds(), layout.views(out)):
+            oq.copy_(q[s:e])
+            ok.copy_(k[s:e])
+            ov.copy_(v[s:e])
