@@ -5,7 +5,9 @@
   job's R-workers, over short sequences; on a GPU the device's time for the same step (the
   host only queues work there);
 - prefill: seconds per prompt token over a prompt-length grid (the engine's prefill);
-- each R-worker's attention cost: seconds per KV byte and per call (every rank under mpirun);
+- each R-worker's attention cost: seconds per call and per KV byte, the latter as paid inside
+  the engine's decode step over the first layers (append, MPI, the S-worker beside it), with the
+  kernel alone kept for reference (every rank under mpirun);
 - the S<->R link: one-way time by message size (echo round trip / 2), and on a GPU the pinned
   device<->host copy bandwidth each way (PCIe), which every row crosses twice.
 The result is a `fastdecode-profile/1` JSON that `fastdecode plan --profile` reads.
@@ -189,6 +191,62 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float
     return elapsed / (len(seqs) * prompt_len)
 
 
+IN_STEP_LAYERS = 2          # the R-part is timed inside decode steps over this many layers
+IN_STEP_STEPS = 3
+
+
+@torch.inference_mode()
+def time_r_part_in_step(engine: LLMEngine, seqs_per_worker: int, target_bytes: int,
+                        overheads: list[float]) -> list[float] | None:
+    """Each R-worker's seconds per KV byte as it pays them inside the engine's decode step.
+
+    The kernel timed alone (measure_attention) misses what a real step adds on the R-worker:
+    the append, MPI copies in and out, its progress thread, the S-worker and the other R-workers
+    on the same memory. So: give every R-worker `seqs_per_worker` sequences holding about
+    `target_bytes` of KV per layer (synthetic K/V, shipped as a prefill ships it, no model
+    compute), run decode steps over the first IN_STEP_LAYERS layers at the job's pipeline depth,
+    and divide each worker's busy time (less its per-call overheads) by the KV bytes it read.
+    None in local mode (the R-part runs in this process: the kernel time is the R-part)."""
+    be, m, c = engine.backend, engine.model, engine.config
+    if not be.workers or be.workers[0].rank == 0:
+        return None
+    layers = min(IN_STEP_LAYERS, c.num_layers)
+    token_bytes = c.kv_bytes_per_token(KV_ITEMSIZE[engine.kv_dtype]) // c.num_layers       # K+V, one layer
+    room = min(w.capacity_bytes for w in be.workers) * 0.8 / (layers * seqs_per_worker * token_bytes)
+    context = int(max(32, min(target_bytes / (seqs_per_worker * token_bytes), room,
+                              c.max_position - IN_STEP_STEPS - 2)))
+    seqs = _placed(engine, seqs_per_worker * be.num_workers, 1, PROFILE_SEQ_BASE + (1 << 40))
+    for s in seqs:
+        s.request.prompt_ids = [1] * context            # only the length matters: K/V are synthetic
+    seqs.sort(key=lambda s: s.worker)
+    depth = engine.args.pipeline_depth
+    runner = ModelRunner(m, be, engine.eos_ids, depth)
+    gen = torch.Generator(device=m.device).manual_seed(0)
+    busy = []
+    with first_layers(m, layers):
+        chunk = max(1, 32768 // context)                # prompts per shipment, bounded device memory
+        for i in range(0, len(seqs), chunk):
+            part = seqs[i:i + chunk]
+            counts = [sum(s.worker == w for s in part) * context for w in range(be.num_workers)]
+            be.prefill_begin(np.repeat([s.seq_id for s in part], context).astype(np.int64), counts, layers)
+            shape = (len(part) * context, c.num_kv_heads, c.head_dim)
+            for layer in range(layers):
+                k = torch.randn(shape, device=m.device, generator=gen).to(m.dtype)
+                v = torch.randn(shape, device=m.device, generator=gen).to(m.dtype)
+                be.prefill_layer(layer, k, v)
+            be.prefill_end()
+        for _ in range(IN_STEP_STEPS + 1):              # the first is a warm-up
+            ordered, tokens, stats = runner.decode(seqs)
+            for s, t in zip(ordered, tokens):
+                s.output_ids.append(int(t))
+            kv_bytes = [0] * be.num_workers
+            for s in seqs:
+                kv_bytes[s.worker] += (s.kv_len) * token_bytes * layers      # after this step's append
+            busy.append([(b - layers * depth * o) / kb for b, o, kb in zip(stats.busy_s, overheads, kv_bytes)])
+    _free(engine, seqs)
+    return [max(float(np.median([b[w] for b in busy[1:]])), 1e-15) for w in range(be.num_workers)]
+
+
 def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
                 r_target_bytes: int = 0, link_sizes: list[int] | None = None, repeats: int = 3,
                 prompt_lens: list[int] | None = None,
@@ -216,14 +274,18 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
                               mem_bytes=float(mem), prefill_prompt_len=prompt_grid,
                               prefill_token_s=prefill_s)
     r_raw = engine.backend.profile_workers(r_seqs, r_target_bytes)
+    in_step = time_r_part_in_step(engine, r_seqs, r_target_bytes or max(r["samples"][-1][0] for r in r_raw),
+                                  [r["call_overhead_s"] for r in r_raw])
     r_workers = []
-    for r in r_raw:
-        log(f"R-worker rank {r['rank']} ({r['host']}, {r['threads']} threads): {r['bandwidth_GBps']:.2f} GB/s "
-            f"attention, {r['call_overhead_s'] * 1e6:.1f} us per call")
-        r_workers.append(RWorkerProfile(name=f"rank{r['rank']}@{r['host']}",
-                                        seconds_per_kv_byte=r["seconds_per_kv_byte"],
+    for i, r in enumerate(r_raw):
+        per_byte = in_step[i] if in_step else r["seconds_per_kv_byte"]
+        log(f"R-worker rank {r['rank']} ({r['host']}, {r['threads']} threads): kernel alone "
+            f"{r['bandwidth_GBps']:.2f} GB/s, {r['call_overhead_s'] * 1e6:.1f} us per call"
+            + (f"; in the decode step {1e-9 / per_byte:.2f} GB/s" if in_step else ""))
+        r_workers.append(RWorkerProfile(name=f"rank{r['rank']}@{r['host']}", seconds_per_kv_byte=per_byte,
                                         call_overhead_s=r["call_overhead_s"],
-                                        capacity_bytes=float(r["capacity_bytes"] or 0), threads=r["threads"]))
+                                        capacity_bytes=float(r["capacity_bytes"] or 0), threads=r["threads"],
+                                        kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"]))
     sizes = link_sizes or LINK_SIZES
     one_way = np.array(engine.backend.ping(sizes, repeats=max(repeats, 5)))     # [workers, sizes]
     times = np.median(one_way, axis=0)

@@ -11,7 +11,6 @@ import torch
 
 from .model.llama import LlamaSPart
 from .rpart.base import RBackend, StepStats
-from .rpart.staging import host_to_device
 from .rpart.wire import WireLayout
 from .sampler import SamplingBatch, sample
 from .sequence import Sequence
@@ -37,15 +36,25 @@ class ModelRunner:
         self.decode_rows = 0            # sequence-steps decoded (rows that crossed to the R-part)
         self.prefill_rows = 0           # prompt tokens whose K/V were shipped
 
-    def _sampling_rows(self, seqs: list[Sequence]) -> SamplingBatch:
-        rows = []
-        for s in seqs:
-            p = s.request.params
-            suppress = None
-            if len(s.output_ids) < p.min_tokens:
-                suppress = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
-            rows.append((p, s.request.seed, s.sample_index, len(s.output_ids), suppress))
-        return SamplingBatch(rows, self.device)
+    def _static_sampling(self, s: Sequence) -> tuple:
+        """What a sequence's sampling needs besides its position; fixed for its life, so cached."""
+        p = s.request.params
+        s.sampling_row = ((float(p.temperature), float(p.top_k), float(p.top_p), float(p.min_p),
+                           float(p.min_tokens)), s.request.seed, s.sample_index)
+        return s.sampling_row
+
+    def _sampling_batch(self, seqs: list[Sequence], n_out: np.ndarray) -> SamplingBatch:
+        """The rows' sampling parameters; n_out [n]: tokens each sequence has generated so far."""
+        rows = [s.sampling_row or self._static_sampling(s) for s in seqs]
+        n = len(rows)
+        cols = np.array([r[0] for r in rows], dtype=np.float64).reshape(n, 5)   # [n, (temp, k, p, min_p, min_tokens)]
+        suppress = {}
+        for i in np.flatnonzero(n_out < cols[:, 4]):    # min_tokens: EOS/stop ids may not end it yet
+            p = seqs[i].request.params
+            suppress[int(i)] = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
+        return SamplingBatch.from_arrays(cols[:, :4], np.fromiter((r[1] for r in rows), np.uint64, n),
+                                         np.fromiter((r[2] for r in rows), np.uint64, n), n_out, suppress,
+                                         self.device)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
@@ -57,7 +66,7 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         row_ids = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), lengths)
         worker_rows = [sum(n for s, n in zip(seqs, lengths) if s.worker == w) for w in range(be.num_workers)]
-        be.prefill_begin(row_ids, worker_rows)
+        be.prefill_begin(row_ids, worker_rows, m.config.num_layers)
         x = m.embed_tokens(tokens)                                   # [T, h]
         cos, sin = m.rope.cos_sin(positions)
         for layer in range(m.config.num_layers):
@@ -69,7 +78,7 @@ class ModelRunner:
         self.prefill_rows += len(row_ids)
         last = torch.tensor(np.cumsum(lengths) - 1, device=self.device)
         logits = m.logits(x[last])                                   # [n, V]
-        return seqs, sample(logits, self._sampling_rows(seqs))
+        return seqs, sample(logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray, StepStats | None]:
@@ -82,35 +91,40 @@ class ModelRunner:
         and after the last layer each mini-batch samples at once, while the others are still attended.
         """
         m, be = self.model, self.backend
-        # one pass over the sequences; the rest of the bookkeeping is numpy (B can be 16k rows)
-        meta = np.array([(s.seq_id, s.worker, s.prompt_len + len(s.output_ids) - 1, s.output_ids[-1])
-                         for s in seqs], dtype=np.int64).reshape(-1, 4)        # [B, (id, worker, kv_len, token)]
-        plans = []
+        c = m.config
+        # 1. host bookkeeping: one pass over the sequences, the rest numpy (B can be 16k rows), and
+        #    every upload before the first kernel (the device is idle: the last step ended by
+        #    reading its tokens), so nothing later makes the host wait for queued kernels
+        meta = np.array([(s.seq_id, s.worker, s.prompt_len + len(s.output_ids) - 1, s.output_ids[-1],
+                          len(s.output_ids)) for s in seqs], dtype=np.int64).reshape(-1, 5)
+        #   [B, (seq id, worker, kv_len = position, last token, tokens generated)]
+        plans = []                           # per mini-batch: (sequences, rows per worker, seq ids, rows of meta)
         for rows in split_by_r_load(meta[:, 2], meta[:, 0], self.depth):
             rows = rows[np.lexsort((meta[rows, 0], meta[rows, 1]))]          # by worker, then seq id
             counts = np.bincount(meta[rows, 1], minlength=be.num_workers).tolist()
             plans.append(([seqs[i] for i in rows], counts, meta[rows, 0].copy(), rows))
+        layouts, xs, rope, sampling = [], [], [], []
+        for part, counts, _, rows in plans:
+            layouts.append(WireLayout(counts, c.num_heads, c.num_kv_heads, c.head_dim))
+            layouts[-1].row_offsets(self.device)
+            xs.append(m.embed_tokens(torch.from_numpy(meta[rows, 3]).to(self.device)))          # [n_mb, h]
+            rope.append(m.rope.cos_sin(torch.from_numpy(meta[rows, 2]).to(self.device), int(meta[rows, 2].max())))
+            sampling.append(self._sampling_batch(part, meta[rows, 4]))
         t0 = time.perf_counter()
         r_wait = 0.0
-        be.decode_begin([(ids, counts) for _, counts, ids, _ in plans])
-        c = m.config
-        layouts = [WireLayout(counts, c.num_heads, c.num_kv_heads, c.head_dim) for _, counts, _, _ in plans]
+        be.decode_begin([(ids, counts) for _, counts, ids, _ in plans], c.num_layers)
 
         def submit(layer: int, mb: int) -> None:     # q|k|v of one mini-batch, straight into the wire layout
             out = be.decode_buffer(layer, mb, layouts[mb].numel(), self.device, m.dtype)
             m.qkv_packed(layer, xs[mb], *rope[mb], layouts[mb], out)
             be.decode_submit(layer, mb, out)
 
-        xs, rope = [], []
-        for mb, (_, _, _, rows) in enumerate(plans):
-            tokens = host_to_device(meta[rows, 3], self.device)
-            positions = host_to_device(meta[rows, 2], self.device)
-            xs.append(m.embed_tokens(tokens))                              # [n_mb, h]
-            rope.append(m.rope.cos_sin(positions, int(meta[rows, 2].max())))
+        # 2. the layers: while the R-workers attend one mini-batch the S-part runs another
+        for mb in range(len(plans)):
             submit(0, mb)
-        last = m.config.num_layers - 1
-        sampled, sampling = [], None
-        for layer in range(m.config.num_layers):
+        last = c.num_layers - 1
+        sampled = []
+        for layer in range(c.num_layers):
             for mb in range(len(plans)):
                 tw = time.perf_counter()
                 o = be.decode_wait(layer, mb)                              # [n_mb, Hq, D]
@@ -118,9 +132,7 @@ class ModelRunner:
                 xs[mb] = m.post_attn(layer, xs[mb], o)
                 if layer < last:
                     submit(layer + 1, mb)
-                if sampling is None:    # built while the device has a layer queued, not after the last
-                    sampling = [self._sampling_rows(part) for part, _, _, _ in plans]
-                if layer == last:       # this mini-batch's LM head and sampling run while the R-workers attend the next
+                else:   # this mini-batch's LM head and sampling run while the R-workers attend the next
                     sampled.append(sample(m.logits(xs[mb]), sampling[mb]))    # [n_mb]
         ordered = [s for part, _, _, _ in plans for s in part]
         next_tokens = np.concatenate(sampled) if len(sampled) > 1 else sampled[0]

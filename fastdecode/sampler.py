@@ -9,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .rpart.staging import host_to_device
-
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -32,49 +30,67 @@ def uniforms(seeds: np.ndarray, streams: np.ndarray, positions: np.ndarray) -> n
 
 
 class SamplingBatch:
-    """Per-row sampling parameters of one decode batch, as tensors on the logits' device."""
+    """Per-row sampling parameters of one batch: host arrays, and device tensors only for rows that
+    sample. Whether a row samples is decided on the host, so a greedy batch never waits for the
+    device before its argmax is read."""
 
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "greedy", "needs_filter",
-                 "seeds", "streams", "positions", "suppress")
+    __slots__ = ("top_k", "top_p", "min_p", "needs_filter", "seeds", "streams", "positions", "suppress",
+                 "sample_rows", "sample_rows_dev", "temperature")
 
     def __init__(self, rows, device):
         # rows: list of (SamplingParams, seed:int, stream:int, position:int, suppress_ids:list[int]|None)
         n = len(rows)
         cols = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p, *_ in rows],
-                        dtype=np.float64).reshape(n, 4)                 # one pass: B can be 16k rows
+                        dtype=np.float64).reshape(n, 4)
+        self._fill(cols, np.fromiter((r[1] for r in rows), np.uint64, n),
+                   np.fromiter((r[2] for r in rows), np.uint64, n), np.fromiter((r[3] for r in rows), np.uint64, n),
+                   {i: r[4] for i, r in enumerate(rows) if r[4]}, device)
+
+    @classmethod
+    def from_arrays(cls, cols: np.ndarray, seeds: np.ndarray, streams: np.ndarray, positions: np.ndarray,
+                    suppress: dict[int, list[int]], device) -> "SamplingBatch":
+        """cols: [n, 4] float64 (temperature, top_k, top_p, min_p); seeds/streams/positions: [n];
+        suppress: row -> token ids that may not be sampled (min_tokens)."""
+        batch = cls.__new__(cls)
+        batch._fill(cols, seeds.astype(np.uint64), streams.astype(np.uint64), positions.astype(np.uint64),
+                    suppress, device)
+        return batch
+
+    def _fill(self, cols, seeds, streams, positions, suppress, device):
         temperature = cols[:, 0]
-        device = torch.device(device)
-        self.greedy = host_to_device(temperature == 0, device)
-        self.temperature = host_to_device(np.where(temperature == 0, 1.0, temperature).astype(np.float32),
-                                          device)[:, None]
-        self.top_k = cols[:, 1].astype(np.int64).tolist()
-        self.top_p = cols[:, 2].tolist()
-        self.min_p = cols[:, 3].tolist()
-        self.needs_filter = bool((cols[:, 1] > 0).any() or (cols[:, 2] < 1).any() or (cols[:, 3] > 0).any())
-        self.seeds = np.fromiter((r[1] for r in rows), np.uint64, n)
-        self.streams = np.fromiter((r[2] for r in rows), np.uint64, n)
-        self.positions = np.fromiter((r[3] for r in rows), np.uint64, n)
-        self.suppress = [r[4] for r in rows]
+        self.sample_rows = np.flatnonzero(temperature != 0)                  # [m] rows that sample
+        self.top_k = cols[:, 1].astype(np.int64)
+        self.top_p, self.min_p = cols[:, 2], cols[:, 3]
+        self.needs_filter = bool((self.top_k[self.sample_rows] > 0).any() or (self.top_p[self.sample_rows] < 1).any()
+                                 or (self.min_p[self.sample_rows] > 0).any())
+        self.seeds, self.streams, self.positions = seeds, streams, positions
+        self.suppress = suppress
+        if self.sample_rows.size:
+            device = torch.device(device)
+            self.sample_rows_dev = torch.from_numpy(self.sample_rows).to(device)
+            self.temperature = torch.from_numpy(temperature[self.sample_rows].astype(np.float32)).to(device)[:, None]
+        else:
+            self.sample_rows_dev = self.temperature = None
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     """logits: [n, V] float32 -> token ids int64 [n] (numpy)."""
     n, vocab = logits.shape
-    if any(s for s in batch.suppress):   # min_tokens: EOS/stop ids may not end the sequence yet
+    if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet
         logits = logits.clone()
-        for row, ids in enumerate(batch.suppress):
-            if ids:
-                logits[row, ids] = -float("inf")
+        for row, ids in batch.suppress.items():
+            logits[row, ids] = -float("inf")
     out = torch.argmax(logits, dim=-1)
-    if bool(batch.greedy.all()):
+    if not batch.sample_rows.size:
         return out.cpu().numpy()
-    rows = (~batch.greedy).nonzero().squeeze(1)                             # rows that sample
-    probs = torch.softmax(logits[rows] / batch.temperature[rows], dim=-1)  # [m, V]
+    rows = batch.sample_rows_dev                                             # rows that sample
+    probs = torch.softmax(logits[rows] / batch.temperature, dim=-1)        # [m, V]
     if batch.needs_filter:
-        probs, order = _filtered_sorted(probs, rows.tolist(), batch)
+        probs, order = _filtered_sorted(probs, batch.sample_rows, batch)
     else:
         order = None
-    u = torch.from_numpy(uniforms(batch.seeds, batch.streams, batch.positions)).to(logits.device)[rows]
+    pick = batch.sample_rows
+    u = torch.from_numpy(uniforms(batch.seeds[pick], batch.streams[pick], batch.positions[pick])).to(logits.device)
     cdf = probs.double().cumsum(dim=-1)                                   # [m, V]
     target = u[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target).clamp_(max=vocab - 1).squeeze(1)
@@ -84,20 +100,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     return out.cpu().numpy()
 
 
-def _filtered_sorted(probs: torch.Tensor, rows: list[int], batch: SamplingBatch):
+def _filtered_sorted(probs: torch.Tensor, rows: np.ndarray, batch: SamplingBatch):
     """Sort each row descending and zero what top-k / top-p / min-p exclude (vLLM order: k, then p)."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[1]
     ranks = torch.arange(vocab, device=probs.device)[None, :]
-    top_k = torch.tensor([batch.top_k[r] or vocab for r in rows], device=probs.device)[:, None]
+    k = batch.top_k[rows]
+    top_k = torch.from_numpy(np.where(k == 0, vocab, k)).to(probs.device)[:, None]
     keep = ranks < top_k
-    top_p = torch.tensor([batch.top_p[r] for r in rows], device=probs.device, dtype=probs.dtype)[:, None]
+    top_p = torch.from_numpy(batch.top_p[rows]).to(device=probs.device, dtype=probs.dtype)[:, None]
     kept = sorted_p * keep
     kept = kept / kept.sum(-1, keepdim=True)
     # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
     before = kept.cumsum(-1) - kept
     keep &= before < top_p
-    min_p = torch.tensor([batch.min_p[r] for r in rows], device=probs.device, dtype=probs.dtype)[:, None]
+    min_p = torch.from_numpy(batch.min_p[rows]).to(device=probs.device, dtype=probs.dtype)[:, None]
     keep &= sorted_p >= min_p * sorted_p[:, :1]
     keep[:, 0] = True
     return sorted_p * keep, order

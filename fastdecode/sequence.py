@@ -44,6 +44,7 @@ class Sequence:
     text: str = ""
     start_step: int = -1             # step of admission (prefill)
     token_times: list[float] = field(default_factory=list)  # wall time of each output token
+    sampling_row: tuple | None = None   # the runner's cache of its sampling parameters
 
     @property
     def prompt_len(self) -> int:

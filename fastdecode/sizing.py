@@ -141,6 +141,7 @@ class RWorkerProfile:
     call_overhead_s: float          # fixed cost per attention call (one layer, one mini-batch)
     capacity_bytes: float           # KV bytes it may hold
     threads: int = 0
+    kernel_seconds_per_kv_byte: float = 0.0   # the attention kernel timed alone (reference; 0: not measured)
 
     def bandwidth(self) -> float:
         return 1.0 / self.seconds_per_kv_byte

@@ -116,18 +116,25 @@ class RWorker:
                 self.comm.Recv([buf, MPI.BYTE], source=0, tag=P.TAG_PING)
                 self.comm.Send([buf, MPI.BYTE], dest=0, tag=P.TAG_PING)
 
+    def _layers(self, hdr: np.ndarray) -> int:
+        """Layers a PREFILL/DECODE step covers: header word c, 0 meaning all of them."""
+        layers = int(hdr[2]) or self.num_layers
+        if not 0 < layers <= self.num_layers:
+            raise ValueError(f"protocol error: a step over {layers} layers (the model has {self.num_layers})")
+        return layers
+
     # ------------------------------------------------------------------ prefill: append prompt K/V
 
     def prefill(self, hdr: np.ndarray, body: np.ndarray) -> None:
         """Append the prompt K/V of each layer; the next layer's message is received meanwhile."""
-        rows, act = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])]
+        rows, act, layers = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])], self._layers(hdr)
         ids = body[:rows].copy()
         kv = self.num_kv_heads * self.head_dim
         bufs = [np.empty(2 * rows * kv, dtype=act) for _ in range(2)]
         tickets = [self.progress.track([self.comm.Irecv(bufs[0], source=0, tag=P.TAG_KV)], self.s_name), None]
-        for layer in range(self.num_layers):
+        for layer in range(layers):
             cur = layer % 2
-            if layer + 1 < self.num_layers:
+            if layer + 1 < layers:
                 tickets[1 - cur] = self.progress.track(
                     [self.comm.Irecv(bufs[1 - cur], source=0, tag=P.TAG_KV)], self.s_name)
             self.progress.wait(tickets[cur], self.timeout)
@@ -140,7 +147,7 @@ class RWorker:
     def decode(self, step: int, hdr: np.ndarray, body: np.ndarray) -> None:
         """Per layer, per mini-batch: receive [q|k|v], append + attend, send O back. Every
         mini-batch's next message is already posted while this one is attended."""
-        n_mb, act = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])]
+        n_mb, act, layers = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])], self._layers(hdr)
         counts = body[:n_mb]
         offsets = np.concatenate([[0], np.cumsum(counts)]) + n_mb
         ids = [body[offsets[m]:offsets[m + 1]].copy() for m in range(n_mb)]
@@ -154,7 +161,7 @@ class RWorker:
         sends = {}
         t_step = time.perf_counter()
         attend_s = idle_s = 0.0        # idle: blocked on the S-worker's next rows (not R-part work)
-        for layer in range(self.num_layers):
+        for layer in range(layers):
             for m in active:
                 t = time.perf_counter()
                 prog.wait(recvs[m], self.timeout)
@@ -169,7 +176,7 @@ class RWorker:
                 self.store.append_attend(layer, ids[m], q, k, v, out=outbufs[m])
                 attend_s += time.perf_counter() - t
                 sends[m] = prog.track([self.comm.Isend(outbufs[m], dest=0, tag=P.TAG_OUT + m)], self.s_name)
-                if layer + 1 < self.num_layers:
+                if layer + 1 < layers:
                     recvs[m] = prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m)],
                                           self.s_name)
         for t in sends.values():

@@ -34,7 +34,7 @@ class LocalBackend(RBackend):
         # thread computes the next mini-batch's S-part; one thread keeps calls in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rpart") if asynchronous else None
 
-    def prefill_begin(self, row_ids, counts):
+    def prefill_begin(self, row_ids, counts, layers=0):
         self._row_ids = row_ids
 
     def prefill_layer(self, layer, k, v):
@@ -43,7 +43,7 @@ class LocalBackend(RBackend):
     def prefill_end(self):
         self._row_ids = None
 
-    def decode_begin(self, minibatches):
+    def decode_begin(self, minibatches, layers=0):
         self._mb_ids = [ids for ids, _ in minibatches]
         self._attend_s = 0.0
 

@@ -30,7 +30,7 @@ class LoopbackBackend(RBackend):
         self.prefill_buf = HostBuffer(dtype, self.pinned)
 
     # prefill: the prompt K/V are staged to host as the MPI transport would send them
-    def prefill_begin(self, row_ids, counts):
+    def prefill_begin(self, row_ids, counts, layers=0):
         pass
 
     def prefill_layer(self, layer, k, v):
@@ -40,7 +40,7 @@ class LoopbackBackend(RBackend):
     def prefill_end(self):
         pass
 
-    def decode_begin(self, minibatches):
+    def decode_begin(self, minibatches, layers=0):
         self.n = {mb: len(ids) for mb, (ids, _) in enumerate(minibatches)}
         for mb, n in self.n.items():
             if mb not in self.slots:

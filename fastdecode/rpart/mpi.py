@@ -107,7 +107,7 @@ class MPIBackend(RBackend):
 
     # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
-    def prefill_begin(self, row_ids, counts):
+    def prefill_begin(self, row_ids, counts, layers=0):
         self._flush_frees()
         self._pf_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._pf_counts = list(counts)
@@ -115,7 +115,7 @@ class MPIBackend(RBackend):
         for w, n in enumerate(counts):
             if n:
                 s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
-                self._send_control(w, P.control(P.PREFILL, self.step, n, code, body=[row_ids[s:e]]))
+                self._send_control(w, P.control(P.PREFILL, self.step, n, code, layers, body=[row_ids[s:e]]))
 
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
@@ -154,7 +154,7 @@ class MPIBackend(RBackend):
 
     # ------------------------------------------------------------------ decode
 
-    def decode_begin(self, minibatches):
+    def decode_begin(self, minibatches, layers=0):
         self._flush_frees()
         self.step += 1
         while len(self._slots) < len(minibatches):
@@ -170,7 +170,7 @@ class MPIBackend(RBackend):
                 per_worker_ids[w].append(ids[slot.bounds[w]:slot.bounds[w + 1]])
         for w in range(len(self.ranks)):
             counts = [len(x) for x in per_worker_ids[w]]
-            self._send_control(w, P.control(P.DECODE, self.step, len(minibatches), code,
+            self._send_control(w, P.control(P.DECODE, self.step, len(minibatches), code, layers,
                                             body=[counts] + per_worker_ids[w]))
         self._stat_reqs = [self.comm.Irecv(self._stat_bufs[w], source=r, tag=P.TAG_INFO)
                            for w, r in enumerate(self.ranks)]

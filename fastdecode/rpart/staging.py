@@ -13,16 +13,6 @@ import numpy as np
 import torch
 
 
-def host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on `device` without synchronizing the compute stream: a plain copy
-    from pageable memory waits for every kernel queued before it, so stage it in pinned memory
-    (torch's caching host allocator) and copy asynchronously."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def numpy_view(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)

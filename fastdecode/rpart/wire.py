@@ -9,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .staging import host_to_device
-
 
 class WireLayout:
     def __init__(self, counts: list[int], hq: int, hkv: int, d: int):
@@ -44,7 +42,8 @@ class WireLayout:
         return out
 
     def row_offsets(self, device: torch.device) -> torch.Tensor:
-        """[rows, 3] int64: element offset of each row's q, k and v in the buffer (for fused packing)."""
+        """[rows, 3] int64: element offset of each row's q, k and v in the buffer (for fused packing);
+        uploaded once per device (a synchronous copy: the runner asks before queueing kernels)."""
         if device not in self._offsets:
             off = np.empty((self.rows, 3), dtype=np.int64)
             for w, (s, e) in enumerate(self.bounds()):
@@ -54,5 +53,5 @@ class WireLayout:
                 off[s:e, 0] = b + local * self.hq * self.d
                 off[s:e, 1] = b + n * self.hq * self.d + local * self.hkv * self.d
                 off[s:e, 2] = b + n * (self.hq + self.hkv) * self.d + local * self.hkv * self.d
-            self._offsets[device] = host_to_device(off, device)
+            self._offsets[device] = torch.from_numpy(off).to(device)
         return self._offsets[device]
