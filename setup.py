@@ -59,7 +59,10 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "accelerate>=0.30", "matplotlib>=3.7"],
+        # triton: the fused S-part kernels run under its CPU interpreter in the tests (GPU sites
+        # already have the triton their torch pins, which satisfies this)
+        "test": ["pytest>=7", "hypothesis>=6", "accelerate>=0.30", "matplotlib>=3.7",
+                 "triton>=3.0; platform_system == 'Linux'"],
         "bench": ["matplotlib>=3.7", "accelerate>=0.30"],
     },
     entry_points={"console_scripts": ["fastdecode=fastdecode.cli:main"]},

@@ -50,8 +50,6 @@ fidelity)    # issue 4: plan vs measured on the GPU box
         --launcher "$LAUNCHER" --engine-args "--kv-dtype bf16 --device cuda --dtype bfloat16" \
         --configs 64,2,512,32 256,2,512,32 256,4,1024,32 512,14,512,32 256,14,2048,32 1024,14,256,32 \
         --r-bytes 256M --timeout 150 ;;
-probe)       # development: a trace of the S-part at B=16384 (bench/_probe3.py, not committed)
-    stage probe 120 $PY bench/_probe3.py ;;
 *) say "unknown stage $s" ;;
 esac
 done
