@@ -24,7 +24,6 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (batch, R-workers (0 = local mode), prompt tokens, generated tokens)
-MAX_PREFILL = 32768         # prompt tokens per prefill chunk (a GPU's activations must fit)
 DEFAULT_CONFIGS = [(16, 1, 64, 48), (64, 1, 64, 48), (64, 2, 256, 48), (128, 2, 32, 32),
                    (32, 1, 512, 32), (64, 0, 128, 48)]
 
@@ -61,6 +60,9 @@ def main() -> None:
     ap.add_argument("--r-bytes", default=None, help="profile --r-bytes (default: the profile's own)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--token-span", type=int, default=5000, help="prompt token ids lie in 100..100+span")
+    ap.add_argument("--prefill-chunk", type=int, default=8192,
+                    help="--max-prefill-tokens of the runs and the profiles alike (a prompt token's cost "
+                         "depends on the chunk it is prefilled in)")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else DEFAULT_CONFIGS
     launcher = shlex.split(args.launcher)
@@ -74,7 +76,8 @@ def main() -> None:
         path = os.path.join(tmp, f"profile_r{r}.json")
         t = time.perf_counter()
         r_bytes = ["--r-bytes", args.r_bytes] if args.r_bytes else []
-        run(fastdecode_cmd(launcher, r + 1, ["profile", "-m", args.model, "-o", path, "--batches", grid]
+        run(fastdecode_cmd(launcher, r + 1, ["profile", "-m", args.model, "-o", path, "--batches", grid,
+                                             "--max-prefill-tokens", str(args.prefill_chunk)]
                            + r_bytes + engine), args.timeout)
         profiles[r] = path
         print(f"profiled R={r} in {time.perf_counter() - t:.0f} s", flush=True)
@@ -85,8 +88,7 @@ def main() -> None:
         request_file(inp, batch, prompt, gen, span=args.token_span)
         run(fastdecode_cmd(launcher, r + 1, ["generate", "-m", args.model, "-i", inp, "-o", out, "--quiet", "--overwrite",
                                              "--max-batch", str(batch), "--max-prefill-tokens",
-                                             str(min(max(8192, batch * prompt), MAX_PREFILL)), "--stats-json",
-                                             stats] + engine),
+                                             str(args.prefill_chunk), "--stats-json", stats] + engine),
             args.timeout)
         summary = json.load(open(stats))["summary"]
         if summary.get("errors") or summary["output_tokens"] != batch * gen:

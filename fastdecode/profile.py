@@ -5,8 +5,8 @@
   job's R-workers, over short sequences; on a GPU the device's time for the same step (the
   host only queues work there);
 - prefill: seconds per prompt token over a prompt-length grid (the engine's prefill);
-- each R-worker's attention cost: seconds per call and per KV byte, the latter as paid inside
-  the engine's decode step over the first layers (append, MPI, the S-worker beside it), with the
+- each R-worker's attention cost: seconds per call and per KV byte as paid inside the engine's
+  decode steps over the first one and two layers (append, MPI, the S-worker beside it), with the
   kernel alone kept for reference (every rank under mpirun);
 - the S<->R link: one-way time by message size (echo round trip / 2), and on a GPU the pinned
   device<->host copy bandwidth each way (PCIe), which every row crosses twice.
@@ -191,60 +191,79 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float
     return elapsed / (len(seqs) * prompt_len)
 
 
-IN_STEP_LAYERS = 2          # the R-part is timed inside decode steps over this many layers
-IN_STEP_STEPS = 3
+IN_STEP_STEPS = 5            # decode steps per in-step timing
+IN_STEP_SHORT = 64           # tokens of context of the short in-step timing
 
 
 @torch.inference_mode()
-def time_r_part_in_step(engine: LLMEngine, seqs_per_worker: int, target_bytes: int,
-                        overheads: list[float]) -> list[float] | None:
-    """Each R-worker's seconds per KV byte as it pays them inside the engine's decode step.
-
-    The kernel timed alone (measure_attention) misses what a real step adds on the R-worker:
-    the append, MPI copies in and out, its progress thread, the S-worker and the other R-workers
-    on the same memory. So: give every R-worker `seqs_per_worker` sequences holding about
-    `target_bytes` of KV per layer (synthetic K/V, shipped as a prefill ships it, no model
-    compute), run decode steps over the first IN_STEP_LAYERS layers at the job's pipeline depth,
-    and divide each worker's busy time (less its per-call overheads) by the KV bytes it read.
-    None in local mode (the R-part runs in this process: the kernel time is the R-part)."""
+def _busy_per_call(engine: LLMEngine, seqs_per_worker: int, context: int) -> list[tuple[float, float]]:
+    """Per R-worker (KV bytes, busy seconds) of one attention call (one layer, one mini-batch) in
+    the engine's decode steps, every worker holding `seqs_per_worker` sequences of `context`
+    tokens (synthetic K/V shipped as a prefill ships them; no model compute). Steps over one and
+    over two layers: their difference is one layer's calls, so what a worker pays once per step
+    (the control message, its buffers, the stats reply) is not charged to the calls."""
     be, m, c = engine.backend, engine.model, engine.config
-    if not be.workers or be.workers[0].rank == 0:
-        return None
-    layers = min(IN_STEP_LAYERS, c.num_layers)
+    depth = engine.args.pipeline_depth
     token_bytes = c.kv_bytes_per_token(KV_ITEMSIZE[engine.kv_dtype]) // c.num_layers       # K+V, one layer
-    room = min(w.capacity_bytes for w in be.workers) * 0.8 / (layers * seqs_per_worker * token_bytes)
-    context = int(max(32, min(target_bytes / (seqs_per_worker * token_bytes), room,
-                              c.max_position - IN_STEP_STEPS - 2)))
     seqs = _placed(engine, seqs_per_worker * be.num_workers, 1, PROFILE_SEQ_BASE + (1 << 40))
     for s in seqs:
         s.request.prompt_ids = [1] * context            # only the length matters: K/V are synthetic
     seqs.sort(key=lambda s: s.worker)
-    depth = engine.args.pipeline_depth
     runner = ModelRunner(m, be, engine.eos_ids, depth)
     gen = torch.Generator(device=m.device).manual_seed(0)
-    busy = []
-    with first_layers(m, layers):
+    with first_layers(m, 2):
         chunk = max(1, 32768 // context)                # prompts per shipment, bounded device memory
         for i in range(0, len(seqs), chunk):
             part = seqs[i:i + chunk]
             counts = [sum(s.worker == w for s in part) * context for w in range(be.num_workers)]
-            be.prefill_begin(np.repeat([s.seq_id for s in part], context).astype(np.int64), counts, layers)
+            be.prefill_begin(np.repeat([s.seq_id for s in part], context).astype(np.int64), counts, 2)
             shape = (len(part) * context, c.num_kv_heads, c.head_dim)
-            for layer in range(layers):
+            for layer in range(2):
                 k = torch.randn(shape, device=m.device, generator=gen).to(m.dtype)
                 v = torch.randn(shape, device=m.device, generator=gen).to(m.dtype)
                 be.prefill_layer(layer, k, v)
             be.prefill_end()
-        for _ in range(IN_STEP_STEPS + 1):              # the first is a warm-up
-            ordered, tokens, stats = runner.decode(seqs)
-            for s, t in zip(ordered, tokens):
-                s.output_ids.append(int(t))
-            kv_bytes = [0] * be.num_workers
-            for s in seqs:
-                kv_bytes[s.worker] += (s.kv_len) * token_bytes * layers      # after this step's append
-            busy.append([(b - layers * depth * o) / kb for b, o, kb in zip(stats.busy_s, overheads, kv_bytes)])
+    busy = {}
+    for layers in (1, 2, 1, 2):                         # interleaved: drift hits both alike
+        with first_layers(m, layers):
+            for step in range(IN_STEP_STEPS + 1):       # the first is a warm-up
+                _, _, stats = runner.decode(seqs)
+                if step:
+                    busy.setdefault(layers, []).append(stats.busy_s)
     _free(engine, seqs)
-    return [max(float(np.median([b[w] for b in busy[1:]])), 1e-15) for w in range(be.num_workers)]
+    kv_bytes = [0] * be.num_workers      # layer 1 has grown by one token per two-layer step: half of them on average
+    for s in seqs:
+        kv_bytes[s.worker] += (context + (IN_STEP_STEPS + 1)) * token_bytes
+    per_layer = np.median(np.array(busy[2]), axis=0) - np.median(np.array(busy[1]), axis=0)
+    return [(kb / depth, max(float(t), 0.0) / depth) for kb, t in zip(kv_bytes, per_layer)]
+
+
+def time_r_part_in_step(engine: LLMEngine, seqs_per_worker: int, target_bytes: int) -> list[tuple[float, float]] | None:
+    """Each R-worker's (seconds per KV byte, seconds per call) as it pays them inside the engine's
+    decode step: the kernel timed alone (measure_attention) misses what a real step adds (the
+    append, MPI copies in and out, the progress threads, the S-worker and the other R-workers on
+    the same memory and cores). Busy time per call at a short and at a long context (about
+    `target_bytes` of KV per layer per worker), a line through the two. None in local mode
+    (the R-part runs in-process: the kernel's own time is the R-part)."""
+    be, c = engine.backend, engine.config
+    if not be.workers or be.workers[0].rank == 0:
+        return None
+    if c.num_layers < 2:
+        return None
+    token_bytes = c.kv_bytes_per_token(KV_ITEMSIZE[engine.kv_dtype]) // c.num_layers
+    room = min(w.capacity_bytes for w in be.workers) * 0.8 / (2 * seqs_per_worker * token_bytes)
+    long_ctx = int(min(target_bytes / (seqs_per_worker * token_bytes), room,
+                       c.max_position - 4 * (IN_STEP_STEPS + 1) - 2))
+    short_ctx = min(IN_STEP_SHORT, long_ctx // 4)
+    if short_ctx < 8:
+        return None
+    short = _busy_per_call(engine, seqs_per_worker, short_ctx)
+    long = _busy_per_call(engine, seqs_per_worker, long_ctx)
+    fits = []
+    for (b1, t1), (b2, t2) in zip(short, long):
+        per_byte = max((t2 - t1) / (b2 - b1), 1e-15)
+        fits.append((per_byte, max(t1 - per_byte * b1, 0.0)))
+    return fits
 
 
 def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
@@ -262,7 +281,7 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
         log(f"S-part  B={b:>6}: {ls * 1e3:8.3f} ms/layer, head {hs * 1e3:8.3f} ms")
     max_prompt = min(c.max_position, engine.args.max_prefill_tokens)
     prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt] or [max_prompt]
-    chunk = min(engine.args.max_prefill_tokens, 16384 if engine.device.type == "cuda" else 1024)
+    chunk = min(engine.args.max_prefill_tokens, 16384 if engine.device.type == "cuda" else 8192)
     prefill_s = []
     for p in prompt_grid:
         prefill_s.append(time_prefill(engine, p, max(chunk, p)))
@@ -274,16 +293,15 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
                               mem_bytes=float(mem), prefill_prompt_len=prompt_grid,
                               prefill_token_s=prefill_s)
     r_raw = engine.backend.profile_workers(r_seqs, r_target_bytes)
-    in_step = time_r_part_in_step(engine, r_seqs, r_target_bytes or max(r["samples"][-1][0] for r in r_raw),
-                                  [r["call_overhead_s"] for r in r_raw])
+    in_step = time_r_part_in_step(engine, r_seqs, r_target_bytes or max(r["samples"][-1][0] for r in r_raw))
     r_workers = []
     for i, r in enumerate(r_raw):
-        per_byte = in_step[i] if in_step else r["seconds_per_kv_byte"]
+        per_byte, per_call = in_step[i] if in_step else (r["seconds_per_kv_byte"], r["call_overhead_s"])
         log(f"R-worker rank {r['rank']} ({r['host']}, {r['threads']} threads): kernel alone "
             f"{r['bandwidth_GBps']:.2f} GB/s, {r['call_overhead_s'] * 1e6:.1f} us per call"
-            + (f"; in the decode step {1e-9 / per_byte:.2f} GB/s" if in_step else ""))
+            + (f"; in the decode step {1e-9 / per_byte:.2f} GB/s, {per_call * 1e6:.1f} us per call" if in_step else ""))
         r_workers.append(RWorkerProfile(name=f"rank{r['rank']}@{r['host']}", seconds_per_kv_byte=per_byte,
-                                        call_overhead_s=r["call_overhead_s"],
+                                        call_overhead_s=per_call,
                                         capacity_bytes=float(r["capacity_bytes"] or 0), threads=r["threads"],
                                         kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"]))
     sizes = link_sizes or LINK_SIZES

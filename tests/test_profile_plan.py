@@ -20,6 +20,9 @@ def test_profile_under_mpi_then_plan(tmp_path):
     assert all(t > 0 for t in data["s_worker"]["layer_time_s"] + data["s_worker"]["head_time_s"])
     assert [w["name"].split("@")[0] for w in data["r_workers"]] == ["rank1", "rank2"]
     assert all(w["seconds_per_kv_byte"] > 0 and w["capacity_bytes"] > 0 for w in data["r_workers"])
+    # the R-part as paid inside decode steps, the kernel alone beside it
+    assert all(w["kernel_seconds_per_kv_byte"] > 0 and w["call_overhead_s"] >= 0 for w in data["r_workers"])
+    assert data["link"]["device_d2h_Bps"] == 0          # a CPU S-worker has no PCIe hop
     assert data["link"]["bandwidth_Bps"] > 0 and data["link"]["latency_s"] > 0   # real MPI messages
     assert data["kv_dtype_bytes"] == 2 and data["model"]["num_layers"] == 30
     plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "128", "--batch", "32",

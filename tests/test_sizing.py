@@ -87,6 +87,17 @@ def test_depth1_step_is_s_plus_r_plus_link():
     assert p.bound == "link"
 
 
+def test_a_gpu_s_worker_pays_pcie_both_ways_in_the_link():
+    # the depth-1 case above plus device copies at 50 GB/s out and 40 GB/s back
+    prof = hand_profile()
+    prof.link.device_d2h_Bps, prof.link.device_h2d_Bps = 50e9, 40e9
+    p = predict(prof, 1024, 1024, rworkers=43, depth=1)
+    base = predict(hand_profile(), 1024, 1024, rworkers=43, depth=1)
+    pcie = 1024 * (32 + 64) * 128 * 2 / 50e9 + 1024 * 32 * 128 * 2 / 40e9      # 0.5033 + 0.2097 ms
+    assert p.layer_s == pytest.approx(base.layer_s + pcie)
+    assert p.link_layer_s == pytest.approx(base.link_layer_s + pcie)
+
+
 def test_pipelined_step_is_bound_by_the_slowest_side():
     # depth 2, 8 R-workers: per mini-batch s = T(512) = 1.4142 ms,
     # r = 512 * 512 * 16384 / 8e11 = 5.369 ms, link = 1.2683 + 0.4294 = 1.6977 ms.

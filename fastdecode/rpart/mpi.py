@@ -4,8 +4,8 @@ Only buffer-based (uppercase) nonblocking mpi4py calls on preallocated host buff
 reused across layers and steps. Per layer and mini-batch each R-worker gets one message
 [q | k | v] of its rows (rpart.wire: the S-part writes the whole buffer in one pass) and returns
 one [n, Hq, D], received straight into its rows of a double-buffered output (the gather copies
-nothing). A Progressor thread keeps messages moving
-while the S-part computes the other mini-batch. `bytes_sent/bytes_received` count payload.
+nothing). A Progressor thread keeps messages moving while the S-part computes the other
+mini-batch. `bytes_sent/bytes_received` count payload.
 """
 from __future__ import annotations
 
