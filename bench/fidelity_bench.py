@@ -1,10 +1,16 @@
 """Model fidelity: `fastdecode plan`'s predicted step latency and tokens/s against measured runs.
 
-For each R-worker count: `fastdecode profile` (same launcher, same flags as the runs), then for
-each configuration (batch B, R-workers, prompt length, generation length) one fixed-batch
+For each configuration (batch B, R-workers, prompt length, generation length): `fastdecode
+profile` with that many R-workers (same launcher, same flags as the run), one fixed-batch
 `fastdecode generate` (B requests of exactly that many prompt tokens, EOS ignored, admitted
 together) with --stats-json, and `fastdecode plan --profile ... --json` for the same setting.
 A fixed batch lives through average KV length prompt + S/2, the same average the model uses.
+
+A shared host's speed drifts by 10-20% over minutes (other tenants), as much as the target, so
+by default each configuration is profiled right before its run, as a user would profile the
+machine at hand before a job; `--profile-once` profiles each R-worker count once up front.
+Next to every profile and run a one-thread GEMM probe records the machine's speed, so the drift
+between the two is in the result (`speed_run_over_profile`), not hidden in the error.
 Writes bench/results/fidelity_<label>.json and .png.
 
     python bench/fidelity_bench.py --label devbox-2core
@@ -49,6 +55,20 @@ def request_file(path: str, batch: int, prompt_len: int, gen: int, vocab_lo: int
                     + "\n")
 
 
+def gemm_probe(seconds: float = 1.5) -> float:
+    """GFLOP/s of a fixed one-thread fp32 GEMM in a subprocess (no torch state shared with us)."""
+    code = ("import time, torch\n"
+            "torch.set_num_threads(1)\n"
+            "a, w = torch.randn(64, 1024), torch.randn(1024, 1024)\n"
+            "a @ w\n"
+            "n, t = 0, time.perf_counter()\n"
+            f"while time.perf_counter() - t < {seconds}:\n"
+            "    a @ w\n"
+            "    n += 1\n"
+            "print(n * 2 * 64 * 1024 * 1024 / (time.perf_counter() - t) / 1e9)\n")
+    return float(run([sys.executable, "-c", code], 120).stdout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
@@ -59,6 +79,8 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="profile batch grid (default: around the configs)")
     ap.add_argument("--r-bytes", default=None, help="profile --r-bytes (default: the profile's own)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--profile-once", action="store_true",
+                    help="profile each R-worker count once up front instead of right before each run")
     ap.add_argument("--token-span", type=int, default=5000, help="prompt token ids lie in 100..100+span")
     ap.add_argument("--prefill-chunk", type=int, default=8192,
                     help="--max-prefill-tokens of the runs and the profiles alike (a prompt token's cost "
@@ -70,22 +92,29 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="fidelity-")
     grid = args.batches or ",".join(str(b) for b in sorted({1, 4} | {c[0] for c in configs}
                                                             | {max(1, c[0] // 2) for c in configs}))
-    profiles = {}
-    result = {"label": args.label, "model": args.model, "engine_args": args.engine_args, "runs": []}
-    for r in sorted({c[1] for c in configs}):
-        path = os.path.join(tmp, f"profile_r{r}.json")
+    result = {"label": args.label, "model": args.model, "engine_args": args.engine_args,
+              "profile_each": not args.profile_once, "runs": [], "profiles": {}}
+
+    def profile(r: int, key: str) -> tuple[str, float]:
+        path = os.path.join(tmp, f"profile_{key}.json")
+        speed = gemm_probe()
         t = time.perf_counter()
         r_bytes = ["--r-bytes", args.r_bytes] if args.r_bytes else []
         run(fastdecode_cmd(launcher, r + 1, ["profile", "-m", args.model, "-o", path, "--batches", grid,
                                              "--max-prefill-tokens", str(args.prefill_chunk)]
                            + r_bytes + engine), args.timeout)
-        profiles[r] = path
         print(f"profiled R={r} in {time.perf_counter() - t:.0f} s", flush=True)
-        result.setdefault("profiles", {})[str(r)] = json.load(open(path))
+        result["profiles"][key] = json.load(open(path))
+        return path, speed
+
+    once = {} if not args.profile_once else {r: profile(r, f"r{r}") for r in sorted({c[1] for c in configs})}
     for batch, r, prompt, gen in configs:
         inp = os.path.join(tmp, f"in_{batch}_{r}_{prompt}_{gen}.jsonl")
         out, stats = inp.replace("in_", "out_"), inp.replace("in_", "stats_").replace(".jsonl", ".json")
         request_file(inp, batch, prompt, gen, span=args.token_span)
+        key = f"B{batch}_R{r}_p{prompt}_g{gen}"
+        profile_path, profile_speed = once[r] if once else profile(r, key)
+        run_speed = gemm_probe()
         run(fastdecode_cmd(launcher, r + 1, ["generate", "-m", args.model, "-i", inp, "-o", out, "--quiet", "--overwrite",
                                              "--max-batch", str(batch), "--max-prefill-tokens",
                                              str(args.prefill_chunk), "--stats-json", stats] + engine),
@@ -96,16 +125,20 @@ def main() -> None:
         steps = [s for s in json.load(open(stats))["steps"] if "s_time_s" in s]
         decode_steps = [s["step_s"] - s["prefill_s"] for s in steps]
         depth = next((int(engine[i + 1]) for i, a in enumerate(engine) if a == "--pipeline-depth"), 2)
-        plan = json.loads(run([sys.executable, "-m", "fastdecode", "plan", "--profile", profiles[r], "--batch",
+        chunk = min(batch, max(1, args.prefill_chunk // prompt)) * prompt   # whole prompts, all admitted at once
+        plan = json.loads(run([sys.executable, "-m", "fastdecode", "plan", "--profile", profile_path, "--batch",
                                str(batch), "--context", str(gen), "--prompt-len", str(prompt), "--rworkers",
-                               str(max(r, 1)), "--pipeline-depth", str(depth), "--json"], 120).stdout)
+                               str(max(r, 1)), "--pipeline-depth", str(depth), "--prefill-chunk", str(chunk),
+                               "--json"], 120).stdout)
         measured_step = summary["wall_s"] / gen          # prefill amortized over the run, as the model does
         row = {"batch": batch, "rworkers": r, "prompt_len": prompt, "gen_len": gen, "pipeline_depth": depth,
                "measured_step_latency_s": round(measured_step, 5),
                "measured_decode_step_s_mean": round(sum(decode_steps) / len(decode_steps), 5),
                "measured_tokens_per_s": round(summary["output_tokens"] / summary["wall_s"], 3),
                "predicted_step_latency_s": round(plan["step_latency_s"], 5),
-               "predicted_tokens_per_s": round(plan["tokens_per_s"], 3), "predicted_bound": plan["bound"]}
+               "predicted_tokens_per_s": round(plan["tokens_per_s"], 3), "predicted_bound": plan["bound"],
+               "profile": f"r{r}" if once else key,
+               "speed_run_over_profile": round(run_speed / profile_speed, 3)}
         # the decode step alone (prefill taken out of both sides): the S/R/link part of the model
         row["predicted_decode_step_s"] = round(plan["step_latency_s"] - plan["prefill_s"], 5)
         row["decode_step_error"] = round(row["predicted_decode_step_s"] / row["measured_decode_step_s_mean"] - 1, 4)

@@ -49,7 +49,7 @@ fidelity)    # issue 4: plan vs measured on the GPU box
     stage fidelity 330 $PY bench/fidelity_bench.py --label h100-box --model random:llama-3-8b:layers=8 \
         --launcher "$LAUNCHER" --engine-args "--kv-dtype bf16 --device cuda --dtype bfloat16" \
         --configs 64,2,512,32 256,2,512,32 256,4,1024,32 512,14,512,32 256,14,2048,32 1024,14,256,32 \
-        --r-bytes 256M --timeout 150 ;;
+        --r-bytes 256M --timeout 150 --profile-once ;;   # one profile per R count: a device call is 600 s
 *) say "unknown stage $s" ;;
 esac
 done

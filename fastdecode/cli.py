@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "so it streams from memory)")
     pr.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions (median)")
     pr.add_argument("--prompt-lens", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
-                    help="comma-separated prompt lengths for the prefill cost (default 16,128,512,2048)")
+                    help="comma-separated prompt lengths for the prefill cost (default 16,128,512,1024,2048)")
     from .plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     sub.add_parser("info", help="versions, ISA path, MPI, devices")

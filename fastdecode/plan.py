@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tgt.add_argument("--batch", type=int, help="batch B; omitted: a sweep over B")
     tgt.add_argument("--rworkers", type=int, help="R-workers P; omitted: the number needed")
     tgt.add_argument("--pipeline-depth", type=int, default=2, help="mini-batches in flight (1 = no pipeline)")
+    tgt.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens per prefill chunk [one admitted micro-batch, B/16 prompts, "
+                          "up to the profile's largest chunk]")
     tgt.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype [model dtype]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -128,7 +131,7 @@ def build_profile(args) -> Profile:
 def _check(args) -> None:
     for flag, v, lo in (("--context", args.context, 1), ("--prompt-len", args.prompt_len, 0),
                         ("--batch", args.batch, 1), ("--rworkers", args.rworkers, 1),
-                        ("--pipeline-depth", args.pipeline_depth, 1)):
+                        ("--pipeline-depth", args.pipeline_depth, 1), ("--prefill-chunk", args.prefill_chunk, 1)):
         if v is not None and v < lo:
             raise PlanError(f"{flag} must be >= {lo} (got {v})")
     for flag, v in (("--cpu-bw", args.cpu_bw), ("--cpu-mem", args.cpu_mem), ("--link-bw", args.link_bw),
@@ -141,8 +144,8 @@ def _check(args) -> None:
 
 
 def _row(prof: Profile, batch: int, args) -> dict:
-    pred = predict(prof, batch, args.context, args.prompt_len, args.rworkers, args.pipeline_depth)
-    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1)
+    pred = predict(prof, batch, args.context, args.prompt_len, args.rworkers, args.pipeline_depth, args.prefill_chunk)
+    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk)
     return {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s,
             "tokens_per_s_depth1": flat.tokens_per_s}
 

@@ -4,7 +4,8 @@
   bookkeeping), over a batch grid: on a CPU its busy time in the engine's own decode step on the
   job's R-workers, over short sequences; on a GPU the device's time for the same step (the
   host only queues work there);
-- prefill: seconds per prompt token over a prompt-length grid (the engine's prefill);
+- prefill: seconds per prompt token over a prompt-length grid and over a chunk-size grid (the
+  engine's prefill);
 - each R-worker's attention cost: seconds per call and per KV byte as paid inside the engine's
   decode steps over the first one and two layers (append, MPI, the S-worker beside it), with the
   kernel alone kept for reference (every rank under mpirun);
@@ -32,7 +33,8 @@ from .sizing import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProf
 
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
-PROMPT_GRID = [16, 128, 512, 2048]
+PROMPT_GRID = [16, 128, 512, 1024, 2048]
+MIN_TIMED_S = 1.0               # a timing repeats until it spans this long (shared hosts drift)
 PROFILE_SEQ_BASE = 1 << 48      # ids of the profile's own sequences, clear of the engine's
 LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 22, 16 << 20, 64 << 20]
 
@@ -42,12 +44,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn, device, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` calls after one warm-up (device work included)."""
+def median_time(fn, device, repeats: int, min_seconds: float = 0.0) -> float:
+    """Median seconds of fn() over at least `repeats` calls, and over at least `min_seconds` of
+    calls, after one warm-up (device work included)."""
     fn()
     _sync(device)
     times = []
-    for _ in range(repeats):
+    while len(times) < repeats or sum(times) < min_seconds:
         t = time.perf_counter()
         fn()
         _sync(device)
@@ -160,13 +163,14 @@ def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float,
     runner.prefill(seqs)
     x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
     rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
-    head_s = median_time(lambda: sample(m.logits(x), rows), m.device, repeats)
-    busy = []
-    for _ in range(repeats + 1):          # the first is a warm-up (buffers grow)
+    head_s = median_time(lambda: sample(m.logits(x), rows), m.device, repeats, MIN_TIMED_S / 4)
+    runner.decode(seqs)                   # a warm-up (buffers grow)
+    busy, start = [], time.perf_counter()
+    while len(busy) < repeats or time.perf_counter() - start < MIN_TIMED_S:
         runner.decode(seqs)
         busy.append(runner.last_s_time)
     _free(engine, seqs)
-    return max(float(np.median(busy[1:])) - head_s, 1e-9) / c.num_layers, head_s
+    return max(float(np.median(busy)) - head_s, 1e-9) / c.num_layers, head_s
 
 
 @torch.inference_mode()
@@ -189,6 +193,33 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float
     elapsed = time.perf_counter() - t
     _free(engine, seqs)
     return elapsed / (len(seqs) * prompt_len)
+
+
+PREFILL_CHUNK_PROMPT = 128      # prompt length of the chunk-size table: the dense part dominates
+
+
+def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log) -> dict:
+    """SWorkerProfile's prefill tables: seconds per prompt token over prompt lengths at one chunk
+    size (2,048 tokens on a CPU, 16,384 on a GPU, at most --max-prefill-tokens), and over chunk
+    sizes (a quarter of that, it, four times it, capped the same way) at a 128-token prompt."""
+    c, cap = engine.config, engine.args.max_prefill_tokens
+    max_prompt = min(c.max_position, cap)
+    prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt] or [max_prompt]
+    base = min(cap, 16384 if engine.device.type == "cuda" else 2048)
+    cp = min(PREFILL_CHUNK_PROMPT, max_prompt)
+    chunk_grid = sorted({max(cp, min(cap, x)) // cp * cp for x in (base // 4, base, base * 4)})
+    seen = {}
+
+    def timed(prompt: int, chunk: int) -> float:
+        key = (prompt, max(1, chunk // prompt))
+        if key not in seen:
+            seen[key] = time_prefill(engine, prompt, chunk)
+            log(f"prefill prompt={prompt:>5} chunk={key[0] * key[1]:>6}: {seen[key] * 1e6:8.2f} us per prompt token")
+        return seen[key]
+
+    return {"prefill_prompt_len": prompt_grid, "prefill_token_s": [timed(p, max(base, p)) for p in prompt_grid],
+            "prefill_chunk": base, "prefill_chunk_prompt_len": cp,
+            "prefill_chunk_grid": chunk_grid, "prefill_chunk_token_s": [timed(cp, x) for x in chunk_grid]}
 
 
 IN_STEP_STEPS = 5            # decode steps per in-step timing
@@ -279,19 +310,12 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
         layer_s.append(ls)
         head_s.append(hs)
         log(f"S-part  B={b:>6}: {ls * 1e3:8.3f} ms/layer, head {hs * 1e3:8.3f} ms")
-    max_prompt = min(c.max_position, engine.args.max_prefill_tokens)
-    prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt] or [max_prompt]
-    chunk = min(engine.args.max_prefill_tokens, 16384 if engine.device.type == "cuda" else 8192)
-    prefill_s = []
-    for p in prompt_grid:
-        prefill_s.append(time_prefill(engine, p, max(chunk, p)))
-        log(f"prefill prompt={p:>5}: {prefill_s[-1] * 1e6:8.2f} us per prompt token")
+    prefill = time_prefill_grids(engine, prompt_lens, log)
     device = (torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
               else f"cpu:{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads")
     mem = torch.cuda.get_device_properties(engine.device).total_memory if engine.device.type == "cuda" else 0
     s_worker = SWorkerProfile(device=device, batch_grid=grid, layer_time_s=layer_s, head_time_s=head_s,
-                              mem_bytes=float(mem), prefill_prompt_len=prompt_grid,
-                              prefill_token_s=prefill_s)
+                              mem_bytes=float(mem), **prefill)
     r_raw = engine.backend.profile_workers(r_seqs, r_target_bytes)
     in_step = time_r_part_in_step(engine, r_seqs, r_target_bytes or max(r["samples"][-1][0] for r in r_raw))
     r_workers = []

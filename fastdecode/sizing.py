@@ -96,6 +96,10 @@ class SWorkerProfile:
     mem_bytes: float = 0.0          # device memory, 0 = unknown
     prefill_prompt_len: list[int] = field(default_factory=list)   # prompt lengths measured, ascending
     prefill_token_s: list[float] = field(default_factory=list)    # whole-model prefill, s per prompt token
+    prefill_chunk: int = 0          # tokens per prefill chunk of the prompt-length table (0: unknown)
+    prefill_chunk_grid: list[int] = field(default_factory=list)   # chunk sizes measured, ascending ...
+    prefill_chunk_token_s: list[float] = field(default_factory=list)  # ... s per token at prefill_chunk_prompt_len
+    prefill_chunk_prompt_len: int = 0
 
     def _interp(self, values: list[float], batch: float) -> float:
         """log-log between grid points; below the grid flat (weights are read anyway), above
@@ -116,12 +120,24 @@ class SWorkerProfile:
     def head_time(self, batch: float) -> float:
         return self._interp(self.head_time_s, batch)
 
-    def prefill_time_per_token(self, prompt_len: float) -> float | None:
+    def prefill_time_per_token(self, prompt_len: float, chunk: float | None = None) -> float | None:
         """Measured prefill cost per prompt token (all layers, prompt attention included),
-        linear in the prompt length between grid points, flat outside; None when not measured."""
+        linear in the prompt length between grid points, flat outside; None when not measured.
+
+        The table holds chunks of `prefill_chunk` tokens. A prompt token costs attention over its
+        prompt (grows with prompt_len) plus dense layers over the chunk's rows (depends on the
+        chunk: on a GPU small chunks waste the GEMMs, on a CPU big ones spill the caches). With a
+        chunk-size table (measured at a short prompt, where the dense part dominates) a `chunk`
+        other than the table's adds the dense part's difference: t(p, c) = t(p, c0) + u(c) - u(c0),
+        u linear in log(chunk) between grid points, flat outside."""
         if not self.prefill_prompt_len:
             return None
-        return float(np.interp(prompt_len, self.prefill_prompt_len, self.prefill_token_s))
+        t = float(np.interp(prompt_len, self.prefill_prompt_len, self.prefill_token_s))
+        if chunk is None or not self.prefill_chunk_grid or self.prefill_chunk <= 0:
+            return t
+        grid, cost = np.log(self.prefill_chunk_grid), self.prefill_chunk_token_s
+        shift = np.interp(np.log(max(chunk, 1.0)), grid, cost) - np.interp(np.log(self.prefill_chunk), grid, cost)
+        return max(t + float(shift), 0.05 * t)
 
     def efficiency(self, batch: float) -> float:
         """E(B) = B / T(B): tokens per second through one layer."""
@@ -206,6 +222,9 @@ class Profile:
         if len(s.prefill_prompt_len) != len(s.prefill_token_s) or \
                 list(s.prefill_prompt_len) != sorted(s.prefill_prompt_len):
             raise ValueError("s_worker: prefill_prompt_len must ascend and match prefill_token_s in length")
+        if len(s.prefill_chunk_grid) != len(s.prefill_chunk_token_s) or \
+                list(s.prefill_chunk_grid) != sorted(s.prefill_chunk_grid) or min(s.prefill_chunk_grid, default=1) < 1:
+            raise ValueError("s_worker: prefill_chunk_grid must ascend from >= 1 and match prefill_chunk_token_s in length")
         workers = [from_known_keys(RWorkerProfile, w) for w in d["r_workers"]]
         if any(w.seconds_per_kv_byte <= 0 or w.capacity_bytes < 0 for w in workers):
             raise ValueError("r_workers: seconds_per_kv_byte must be > 0 and capacity_bytes >= 0")
@@ -414,10 +433,15 @@ def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int 
     return int(np.argmax(ok)) + 1 if ok.any() else None
 
 
+ADMIT_FRACTION = 16     # the stabilized schedule's default micro-batch: B/16 sequences every S/16 steps
+
+
 def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
-            rworkers: int | None = None, depth: int = 2) -> Prediction:
+            rworkers: int | None = None, depth: int = 2, prefill_chunk: int | None = None) -> Prediction:
     """Steady-state prediction with the stabilized schedule. If the KV does not fit, the batch
-    that fits runs instead and bound = "capacity"."""
+    that fits runs instead and bound = "capacity". Prompts are prefilled in chunks of
+    `prefill_chunk` tokens; by default one admitted micro-batch's prompts (B/16 of them) up to
+    the largest chunk the profile measured (the engine's --max-prefill-tokens)."""
     if batch < 1 or gen_len < 1 or prompt_len < 0 or depth < 1:
         raise ValueError("need batch >= 1, gen_len >= 1, prompt_len >= 0, depth >= 1")
     needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth)
@@ -439,7 +463,10 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth)
     n = profile.model.num_layers
     grid_best = max(b / x for b, x in zip(profile.s_worker.batch_grid, profile.s_worker.layer_time_s))
-    per_token = profile.s_worker.prefill_time_per_token(prompt_len)
+    sw = profile.s_worker
+    if prefill_chunk is None and sw.prefill_chunk_grid:
+        prefill_chunk = min(max(prompt_len, batch_run * prompt_len / ADMIT_FRACTION), max(sw.prefill_chunk_grid))
+    per_token = sw.prefill_time_per_token(prompt_len, prefill_chunk)
     if per_token is None:      # stated hardware: dense layers at the best efficiency, attention left out
         per_token = n / grid_best
     prefill = _prefill_tokens(batch_run, gen_len, prompt_len) * per_token

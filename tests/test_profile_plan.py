@@ -17,6 +17,10 @@ def test_profile_under_mpi_then_plan(tmp_path):
     assert data["s_worker"]["batch_grid"] == [1, 8, 32]
     assert data["s_worker"]["prefill_prompt_len"] == [16, 64]
     assert all(t > 0 for t in data["s_worker"]["prefill_token_s"])
+    # chunk sizes: a quarter of the table's chunk, it, four times it, all capped at --max-prefill-tokens
+    assert data["s_worker"]["prefill_chunk"] == 256
+    assert data["s_worker"]["prefill_chunk_grid"] == [128, 256]
+    assert all(t > 0 for t in data["s_worker"]["prefill_chunk_token_s"])
     assert all(t > 0 for t in data["s_worker"]["layer_time_s"] + data["s_worker"]["head_time_s"])
     assert [w["name"].split("@")[0] for w in data["r_workers"]] == ["rank1", "rank2"]
     assert all(w["seconds_per_kv_byte"] > 0 and w["capacity_bytes"] > 0 for w in data["r_workers"])

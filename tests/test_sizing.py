@@ -306,6 +306,37 @@ def test_a_measured_prefill_cost_replaces_the_dense_estimate():
     assert predict(prof, 1024, 1024, prompt_len=64, rworkers=86).prefill_s == pytest.approx(64 * 10e-6)
 
 
+def test_prefill_cost_follows_the_chunk_size():
+    # Prompt table at 2,048-token chunks: 10 us/token at prompt 128, 30 us at 2048 (-> 20 us at
+    # 1088). Chunk table at prompt 128: 8 / 10 / 13 us at chunks 512 / 2048 / 8192. A chunk
+    # adds its dense-part difference: chunk 8192 -> 20 + (13 - 10) = 23 us; chunk 1024 (halfway
+    # in log between 512 and 2048) -> 20 + (9 - 10) = 19 us.
+    prof = hand_profile()
+    sw = prof.s_worker
+    sw.prefill_prompt_len, sw.prefill_token_s, sw.prefill_chunk = [128, 2048], [10e-6, 30e-6], 2048
+    sw.prefill_chunk_grid, sw.prefill_chunk_token_s, sw.prefill_chunk_prompt_len = [512, 2048, 8192], [8e-6, 10e-6, 13e-6], 128
+    assert sw.prefill_time_per_token(1088, 8192) == pytest.approx(23e-6)
+    assert sw.prefill_time_per_token(1088, 1024) == pytest.approx(19e-6)
+    assert sw.prefill_time_per_token(1088) == pytest.approx(20e-6)          # no chunk given: the table's
+    assert sw.prefill_time_per_token(1088, 1 << 20) == pytest.approx(23e-6)  # flat past the grid
+    # predict: explicit chunk, and the default (B/16 prompts = 69,632 tokens, capped at 8192)
+    p = predict(prof, 1024, 1024, prompt_len=1088, rworkers=86, depth=1, prefill_chunk=1024)
+    assert p.prefill_s == pytest.approx(1088 * 19e-6)
+    assert predict(prof, 1024, 1024, prompt_len=1088, rworkers=86, depth=1).prefill_s == pytest.approx(1088 * 23e-6)
+    # B = 16, prompt 128: B/16 = one prompt per chunk = 128 tokens, below the grid -> flat at 8 us
+    assert predict(prof, 16, 1024, prompt_len=128, rworkers=86).prefill_s == pytest.approx(16 * 128 / 1024 * 8e-6)
+    # round trip through JSON keeps the tables
+    again = Profile.from_json(prof.to_json()).s_worker
+    assert again.prefill_time_per_token(1088, 8192) == pytest.approx(23e-6)
+
+
+def test_profile_rejects_a_chunk_table_out_of_order():
+    d = hand_profile().to_dict()
+    d["s_worker"]["prefill_chunk_grid"], d["s_worker"]["prefill_chunk_token_s"] = [2048, 512], [1e-5, 1e-5]
+    with pytest.raises(ValueError, match="prefill_chunk_grid"):
+        Profile.from_dict(d)
+
+
 def test_profile_rejects_a_prefill_table_of_unequal_length():
     d = hand_profile().to_dict()
     d["s_worker"]["prefill_prompt_len"], d["s_worker"]["prefill_token_s"] = [16, 128], [1e-5]
