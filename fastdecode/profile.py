@@ -277,9 +277,7 @@ def time_r_part_in_step(engine: LLMEngine, seqs_per_worker: int, target_bytes: i
     `target_bytes` of KV per layer per worker), a line through the two. None in local mode
     (the R-part runs in-process: the kernel's own time is the R-part)."""
     be, c = engine.backend, engine.config
-    if not be.workers or be.workers[0].rank == 0:
-        return None
-    if c.num_layers < 2:
+    if not be.workers or be.workers[0].rank == 0 or c.num_layers < 2:
         return None
     token_bytes = c.kv_bytes_per_token(KV_ITEMSIZE[engine.kv_dtype]) // c.num_layers
     room = min(w.capacity_bytes for w in be.workers) * 0.8 / (2 * seqs_per_worker * token_bytes)

@@ -462,17 +462,17 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
                           bound="capacity", efficiency=0.0)
     t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth)
     n = profile.model.num_layers
-    grid_best = max(b / x for b, x in zip(profile.s_worker.batch_grid, profile.s_worker.layer_time_s))
     sw = profile.s_worker
+    grid_best = max(b / x for b, x in zip(sw.batch_grid, sw.layer_time_s))
     if prefill_chunk is None and sw.prefill_chunk_grid:
         prefill_chunk = min(max(prompt_len, batch_run * prompt_len / ADMIT_FRACTION), max(sw.prefill_chunk_grid))
     per_token = sw.prefill_time_per_token(prompt_len, prefill_chunk)
     if per_token is None:      # stated hardware: dense layers at the best efficiency, attention left out
         per_token = n / grid_best
     prefill = _prefill_tokens(batch_run, gen_len, prompt_len) * per_token
-    step = n * t["layer"] + profile.s_worker.head_time(batch_run) + prefill
+    step = n * t["layer"] + sw.head_time(batch_run) + prefill
     return Prediction(**common, batch_run=batch_run, s_layer_s=t["s"], r_layer_s=t["r"],
                       link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,
                       step_latency_s=step, tokens_per_s=batch_run / step,
                       bound="capacity" if batch_run < batch else t["bound"],
-                      efficiency=profile.s_worker.efficiency(batch_run / depth) / grid_best)
+                      efficiency=sw.efficiency(batch_run / depth) / grid_best)
