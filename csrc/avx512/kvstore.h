@@ -3,6 +3,7 @@
 // Layout. A page holds PT = 32 consecutive tokens of one (sequence, layer, kv-head):
 //
 //   page: [ K run: Dw words x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
+//   (the V run in tiles of V_TILE dims where the ISA's V pass wants them: simd.h)
 //
 // (simd.h says why K is word-major). Pages come from an arena of big chunks that never move
 // (hugepage-advised); freed pages go on a LIFO free list and are reused first. New pages of one
@@ -305,10 +306,15 @@ private:
             thread_local AlignedBuf tmpb;
             char* tmp = reinterpret_cast<char*>(tmpb.get((size_t)P * Dp_));   // [nr][Dp] in kv dtype
             for (int64_t r = 0; r < nr; ++r) {
-                store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
+                if constexpr (V_TILE == 0) store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
                 store_row(ksrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
             }
             transpose_in(tmp, nr, krun, s0);
+            if constexpr (V_TILE > 0) {
+                for (int64_t r = 0; r < nr; ++r)
+                    store_row(vsrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
+                tile_in(tmp, nr, vrun, s0);
+            }
         };
         const int64_t ntask = nseg * Hkv_;
         if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool_->size() > 1 && ntask > 1) pool_->parallel_for(ntask, copy_task);
@@ -324,6 +330,17 @@ private:
         for (int w = 0; w < Dw; ++w) {
             uint32_t* line = kr + (size_t)w * P;
             for (int64_t r = 0; r < nr; ++r) line[r] = b[(size_t)r * Dw + w];
+        }
+    }
+
+    // V run [Dp/V_TILE][P][V_TILE]: rows s0 .. s0+nr-1 <- rows of blk [nr][Dp]
+    void tile_in(const char* blk, int64_t nr, char* vrun, int s0) const {
+        if constexpr (V_TILE > 0) {
+            const size_t tile_row = (size_t)V_TILE * isz_, row = (size_t)Dp_ * isz_;
+            for (int ti = 0; ti < Dp_ / V_TILE; ++ti) {
+                char* dst = vrun + ((size_t)ti * P + s0) * tile_row;
+                for (int64_t r = 0; r < nr; ++r) std::memcpy(dst + r * tile_row, blk + r * row + ti * tile_row, tile_row);
+            }
         }
     }
 
@@ -452,7 +469,7 @@ private:
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
-            pv_page(dt_, vr, nvalid, Dp, S, g, acc);
+            pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
         }
 
         // 3. single chunk: normalise and write; else publish the partial, last one merges

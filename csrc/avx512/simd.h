@@ -9,23 +9,28 @@
 //                   for bf16/fp16, dim w for fp32. One vector load = 16 tokens of one word, so
 //                   a K vector meets a broadcast q[d] of every query head of the group: one pass
 //                   over K serves all g heads, with no horizontal sums, tokens in natural order
-//   V run  [PT][Dp] token-major: acc[j][:] += p_j[t] * V[t][:]
+//   V run  [PT][Dp] token-major (V_TILE = 0), or [Dp/V_TILE][PT][V_TILE] in tiles of V_TILE dims
+//          where the ISA's V pass reads one tile of all tokens at a time (a sequential stream):
+//          acc[j][:] += p_j[t] * V[t][:]
 // Dp = head_dim rounded up to 16; pad dims are zero in the store.
 //
 // bf16 -> fp32 is a 16-bit shift: a 32-bit word w holding two bf16 gives (w << 16) and
 // (w & 0xffff0000), the even and odd dims. For V rows that permutes dims inside each group of
 // 32 (16 with AVX2): the accumulators are kept in "acc" order (apos) and un-permuted on output.
 //
-//   scores_page(dt, K, Dp, q, g, S, pf)  S[j][t] = q_j . K[:, t] (q scaled, log2 units); also
-//                                        prefetches the next page's runs at pf (nullptr: none)
+//   scores_page(dt, K, Dp, q, g, S, pf)  S[j][t] = q_j . K[:, t] (q scaled, log2 units)
 //   softmax_page(S, nvalid, m, l)        online softmax step on one head's 32 tokens; S <- p
-//   pv_page(dt, V, nvalid, Dp, S, g, acc)  acc[j][apos] += sum_t p_j[t] V[t][:]
+//   pv_page(dt, V, nvalid, Dp, S, g, acc, pf, pf_bytes)  acc[j][apos] += sum_t p_j[t] V[t][:]
+//                                        pf: the next page (pf_bytes) to prefetch while this one
+//                                        is computed (nullptr: none); each ISA issues it in one
+//                                        of the two passes
 //   scale_row(acc, alpha, Dp)            acc *= alpha
 //   apos(dt, d, Dp)                      accumulator index of dim d
 //   exp2_1(x)                            scalar 2^x computed exactly as the vector path does
 //   store_row(src, sdt, dst, ddt, D, Dp) one row into the store with dtype conversion + zero pad
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -45,11 +50,12 @@ constexpr float EXP2_POLY[8] = {1.0f, 6.9314718055994531e-01f, 2.402265069591007
                                 9.6181291076284772e-03f, 1.3333558146428443e-03f, 1.5403530393381606e-04f,
                                 1.5252733804059840e-05f};
 
-// Software prefetch of the NEXT page while this one is computed: the scores loop walks the K
-// run of this page and, at twice its pace, the K+V runs of the next one (they are contiguous),
-// so a page arrives in cache as it is needed and the prefetches spread evenly over compute.
-// Measured against a burst of 256 prefetches at each page start (which queues on the L1 miss
-// buffers), L2-only hints and none: bench/KERNEL_NOTES.md.
+// Software prefetch of the NEXT page while this one is computed: the scores loop (AVX-512,
+// portable) walks the K run of this page and, at twice its pace, the K+V runs of the next one
+// (they are contiguous); the AVX2 V pass takes a slice per tile. Either way a page arrives in
+// cache as it is needed and the prefetches spread evenly over compute. Measured against a burst
+// of 256 prefetches at each page start (which queues on the L1 miss buffers), L2-only hints,
+// prefetching only pages that do not follow in memory, and none: bench/KERNEL_NOTES.md.
 static inline void prefetch_lines(const char* p, size_t from, size_t to) {
     for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
@@ -265,7 +271,11 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
     }
 }
 
-static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc) {
+// V run token-major, [PT][Dp]; the next page is prefetched during the K pass (scores_page)
+constexpr int V_TILE = 0;
+
+static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc, const char*,
+                           size_t) {
     for_groups<8>(dt, g, [&](auto DT, auto GH, int j0) {
         pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
     });
@@ -406,91 +416,137 @@ static inline void load16(const void* p, __m256& a, __m256& b) {  // 16 stored v
     }
 }
 
-// S[j][0:32] for GH heads: per K word-row, 4 loads of 8 tokens
+// one K word-row of 8 tokens (32 bytes) -> x: dim 2w, y: dim 2w+1 (16-bit dtypes)
+template <int DT>
+static inline void kword8(const char* p, __m256& x, __m256& y) {
+    __m256i w = _mm256_loadu_si256((const __m256i*)p);
+    if constexpr (DT == BF16) {
+        x = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        y = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {  // F16: gather the low / high halves of the 8 words, then convert
+        const __m256i lo = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+        __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, lo), 0x08);
+        __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_srli_epi32(w, 16), lo), 0x08);
+        x = _mm256_cvtph_ps(_mm256_castsi256_si128(a));
+        y = _mm256_cvtph_ps(_mm256_castsi256_si128(b));
+    }
+}
+
+// S[j][0:32] for GH <= 2 heads, two dims per step (one word-row of 16-bit dtypes, two fp32
+// rows), 4 vectors of 8 tokens. FMA latency is 4 cycles and Zen/Intel cores issue 2 per cycle,
+// so >= 8 independent accumulators keep the pipes full: GH = 2 has 2 x 4; GH = 1 keeps the
+// even- and odd-dim products apart (2 x 4) and adds them at the end.
 template <int DT, int GH>
-static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf) {
-    constexpr int dims_per_row = DT == F32 ? 1 : 2;
+static inline void scores_group(const void* K, int Dp, const float* q, float* S) {
+    constexpr bool SPLIT = GH == 1;
+    constexpr size_t step = DT == F32 ? 2 * PT * 4 : PT * 4;   // bytes per 2 dims
     const char* k = static_cast<const char*>(K);
-    __m256 acc[GH][4];
+    __m256 ax[GH][4], ay[SPLIT ? GH : 1][4];
 #pragma GCC unroll 8
     for (int j = 0; j < GH; ++j)
-        for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
-    for (int d = 0; d < Dp; d += dims_per_row) {
-        const char* row = k + (size_t)d * PT * (DT == F32 ? 4 : 2);    // 128 bytes
-        if (pf) prefetch_lines(pf, 2 * (row - k), 2 * (row - k) + 256);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) ax[j][i] = _mm256_setzero_ps();
+    if constexpr (SPLIT)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) ay[0][i] = _mm256_setzero_ps();
+    for (int d = 0; d < Dp; d += 2) {
+        const char* row = k + (size_t)(d / 2) * step;
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
+            __m256 x, y;
             if constexpr (DT == F32) {
-                __m256 x = _mm256_loadu_ps((const float*)row + 8 * i);
-#pragma GCC unroll 8
-                for (int j = 0; j < GH; ++j)
-                    acc[j][i] = _mm256_fmadd_ps(x, _mm256_broadcast_ss(q + (size_t)j * Dp + d), acc[j][i]);
+                x = _mm256_loadu_ps((const float*)row + 8 * i);          // dim d
+                y = _mm256_loadu_ps((const float*)row + PT + 8 * i);     // dim d + 1
             } else {
-                __m256i w = _mm256_loadu_si256((const __m256i*)row + i);
-                __m256 x, y;
-                if constexpr (DT == BF16) {
-                    x = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-                    y = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
-                } else {  // F16: gather the low / high halves of the 8 words, then convert
-                    const __m256i lo = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
-                    __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, lo), 0x08);
-                    __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_srli_epi32(w, 16), lo), 0x08);
-                    x = _mm256_cvtph_ps(_mm256_castsi256_si128(a));
-                    y = _mm256_cvtph_ps(_mm256_castsi256_si128(b));
-                }
+                kword8<DT>(row + 32 * i, x, y);
+            }
 #pragma GCC unroll 8
-                for (int j = 0; j < GH; ++j) {
-                    acc[j][i] = _mm256_fmadd_ps(x, _mm256_broadcast_ss(q + (size_t)j * Dp + d), acc[j][i]);
-                    acc[j][i] = _mm256_fmadd_ps(y, _mm256_broadcast_ss(q + (size_t)j * Dp + d + 1), acc[j][i]);
-                }
+            for (int j = 0; j < GH; ++j) {
+                ax[j][i] = _mm256_fmadd_ps(x, _mm256_broadcast_ss(q + (size_t)j * Dp + d), ax[j][i]);
+                if constexpr (SPLIT)
+                    ay[j][i] = _mm256_fmadd_ps(y, _mm256_broadcast_ss(q + (size_t)j * Dp + d + 1), ay[j][i]);
+                else
+                    ax[j][i] = _mm256_fmadd_ps(y, _mm256_broadcast_ss(q + (size_t)j * Dp + d + 1), ax[j][i]);
             }
         }
     }
 #pragma GCC unroll 8
     for (int j = 0; j < GH; ++j)
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(S + (size_t)j * PT + 8 * i, acc[j][i]);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+            __m256 s = ax[j][i];
+            if constexpr (SPLIT) s = _mm256_add_ps(s, ay[j][i]);
+            _mm256_storeu_ps(S + (size_t)j * PT + 8 * i, s);
+        }
 }
 
-static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+// the next page is prefetched during the V pass here (pv_page), not during the K pass
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char*) {
     for_groups<2>(dt, g, [&](auto DT, auto GH, int j0) {
-        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr);
+        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT);
     });
 }
 
-// 16 dims (2 vectors) per tile, GH heads
+// V run in tiles of 16 dims, [Dp/16][PT][16]: a pass over a tile reads one sequential stream.
+// (Token-major rows made the pass read 32 B of every 256-B row, a pattern the hardware
+// prefetchers did not follow: one Zen 3 core reached 9 of 13 GB/s; tiled, 12.8: KERNEL_NOTES.md.)
+constexpr int V_TILE = 16;
+
+// acc[j][16 ti .. 16 (ti + TC)) += sum_t p_j[t] V[t][...] for GH heads over TC tiles: 2 TC GH
+// accumulators (8 at GH <= 4), each broadcast of p_j[t] feeds 2 TC FMAs
+template <int DT, int GH, int TC>
+static inline void pv_tiles(const char* v, int nvalid, int ti, int Dp, const float* S, float* acc) {
+    constexpr size_t tile_row = 16 * (DT == F32 ? 4 : 2);
+    constexpr size_t tile_bytes = PT * tile_row;
+    __m256 a[GH][2 * TC];
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm256_loadu_ps(acc + (size_t)j * Dp + 16 * ti + 8 * c);
+    const char* base = v + (size_t)ti * tile_bytes;
+    for (int t = 0; t < nvalid; ++t) {
+        __m256 x[2 * TC];
+#pragma GCC unroll 4
+        for (int c = 0; c < TC; ++c) load16<DT>(base + c * tile_bytes + t * tile_row, x[2 * c], x[2 * c + 1]);
+#pragma GCC unroll 8
+        for (int j = 0; j < GH; ++j) {
+            __m256 p = _mm256_broadcast_ss(S + (size_t)j * PT + t);
+#pragma GCC unroll 8
+            for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm256_fmadd_ps(x[c], p, a[j][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < 2 * TC; ++c) _mm256_storeu_ps(acc + (size_t)j * Dp + 16 * ti + 8 * c, a[j][c]);
+}
+
+// pf: the next page (K and V runs, page_bytes), prefetched a slice per tile pass so that the
+// requests spread over the page's compute
 template <int DT, int GH>
-static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc) {
-    constexpr size_t esz = DT == F32 ? 4 : 2;
+static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc, const char* pf,
+                            size_t pf_bytes) {
+    constexpr int TC = GH == 1 ? 4 : GH == 2 ? 2 : 1;
     const char* v = static_cast<const char*>(V);
-    const size_t row = (size_t)Dp * esz;
-    for (int d = 0; d < Dp; d += 16) {
-        __m256 a[GH][2];
-#pragma GCC unroll 8
-        for (int j = 0; j < GH; ++j) {
-            a[j][0] = _mm256_loadu_ps(acc + (size_t)j * Dp + d);
-            a[j][1] = _mm256_loadu_ps(acc + (size_t)j * Dp + d + 8);
-        }
-        for (int t = 0; t < nvalid; ++t) {
-            __m256 x, y;
-            load16<DT>(v + t * row + d * esz, x, y);
-#pragma GCC unroll 8
-            for (int j = 0; j < GH; ++j) {
-                __m256 p = _mm256_broadcast_ss(S + (size_t)j * PT + t);
-                a[j][0] = _mm256_fmadd_ps(x, p, a[j][0]);
-                a[j][1] = _mm256_fmadd_ps(y, p, a[j][1]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int j = 0; j < GH; ++j) {
-            _mm256_storeu_ps(acc + (size_t)j * Dp + d, a[j][0]);
-            _mm256_storeu_ps(acc + (size_t)j * Dp + d + 8, a[j][1]);
-        }
+    const int ntiles = Dp / 16;
+    const size_t slice = (pf_bytes / ntiles + 63) & ~(size_t)63;
+    int ti = 0;
+    for (; ti + TC <= ntiles; ti += TC) {
+        if (pf) prefetch_lines(pf, ti * slice, std::min(pf_bytes, (ti + TC) * slice));
+        pv_tiles<DT, GH, TC>(v, nvalid, ti, Dp, S, acc);
+    }
+    for (; ti < ntiles; ++ti) {
+        if (pf) prefetch_lines(pf, ti * slice, std::min(pf_bytes, (ti + 1) * slice));
+        pv_tiles<DT, GH, 1>(v, nvalid, ti, Dp, S, acc);
     }
 }
 
-static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc) {
+static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc,
+                           const char* pf, size_t pf_bytes) {
     for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
-        pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
+        pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp, j0 == 0 ? pf : nullptr,
+                                     pf_bytes);
     });
 }
 
@@ -623,7 +679,11 @@ static inline void pv_t(const void* V, int nvalid, int Dp, const float* S, int g
     }
 }
 
-static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc) {
+// V run token-major, [PT][Dp]; the next page is prefetched during the K pass (scores_page)
+constexpr int V_TILE = 0;
+
+static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc, const char*,
+                           size_t) {
     thread_local AlignedBuf vb;
     float* v = vb.get(Dp);
     if (dt == BF16) pv_t<BF16>(V, nvalid, Dp, S, g, acc, v);
