@@ -490,7 +490,7 @@ static inline void scores_page(int dt, const void* K, int Dp, const float* q, in
 
 // V run in tiles of 16 dims, [Dp/16][PT][16]: a pass over a tile reads one sequential stream.
 // (Token-major rows made the pass read 32 B of every 256-B row, a pattern the hardware
-// prefetchers did not follow: one Zen 3 core reached 9 of 13 GB/s; tiled, 12.8: KERNEL_NOTES.md.)
+// prefetchers did not follow: bench/KERNEL_NOTES.md, version 6.)
 constexpr int V_TILE = 16;
 
 // acc[j][16 ti .. 16 (ti + TC)) += sum_t p_j[t] V[t][...] for GH heads over TC tiles: 2 TC GH
