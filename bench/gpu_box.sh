@@ -31,7 +31,7 @@ setup)
     $LAUNCHER -n 2 $PY -c "from mpi4py import MPI; c=MPI.COMM_WORLD; assert c.size == 2; print('mpi ok', MPI.Get_library_version()[:40])" 2>&1 | tail -2 | tee -a "$LOG"
     $PY -m fastdecode info 2>&1 | tee -a "$LOG" ;;
 tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local mode on CUDA
-    stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py ;;
+    stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py tests/test_layer_graphs.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
     stage kernel 200 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384

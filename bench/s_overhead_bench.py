@@ -8,8 +8,8 @@ pinned buffers on the D2H stream, O host->device on the H2D stream) but no atten
 S-worker time is measured. Per layer = the slope of the step time between the model's first L/2
 and all L layers ((step_L - step_L/2) / (L/2)), so the per-step costs (embedding, the host's
 per-sequence bookkeeping, pipeline fill and drain, LM head, sampling) fall out; they are reported
-apart as `step_fixed_ms`. Ratios to the pure layer; with the fused kernels (ops.py) and with the
-torch code.
+apart as `step_fixed_ms`. Ratios to the pure layer; with the fused kernels (ops.py), with them
+replayed from CUDA graphs (model/layer_graphs.py), and with the torch code.
 
 The other physical limit, measured in the same run: the PCIe copies. Per layer the S-worker must
 move (Hq + 2 Hkv)·D·B activations to the host and Hq·D·B back; at the pinned copy bandwidths
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.engine import EngineArgs, LLMEngine
+from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.ops import SPartOps
 from fastdecode.profile import fake_sequences, first_layers, median_time, pcie_bandwidth
 from fastdecode.rpart.loopback import LoopbackBackend
@@ -67,6 +68,7 @@ def main():
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA-graphs variant")
     args = ap.parse_args()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, kv_dtype="bf16", max_batch=1 << 20))
     m, c = engine.model, engine.config
@@ -74,8 +76,10 @@ def main():
     fused_ops = m.ops
     torch_ops = SPartOps(m.device, m.dtype, c.hidden_size)
     torch_ops.tri = None
-    variants = [("fused", fused_ops)] if fused_ops.fused else []
-    variants.append(("torch", torch_ops))
+    variants = [("fused", fused_ops, None)] if fused_ops.fused else []
+    if m.device.type == "cuda" and args.graphs:      # fused (or torch) ops replayed from CUDA graphs
+        variants.insert(0, ("graphs", fused_ops, LayerGraphs(m, max_rows=max(args.batches))))
+    variants.append(("torch", torch_ops, None))
     d2h_bw, h2d_bw = pcie_bandwidth(m.device)
     act_bytes = m.embed.element_size()
     rows = []
@@ -91,10 +95,10 @@ def main():
         row = {"batch": batch, "pure_layer_ms": round(pure * 1e3, 4), "pcie_layer_ms": round(pcie * 1e3, 4),
                "floor_layer_ms": round(max(pure, pcie) * 1e3, 4), "head_ms": round(head * 1e3, 3)}
         half = c.num_layers // 2
-        for name, ops in variants:
+        for name, ops, graphs in variants:
             m.ops = ops
             for depth in args.depths:
-                runner = ModelRunner(m, loop, engine.eos_ids, depth)
+                runner = ModelRunner(m, loop, engine.eos_ids, depth, graphs)
                 step = median_time(lambda: runner.decode(seqs), m.device, args.repeats)
                 with first_layers(m, half):
                     step_half = median_time(lambda: runner.decode(seqs), m.device, args.repeats)
@@ -120,7 +124,9 @@ def main():
                       "sampling); ratio = layer / pure dense layer, same run; "
                       "floor = max(pure layer, PCIe time of the layer's activations at the bandwidths "
                       "measured in this run with both directions busy); fused = Triton kernels, "
-                      "torch = the unfused torch code (FASTDECODE_FUSED=0)"}
+                      "torch = the unfused torch code (FASTDECODE_FUSED=0); graphs = fused kernels with each "
+                      "mini-batch's post_attn + next QKV projection replayed from a CUDA graph "
+                      "(model/layer_graphs.py, captured in the warm-up call)"}
     os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
     with open(os.path.join(REPO, "bench", "results", f"s_overhead_{args.label}.json"), "w") as f:
         json.dump(result, f, indent=1)

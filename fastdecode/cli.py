@@ -62,6 +62,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-depth", type=_positive_int, default=2,
                    help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
                         "others (1 = S and R take turns)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA S-worker: replay each layer's dense work of a mini-batch from a CUDA graph "
+                        "(fewer launches at small batches; captured on first use per row bucket)")
+    p.add_argument("--cuda-graph-max-rows", type=_positive_int, default=2048,
+                   help="largest mini-batch run from CUDA graphs; larger ones run eagerly (default 2048)")
     p.add_argument("--schedule", default="fifo", choices=["fifo", "stabilized"],
                    help="admission: fifo (fill up to --max-batch) or stabilized (micro-batches that keep "
                         "the R-workers' KV load steady; FastDecode's load-stabilizing schedule)")
@@ -201,7 +206,8 @@ def engine_args(args):
                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, seed=args.seed,
                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
                       timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
-                      admit_every=args.admit_every, max_gen=args.max_gen, pipeline_depth=args.pipeline_depth)
+                      admit_every=args.admit_every, max_gen=args.max_gen, pipeline_depth=args.pipeline_depth,
+                      cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows)
 
 
 def run_s_worker(args, comm) -> int:

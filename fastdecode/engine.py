@@ -15,6 +15,7 @@ from rworker import faults
 from rworker.wait import node_layout
 
 from .config import ModelConfig
+from .model.layer_graphs import LayerGraphs
 from .model.llama import LlamaSPart
 from .model_source import ModelSource, read_config, resolve_model
 from .placement import Placement
@@ -57,6 +58,8 @@ class EngineArgs:
     admit_every: int | None = None    # stabilized: F steps between micro-batches (default S/16)
     max_gen: int | None = None        # stabilized: S (default: estimated from requests' max_tokens)
     pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
+    cuda_graphs: bool = False         # CUDA S-worker: replay each layer's dense work from a CUDA graph
+    cuda_graph_max_rows: int = 2048   # largest mini-batch run from graphs (larger ones run eagerly)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -118,12 +121,21 @@ class LLMEngine:
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token)
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth)
+        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
+
+    def _make_graphs(self) -> LayerGraphs | None:
+        if not self.args.cuda_graphs:
+            return None
+        if self.device.type != "cuda":
+            print(f"fastdecode: --cuda-graphs needs a CUDA S-worker (this one runs on {self.device}); "
+                  "running without graphs", file=sys.stderr, flush=True)
+            return None
+        return LayerGraphs(self.model, self.args.cuda_graph_max_rows)
 
     def _setup_cores(self) -> int:
         """Threads and cores of the S-worker; returns the cores it keeps from co-located R-workers.

@@ -132,7 +132,7 @@ def time_s_part_device(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple
     bookkeeping, LM head, sampling) is the per-step remainder."""
     m, c = engine.model, engine.config
     loop = LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype, transfers=False)
-    runner = ModelRunner(m, loop, engine.eos_ids, depth=1)
+    runner = ModelRunner(m, loop, engine.eos_ids, depth=1, graphs=engine.runner.graphs)   # as the job runs
     seqs = fake_sequences(batch, 16, c.vocab_size, PROFILE_SEQ_BASE)
     full = median_time(lambda: runner.decode(seqs), m.device, repeats)
     half = c.num_layers // 2

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from .model.layer_graphs import LayerGraphs
 from .model.llama import LlamaSPart
 from .rpart.base import RBackend, StepStats
 from .rpart.wire import WireLayout
@@ -26,9 +27,11 @@ def group_by_worker(seqs: list[Sequence], num_workers: int) -> tuple[list[Sequen
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaSPart, backend: RBackend, eos_ids: frozenset[int], depth: int = 2):
+    def __init__(self, model: LlamaSPart, backend: RBackend, eos_ids: frozenset[int], depth: int = 2,
+                 graphs: LayerGraphs | None = None):
         self.model, self.backend = model, backend
         self.depth = depth
+        self.graphs = graphs            # CUDA graphs of the dense work between attentions (or None)
         self.device = model.device
         self.eos_ids = eos_ids
         self.last_s_time = 0.0          # S-worker compute (incl. waiting it could not hide), seconds
@@ -110,13 +113,21 @@ class ModelRunner:
             xs.append(m.embed_tokens(torch.from_numpy(meta[rows, 3]).to(self.device)))          # [n_mb, h]
             rope.append(m.rope.cos_sin(torch.from_numpy(meta[rows, 2]).to(self.device), int(meta[rows, 2].max())))
             sampling.append(self._sampling_batch(part, meta[rows, 4]))
+        graphs = self.graphs if self.graphs is not None and all(self.graphs.fits(len(p[0])) for p in plans) \
+            else None
+        if graphs is not None:          # the residual streams live in the graphs' static buffers
+            xs = [graphs.begin(mb, x) for mb, x in enumerate(xs)]
         t0 = time.perf_counter()
         r_wait = 0.0
         be.decode_begin([(ids, counts) for _, counts, ids, _ in plans], c.num_layers)
 
-        def submit(layer: int, mb: int) -> None:     # q|k|v of one mini-batch, straight into the wire layout
+        def submit(layer: int, mb: int, qkv: torch.Tensor | None = None) -> None:
+            # q|k|v of one mini-batch, straight into the wire layout (qkv: projections already made)
             out = be.decode_buffer(layer, mb, layouts[mb].numel(), self.device, m.dtype)
-            m.qkv_packed(layer, xs[mb], *rope[mb], layouts[mb], out)
+            if qkv is None:
+                m.qkv_packed(layer, xs[mb], *rope[mb], layouts[mb], out)
+            else:
+                m.rope_pack(qkv, *rope[mb], layouts[mb], out)
             be.decode_submit(layer, mb, out)
 
         # 2. the layers: while the R-workers attend one mini-batch the S-part runs another
@@ -129,9 +140,12 @@ class ModelRunner:
                 tw = time.perf_counter()
                 o = be.decode_wait(layer, mb)                              # [n_mb, Hq, D]
                 r_wait += time.perf_counter() - tw
-                xs[mb] = m.post_attn(layer, xs[mb], o)
+                if graphs is not None:     # post_attn(layer) + projections of layer + 1: one replay
+                    qkv = graphs.layer(layer, mb, o)
+                else:
+                    xs[mb], qkv = m.post_attn(layer, xs[mb], o), None
                 if layer < last:
-                    submit(layer + 1, mb)
+                    submit(layer + 1, mb, qkv)
                 else:   # this mini-batch's LM head and sampling run while the R-workers attend the next
                     sampled.append(sample(m.logits(xs[mb]), sampling[mb]))    # [n_mb]
         ordered = [s for part, _, _, _ in plans for s in part]

@@ -102,7 +102,7 @@ class LlamaSPart:
     def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [n, h] residual stream -> q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] (RoPE applied)."""
         c = self.config
-        qkv = self._qkv_proj(i, x)                                         # [n, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj(i, x)                                         # [n, (Hq + 2 Hkv) D]
         n = x.shape[0]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin, self.dtype)
@@ -112,10 +112,14 @@ class LlamaSPart:
     def qkv_packed(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout,
                    out: torch.Tensor) -> None:
         """As qkv(), written straight into `out` in the wire layout (rpart.wire.WireLayout)."""
-        c = self.config
-        self.ops.rope_pack(self._qkv_proj(i, x), cos, sin, layout, out, c.num_heads, c.num_kv_heads, c.head_dim)
+        self.rope_pack(self.qkv_proj(i, x), cos, sin, layout, out)
 
-    def _qkv_proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def rope_pack(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, out: torch.Tensor) -> None:
+        """qkv: [n, (Hq + 2 Hkv) D] projections -> RoPE'd q, k and v in the wire layout in `out`."""
+        c = self.config
+        self.ops.rope_pack(qkv, cos, sin, layout, out, c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def qkv_proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
         L = self.layers[i]
         h = self.ops.rms_norm(x, L["ln1"], self.config.rms_norm_eps)
         return F.linear(h, L["w_qkv"], L["b_qkv"])                        # [n, (Hq + 2 Hkv) D]

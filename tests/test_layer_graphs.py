@@ -1,0 +1,79 @@
+"""CUDA graphs of the per-layer dense work (model/layer_graphs.py) against the plain decode path.
+
+The graph path keeps each mini-batch's residual stream in static, padded buffers and replays
+post_attn + the next QKV projection; a stale input address, a missed copy or padding rows that
+leak show as final hidden states that differ from the plain path's. On a CPU the same padded
+static-buffer path runs eagerly (capture=False); on a GPU the graphs are captured and replayed.
+The decode steps run through the loopback R-part (every S-worker transport step, fixed finite
+attention outputs), so both paths see the same inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from fastdecode.model.layer_graphs import MIN_BUCKET, LayerGraphs, bucket_rows
+
+SMALL = "random:llama-3-8b:layers=3:hidden=256:heads=8:kv_heads=2:head_dim=32:intermediate=512:vocab=1000"
+
+DEVICES = [pytest.param("cpu", id="cpu-eager")] + [
+    pytest.param("cuda", id="cuda-captured", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs a CUDA GPU"))]
+
+
+@given(st.integers(1, 100_000))
+def test_bucket_rows_bounds_the_padding(n):
+    b = bucket_rows(n)
+    assert b >= n and b % 8 == 0
+    assert b == MIN_BUCKET if n <= MIN_BUCKET else 2 * b < 3 * n         # padding < a third of the bucket
+    assert bucket_rows(b) == b                                            # buckets are fixed points
+
+
+def _final_states(runner, model, seqs):
+    """Token ids and the hidden states the LM head saw, per mini-batch in row order."""
+    seen = []
+    logits = model.logits
+    model.logits = lambda x: (seen.append(x.float().cpu().clone()), logits(x))[1]
+    try:
+        ordered, tokens, _ = runner.decode(seqs)
+    finally:
+        model.logits = logits
+    return [s.seq_id for s in ordered], tokens, torch.cat(seen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_path_matches_the_plain_path(device):
+    from fastdecode.engine import EngineArgs, LLMEngine
+    from fastdecode.profile import fake_sequences
+    from fastdecode.rpart.loopback import LoopbackBackend
+    from fastdecode.runner import ModelRunner
+
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    engine = LLMEngine(EngineArgs(model=SMALL, device=device, dtype=dtype, max_batch=4096))
+    m, c = engine.model, engine.config
+    loop = LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype)
+    graphs = LayerGraphs(m, max_rows=256, capture=device == "cuda")
+    tol = {"rtol": 1e-5, "atol": 1e-5} if device == "cpu" else {"rtol": 3e-2, "atol": 3e-2}
+    # batches that change bucket, shrink within one (stale padded rows) and repeat one (replays)
+    for step, batch in enumerate((37, 200, 30, 37, 512)):
+        seqs = fake_sequences(batch, 9 + step, c.vocab_size, first_id=1 + 1000 * step)
+        for s in seqs:                                    # different tokens at every step
+            s.output_ids[-1] = (s.seq_id * 7 + step) % c.vocab_size
+        for depth in (1, 2):
+            plain = _final_states(ModelRunner(m, loop, engine.eos_ids, depth), m, seqs)
+            graph = _final_states(ModelRunner(m, loop, engine.eos_ids, depth, graphs), m, seqs)
+            assert graph[0] == plain[0]
+            torch.testing.assert_close(graph[2], plain[2], **tol)
+            if device == "cpu":
+                assert (graph[1] == plain[1]).all(), f"batch {batch}, depth {depth}: tokens differ"
+    if device == "cuda":        # 512 rows in one mini-batch is past max_rows: that step ran eagerly
+        assert graphs.captures == len(graphs.graphs) > 0
+        assert not any(key[2] > 256 for key in graphs.graphs)
+
+
+def test_cuda_graphs_on_a_cpu_s_worker_run_eagerly(capsys):
+    from fastdecode.engine import EngineArgs, LLMEngine
+    engine = LLMEngine(EngineArgs(model=SMALL, device="cpu", cuda_graphs=True))
+    assert engine.runner.graphs is None
+    assert "--cuda-graphs needs a CUDA S-worker" in capsys.readouterr().err
