@@ -160,7 +160,8 @@ def _header(prof: Profile, knee: int, depth: int) -> list[str]:
              f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "
              f"{w.call_overhead_s * 1e6:.0f} us/call"
              + (f" (+{len(prof.r_workers) - 1} more profiled)" if len(prof.r_workers) > 1 else ""),
-             f"link: {link.bandwidth_Bps / 1e9:.1f} GB/s, {link.latency_s * 1e6:.0f} us"]
+             f"link: {link.bandwidth_Bps / 1e9:.1f} GB/s, {link.latency_s * 1e6:.0f} us"
+             + (f", {link.hop_s * 1e6:.0f} us of hand-offs per layer in a mini-batch's chain" if link.hop_s else "")]
     mem = prof.s_worker.mem_bytes
     if mem and m.weight_bytes() > mem:
         lines.append(f"warning: weights {m.weight_bytes() / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")

@@ -29,7 +29,7 @@ from .rpart.loopback import LoopbackBackend
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .sequence import Request, Sequence, Status
-from .sizing import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
+from .sizing import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile, layer_times
 
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
@@ -295,6 +295,42 @@ def time_r_part_in_step(engine: LLMEngine, seqs_per_worker: int, target_bytes: i
     return fits
 
 
+HOP_PROMPT = 16               # tokens of context of the chain-hop timing's sequences
+
+
+@torch.inference_mode()
+def time_chain_hop(engine: LLMEngine, profile: Profile, steps: int = IN_STEP_STEPS, log=print) -> float:
+    """Seconds per layer that one mini-batch's chain S -> link -> R -> link takes beyond the
+    parts the profile has already measured (LinkProfile.hop_s): waiting ranks waking up, the
+    progress threads' polling, a device event handed to MPI. Busy times and pings miss them;
+    they bound a layer where a mini-batch's work is small (a GPU S-worker at small batch on few
+    R-workers). Decode steps at depth 1 (a layer is its chain) of one short sequence per
+    R-worker, over one and over two layers, interleaved: their difference is one layer's chain,
+    less the modelled s + r + link at that size. 0 in local mode (no hand-offs)."""
+    be, m, c = engine.backend, engine.model, engine.config
+    if not be.workers or be.workers[0].rank == 0 or c.num_layers < 2:
+        return 0.0
+    n = be.num_workers
+    seqs = _placed(engine, n, HOP_PROMPT, PROFILE_SEQ_BASE + (2 << 40))
+    runner = ModelRunner(m, be, engine.eos_ids, depth=1)
+    wall = {1: [], 2: []}
+    with first_layers(m, 2):
+        runner.prefill(seqs)
+        runner.decode(seqs)                              # a warm-up
+    for layers in (1, 2) * 3:
+        with first_layers(m, layers):
+            for _ in range(steps):
+                t = time.perf_counter()
+                runner.decode(seqs)
+                wall[layers].append(time.perf_counter() - t)
+    _free(engine, seqs)
+    per_layer = float(np.median(wall[2]) - np.median(wall[1]))
+    modelled = layer_times(profile, n, 2 * HOP_PROMPT, 0, n, 1)["layer"]   # s + r + link, no hop
+    log(f"chain of {n} sequence(s), depth 1: {per_layer * 1e6:.1f} us per layer, the measured parts "
+        f"{modelled * 1e6:.1f} us: hand-offs {max(per_layer - modelled, 0.0) * 1e6:.1f} us")
+    return max(per_layer - modelled, 0.0)
+
+
 def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
                 r_target_bytes: int = 0, link_sizes: list[int] | None = None, repeats: int = 3,
                 prompt_lens: list[int] | None = None,
@@ -347,5 +383,7 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
                      vocab=c.vocab_size, dtype_bytes=act_bytes)
     notes = (f"measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}; S-worker {device}; "
              f"{len(r_workers)} R-worker(s); kv {engine.kv_dtype}")
-    return Profile(model=dims, s_worker=s_worker, r_workers=r_workers, link=link,
+    prof = Profile(model=dims, s_worker=s_worker, r_workers=r_workers, link=link,
                    kv_dtype_bytes=KV_ITEMSIZE[engine.kv_dtype], source="measured", notes=notes)
+    link.hop_s = time_chain_hop(engine, prof, log=log)
+    return prof

@@ -172,6 +172,9 @@ class LinkProfile:
     # a GPU S-worker's own hop between device and host memory (PCIe), bytes/s each way; 0 = none
     device_d2h_Bps: float = 0.0
     device_h2d_Bps: float = 0.0
+    # per layer, what one mini-batch's chain S -> link -> R -> link takes beyond its parts:
+    # waiting ranks waking up, progress threads polling, the device event -> MPI hand-off
+    hop_s: float = 0.0
 
     def device_time(self, to_host_bytes: float, to_device_bytes: float) -> float:
         t = to_host_bytes / self.device_d2h_Bps if self.device_d2h_Bps > 0 else 0.0
@@ -384,10 +387,11 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
     r (R-part), link (Q,K,V out + O back). Each resource serves every mini-batch once per layer
     (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
-    cycle: layer = max(depth*s, depth*r, depth*link, s + r + link). Depth 1 gives s + r + link;
-    depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the link is too
-    slow to hide behind the other mini-batch. The step's prompt K, V travel with the Q, K, V; on
-    a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain."""
+    cycle: layer = max(depth*s, depth*r, depth*link, s + r + link + hop). Depth 1 gives s + r +
+    link + hop; depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the
+    chain cannot hide behind the other mini-batch (a slow link, or small mini-batches whose work
+    is shorter than the chain's hand-offs, `hop`). The step's prompt K, V travel with the Q, K, V;
+    on a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain."""
     m = profile.model
     mini = batch / depth
     s = profile.s_worker.layer_time(mini)
@@ -397,7 +401,8 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     link = (profile.link.time(out_bytes) + profile.link.time(back_bytes)
             + profile.link.device_time(out_bytes, back_bytes))
     parts = {"S": s, "R": r, "link": link}
-    layer = max(depth * max(parts.values()), s + r + link)
+    chain = s + r + link + profile.link.hop_s
+    layer = max(depth * max(parts.values()), chain)
     return {"s": depth * s, "r": depth * r, "link": depth * link, "layer": layer,
             "bound": max(parts, key=parts.get)}
 

@@ -28,6 +28,7 @@ def test_profile_under_mpi_then_plan(tmp_path):
     assert all(w["kernel_seconds_per_kv_byte"] > 0 and w["call_overhead_s"] >= 0 for w in data["r_workers"])
     assert data["link"]["device_d2h_Bps"] == 0          # a CPU S-worker has no PCIe hop
     assert data["link"]["bandwidth_Bps"] > 0 and data["link"]["latency_s"] > 0   # real MPI messages
+    assert 0 <= data["link"]["hop_s"] < 1.0             # chain hand-offs, measured (0 if none showed)
     assert data["kv_dtype_bytes"] == 2 and data["model"]["num_layers"] == 30
     plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "128", "--batch", "32",
                            "--rworkers", "2", "--json"], timeout=120)
@@ -55,6 +56,7 @@ def test_local_profile_has_no_link_table_and_plans(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     link = json.loads(prof.read_text())["link"]
     assert link["message_bytes"] == link["message_time_s"] == []
+    assert link["hop_s"] == 0                           # no hand-offs between ranks
     plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "32", "--batch", "8", "--json"], timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["bound"] in ("S", "R")

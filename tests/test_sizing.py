@@ -125,6 +125,21 @@ def test_chain_term_shows_when_the_link_cannot_hide():
     assert p.layer_s == pytest.approx(s + r + link)
 
 
+def test_chain_hand_offs_count_only_where_the_chain_binds():
+    # the depth-1 case: every layer is its chain, so a hop of 0.5 ms adds 0.5 ms per layer
+    prof = hand_profile()
+    prof.link.hop_s = 0.5e-3
+    base = predict(hand_profile(), 1024, 1024, rworkers=43, depth=1)
+    assert predict(prof, 1024, 1024, rworkers=43, depth=1).layer_s == pytest.approx(base.layer_s + 0.5e-3)
+    # depth 2, R-bound with 8 workers: layer = 2 r = 10.737 ms > chain 8.48 + 0.5 ms: unchanged
+    r = 512 * 512 * KVB / 8e11
+    assert predict(prof, 1024, 1024, rworkers=8, depth=2).layer_s == pytest.approx(2 * r)
+    # ... until the hand-offs make the chain longer than two mini-batches of R
+    prof.link.hop_s = 3e-3
+    s, link = 1e-3 * math.sqrt(2), 20e-6 + 512 * (96 + 32) * 128 * 2 / 10e9
+    assert predict(prof, 1024, 1024, rworkers=8, depth=2).layer_s == pytest.approx(s + r + link + 3e-3)
+
+
 def test_capacity_bound_runs_the_batch_that_fits():
     # 8 workers x 10 GB = 80 GB -> 80e9 / 524288 = 152,588 tokens; 512 per sequence -> 298 fit
     prof = hand_profile(cpu_mem_GB=10.0)
