@@ -36,7 +36,7 @@ kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
     stage kernel 200 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
-        --batches 1024 4096 16384 ;;
+        --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs
 e2e7b)       # issue 5: R-worker scaling (1 thread each) and the same 14 cores split differently; HF baseline
     stage e2e7b 170 $PY bench/e2e_bench.py --label h100-box --launcher "$LAUNCHER" \
         --model random:llama-2-7b:layers=4 --runs 1x1 2x1 4x1 8x1 14x1 1x14 --prompts 1024 --gen 16 \
