@@ -3,6 +3,12 @@
 #   bench/gpu_box.sh STAGE...     stages: setup tests kernel soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to bench/results/ and, after every stage, into
 # $OUT/results.tar.gz (when $OUT is set) so that a cut run still returns what it finished.
+# A lent session has 30 minutes of device time and 10 per call; the open questions, in order:
+#   call 1: setup tests soverhead   (~5 min: CUDA tests incl. CUDA graphs; S-overhead with graphs, depths 1-3)
+#   call 2: fidelity                (~6 min: plan vs measured with the chain hand-off term, issue 4)
+#   call 3: kernel e2e8b            (~5 min: 16-core kernel vs read BW; GQA end-to-end)
+#   call 4: e2e7b                   (~3 min: R-worker scaling 1..14)
+# A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
