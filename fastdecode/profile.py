@@ -312,11 +312,13 @@ def time_chain_hop(engine: LLMEngine, profile: Profile, steps: int = IN_STEP_STE
         return 0.0
     n = be.num_workers
     seqs = _placed(engine, n, HOP_PROMPT, PROFILE_SEQ_BASE + (2 << 40))
-    runner = ModelRunner(m, be, engine.eos_ids, depth=1)
+    runner = ModelRunner(m, be, engine.eos_ids, depth=1, graphs=engine.runner.graphs)   # as the job runs
     wall = {1: [], 2: []}
     with first_layers(m, 2):
         runner.prefill(seqs)
-        runner.decode(seqs)                              # a warm-up
+    for layers in (1, 2):                                # warm-ups (and CUDA graph captures)
+        with first_layers(m, layers):
+            runner.decode(seqs)
     for layers in (1, 2) * 3:
         with first_layers(m, layers):
             for _ in range(steps):
