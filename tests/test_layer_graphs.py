@@ -2,7 +2,7 @@
 
 The graph path keeps each mini-batch's residual stream in static, padded buffers and replays
 post_attn + the next QKV projection; a stale input address, a missed copy or padding rows that
-leak show as final hidden states that differ from the plain path's. On a CPU the same padded
+leak show as Q/K/V on the wire or final hidden states that differ from the plain path's. On a CPU the same padded
 static-buffer path runs eagerly (capture=False); on a GPU the graphs are captured and replayed.
 The decode steps run through the loopback R-part (every S-worker transport step, fixed finite
 attention outputs), so both paths see the same inputs.
@@ -31,15 +31,20 @@ def test_bucket_rows_bounds_the_padding(n):
 
 
 def _final_states(runner, model, seqs):
-    """Token ids and the hidden states the LM head saw, per mini-batch in row order."""
-    seen = []
-    logits = model.logits
+    """Token ids, the hidden states the LM head saw (per mini-batch, in row order) and every
+    Q|K|V wire buffer handed to the R-part (per layer and mini-batch)."""
+    seen, wire = [], []
+    logits, backend = model.logits, runner.backend
+    submit = backend.decode_submit
     model.logits = lambda x: (seen.append(x.float().cpu().clone()), logits(x))[1]
+    backend.decode_submit = lambda layer, mb, packed: (wire.append(packed.float().cpu().clone()),
+                                                       submit(layer, mb, packed))[1]
     try:
         ordered, tokens, _ = runner.decode(seqs)
     finally:
         model.logits = logits
-    return [s.seq_id for s in ordered], tokens, torch.cat(seen)
+        del backend.decode_submit
+    return [s.seq_id for s in ordered], tokens, torch.cat(seen), torch.cat(wire)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -64,6 +69,7 @@ def test_graph_path_matches_the_plain_path(device):
             plain = _final_states(ModelRunner(m, loop, engine.eos_ids, depth), m, seqs)
             graph = _final_states(ModelRunner(m, loop, engine.eos_ids, depth, graphs), m, seqs)
             assert graph[0] == plain[0]
+            torch.testing.assert_close(graph[3], plain[3], **tol)      # what the R-workers would attend
             torch.testing.assert_close(graph[2], plain[2], **tol)
             if device == "cpu":
                 assert (graph[1] == plain[1]).all(), f"batch {batch}, depth {depth}: tokens differ"
