@@ -6,6 +6,8 @@ and Llama-2-7B (32 x 128, MHA) at contexts 128 / 1024 / 4096 / 16384, with a bat
 
   - each ISA path of rworker (avx512, avx2, portable, as the CPU allows) and KV dtype,
   - torch SDPA decode (bf16, fp16, fp32; enable_gqa) on the same data,
+  - each rworker path again with a working set that stays in the last-level cache (its compute
+    alone), and from it the no-overlap bound 1 / (1/cache + 1/read),
 
 and measures, in the same run, the read bandwidth: the extension's multi-threaded streaming sum
 and torch.sum, taking the best. Effective bandwidth = KV bytes read / time. The host is noisy, so
@@ -151,6 +153,7 @@ def bench_shape(args, model, ctx, rbw, torch_mod, rng, results):
                 ref = ref0
             record(path, kv_dtype, best, med, float(np.abs(out[0] - ref).max()))
             del store
+            rows[-1].update(cache_resident(args, Hkv, D, ctx, kv_dtype, path, blk, qin))
 
     # 2. torch SDPA decode on the same data: q [B, Hq, 1, D], k = v [B, Hkv, ctx, D]
     if torch_mod is not None and not args.no_torch:
@@ -175,9 +178,36 @@ def bench_shape(args, model, ctx, rbw, torch_mod, rng, results):
     for r in rows:
         r["adjacent_read_gbps"] = adjacent
         r["pct_of_adjacent_read_bw"] = 100 * r["gbps"] / adjacent
+        if "cache_gbps" in r:      # no overlap of compute and memory at all would give this
+            r["no_overlap_gbps"] = 1 / (1 / r["cache_gbps"] + 1 / adjacent)
+        cached = (f"  in cache {r['cache_gbps']:6.1f}, no-overlap bound {r['no_overlap_gbps']:5.1f} GB/s"
+                  if "cache_gbps" in r else "")
         print(f"  {model:13s} ctx {ctx:6d} B {B:5d}  {r['path']:10s} {r['kv_dtype']:5s} "
-              f"{r['gbps']:7.1f} GB/s  err {r['max_abs_err_seq0']:.1e}", flush=True)
+              f"{r['gbps']:7.1f} GB/s  err {r['max_abs_err_seq0']:.1e}{cached}", flush=True)
     results += rows
+
+
+CACHE_WS_MAX = 8 << 20      # bytes of KV in a cache-resident timing
+
+
+def cache_resident(args, Hkv, D, ctx, kv_dtype, path, blk, q) -> dict:
+    """The same path and shape with a KV working set that stays in the last-level cache
+    (<= 8 MB, <= a quarter of it): what the kernel's compute alone streams, in GB/s of KV. With
+    the DRAM read bandwidth it bounds the DRAM figure between no overlap of compute and memory,
+    1 / (1/cache + 1/read), and full overlap, min(cache, read)."""
+    ws = min(CACHE_WS_MAX, largest_cache_bytes() // 4)
+    per_token = Hkv * D * 2 * ITEMSIZE[kv_dtype]
+    seqs = 2 * args.threads
+    ctx_c = max(32, min(ctx, ws // (seqs * per_token) // 32 * 32))
+    seqs = max(seqs, ws // (ctx_c * per_token))
+    store = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=path)
+    fill_store(store, blk, seqs, ctx_c, kv_dtype)
+    qc = np.ascontiguousarray(np.resize(q, (seqs,) + q.shape[1:]))
+    out = np.empty(qc.shape, np.float32)
+    ids = np.arange(seqs)
+    best, _ = best_time(lambda: store.attend(0, ids, qc, out), args.reps, args.min_time)
+    return {"cache_gbps": seqs * ctx_c * per_token / best / 1e9, "cache_context": ctx_c, "cache_batch": seqs,
+            "cache_kv_bytes": seqs * ctx_c * per_token}
 
 
 def _stored(blk, ctx, kv_dtype):
