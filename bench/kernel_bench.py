@@ -195,7 +195,7 @@ def cache_resident(args, Hkv, D, ctx, kv_dtype, path, blk, q) -> dict:
     (<= 8 MB, <= a quarter of it): what the kernel's compute alone streams, in GB/s of KV. With
     the DRAM read bandwidth it bounds the DRAM figure between no overlap of compute and memory,
     1 / (1/cache + 1/read), and full overlap, min(cache, read)."""
-    ws = min(CACHE_WS_MAX, largest_cache_bytes() // 4)
+    ws = args.cache_ws
     per_token = Hkv * D * 2 * ITEMSIZE[kv_dtype]
     seqs = 2 * args.threads
     ctx_c = max(32, min(ctx, ws // (seqs * per_token) // 32 * 32))
@@ -323,6 +323,7 @@ def main(argv=None):
     args.contexts = [int(c) for c in (args.contexts or ctx_default).split(",")]
     cache = largest_cache_bytes()
     args.min_mb = args.min_mb or max(128 if args.quick else 256, 3 * cache // 2**20)
+    args.cache_ws = min(CACHE_WS_MAX, cache // 4)
     args.reps = args.reps or (3 if args.quick else 7)
     args.min_time = args.min_time if args.min_time is not None else (0.0 if args.quick else 0.3)
     label = args.label or socket.gethostname()

@@ -2,8 +2,9 @@
 
 The graph path keeps each mini-batch's residual stream in static, padded buffers and replays
 post_attn + the next QKV projection; a stale input address, a missed copy or padding rows that
-leak show as Q/K/V on the wire or final hidden states that differ from the plain path's. On a CPU the same padded
-static-buffer path runs eagerly (capture=False); on a GPU the graphs are captured and replayed.
+leak show as Q/K/V on the wire or final hidden states that differ from the plain path's. On a
+CPU the same padded static-buffer path runs eagerly (capture=False); on a GPU the graphs are
+captured and replayed.
 The decode steps run through the loopback R-part (every S-worker transport step, fixed finite
 attention outputs), so both paths see the same inputs.
 """

@@ -31,7 +31,7 @@ def bucket_rows(n: int) -> int:
     and 1.5x powers of two), so padding wastes at most a third of a bucket."""
     b = MIN_BUCKET
     while b < n:
-        if b * 3 // 2 >= n and (b * 3 // 2) % 8 == 0:
+        if b * 3 // 2 >= n:
             return b * 3 // 2
         b *= 2
     return b
@@ -85,19 +85,19 @@ class LayerGraphs:
             key = (layer, slot, buf.x.shape[0], has_next)
             graph = self.graphs.get(key)
             if graph is None:
-                graph = self.graphs[key] = self._capture(layer, buf)
+                graph = self.graphs[key] = self._capture(layer, buf, has_next)
             graph.replay()
         else:
-            self._body(layer, buf)
+            self._body(layer, buf, has_next)
         return buf.qkv[:n] if has_next else None
 
-    def _body(self, layer: int, buf: _Slot) -> None:
+    def _body(self, layer: int, buf: _Slot, has_next: bool) -> None:
         m = self.model
         buf.x.copy_(m.post_attn(layer, buf.x, buf.o))
-        if layer + 1 < m.config.num_layers:
+        if has_next:
             buf.qkv.copy_(m.qkv_proj(layer + 1, buf.x))
 
-    def _capture(self, layer: int, buf: _Slot) -> torch.cuda.CUDAGraph:
+    def _capture(self, layer: int, buf: _Slot, has_next: bool) -> torch.cuda.CUDAGraph:
         # warm-up runs execute (cuBLAS/Triton pick and compile their kernels): keep the live rows
         saved = buf.x.clone()
         side = torch.cuda.Stream(self.model.device)
@@ -105,12 +105,12 @@ class LayerGraphs:
         with torch.cuda.stream(side):
             for _ in range(2):
                 buf.x.copy_(saved)
-                self._body(layer, buf)
+                self._body(layer, buf, has_next)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the MPI transport's progress thread may call into CUDA meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self._body(layer, buf)
+            self._body(layer, buf, has_next)
         buf.x.copy_(saved)            # capture ran nothing; the warm-ups moved x on
         self.captures += 1
         return graph
