@@ -52,12 +52,19 @@ constexpr float EXP2_POLY[8] = {1.0f, 6.9314718055994531e-01f, 2.402265069591007
 
 // Software prefetch of the NEXT page while this one is computed: the scores loop (AVX-512,
 // portable) walks the K run of this page and, at twice its pace, the K+V runs of the next one
-// (they are contiguous); the AVX2 V pass takes a slice per tile. Either way a page arrives in
-// cache as it is needed and the prefetches spread evenly over compute. Measured against a burst
+// (they are contiguous); AVX2 prefetches the next K run a line or two per K word row and the
+// next V run a line or two per token of the V pass. Either way a page arrives in cache as it is
+// needed and the prefetches spread evenly over compute. Measured against a burst
 // of 256 prefetches at each page start (which queues on the L1 miss buffers), L2-only hints,
 // prefetching only pages that do not follow in memory, and none: bench/KERNEL_NOTES.md.
 static inline void prefetch_lines(const char* p, size_t from, size_t to) {
     for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+// step i of n: the share [i*per, (i+1)*per) of `lines` cache lines at p, per = ceil(lines / n)
+static inline void prefetch_share(const char* p, int lines, int i, int n) {
+    const int per = (lines + n - 1) / n;
+    for (int u = i * per, e = std::min(lines, (i + 1) * per); u < e; ++u) __builtin_prefetch(p + 64 * (size_t)u, 0, 3);
 }
 
 // ============================================================================
@@ -437,8 +444,9 @@ static inline void kword8(const char* p, __m256& x, __m256& y) {
 // rows), 4 vectors of 8 tokens. FMA latency is 4 cycles and Zen/Intel cores issue 2 per cycle,
 // so >= 8 independent accumulators keep the pipes full: GH = 2 has 2 x 4; GH = 1 keeps the
 // even- and odd-dim products apart (2 x 4) and adds them at the end.
+// pf: pf_lines cache lines (the next page's K run) prefetched a share per step
 template <int DT, int GH>
-static inline void scores_group(const void* K, int Dp, const float* q, float* S) {
+static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf, int pf_lines) {
     constexpr bool SPLIT = GH == 1;
     constexpr size_t step = DT == F32 ? 2 * PT * 4 : PT * 4;   // bytes per 2 dims
     const char* k = static_cast<const char*>(K);
@@ -452,6 +460,7 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S)
         for (int i = 0; i < 4; ++i) ay[0][i] = _mm256_setzero_ps();
     for (int d = 0; d < Dp; d += 2) {
         const char* row = k + (size_t)(d / 2) * step;
+        if (pf) prefetch_share(pf, pf_lines, d / 2, Dp / 2);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
             __m256 x, y;
@@ -481,10 +490,15 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S)
         }
 }
 
-// the next page is prefetched during the V pass here (pv_page), not during the K pass
-static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char*) {
+// pf: the next page; its K run is prefetched during this K pass (the first group of heads), its
+// V run during this V pass (pv_page). Spread over both passes, one line or two per step, the
+// misses stay in flight while the FMAs run: 1.04-1.24x the speed of version 6, which issued
+// the whole page as a slice per tile pass of the V pass (bench/KERNEL_NOTES.md, version 7).
+static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
+    const int k_lines = (int)((size_t)PT * Dp * (dt == F32 ? 4 : 2) / 64);   // one K run
     for_groups<2>(dt, g, [&](auto DT, auto GH, int j0) {
-        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT);
+        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr,
+                                         k_lines);
     });
 }
 
@@ -494,9 +508,11 @@ static inline void scores_page(int dt, const void* K, int Dp, const float* q, in
 constexpr int V_TILE = 16;
 
 // acc[j][16 ti .. 16 (ti + TC)) += sum_t p_j[t] V[t][...] for GH heads over TC tiles: 2 TC GH
-// accumulators (8 at GH <= 4), each broadcast of p_j[t] feeds 2 TC FMAs
+// accumulators (8 at GH <= 4), each broadcast of p_j[t] feeds 2 TC FMAs.
+// pf: pf_lines cache lines prefetched a share per token
 template <int DT, int GH, int TC>
-static inline void pv_tiles(const char* v, int nvalid, int ti, int Dp, const float* S, float* acc) {
+static inline void pv_tiles(const char* v, int nvalid, int ti, int Dp, const float* S, float* acc, const char* pf,
+                            int pf_lines) {
     constexpr size_t tile_row = 16 * (DT == F32 ? 4 : 2);
     constexpr size_t tile_bytes = PT * tile_row;
     __m256 a[GH][2 * TC];
@@ -506,6 +522,7 @@ static inline void pv_tiles(const char* v, int nvalid, int ti, int Dp, const flo
         for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm256_loadu_ps(acc + (size_t)j * Dp + 16 * ti + 8 * c);
     const char* base = v + (size_t)ti * tile_bytes;
     for (int t = 0; t < nvalid; ++t) {
+        if (pf) prefetch_share(pf, pf_lines, t, nvalid);
         __m256 x[2 * TC];
 #pragma GCC unroll 4
         for (int c = 0; c < TC; ++c) load16<DT>(base + c * tile_bytes + t * tile_row, x[2 * c], x[2 * c + 1]);
@@ -522,31 +539,29 @@ static inline void pv_tiles(const char* v, int nvalid, int ti, int Dp, const flo
         for (int c = 0; c < 2 * TC; ++c) _mm256_storeu_ps(acc + (size_t)j * Dp + 16 * ti + 8 * c, a[j][c]);
 }
 
-// pf: the next page (K and V runs, page_bytes), prefetched a slice per tile pass so that the
-// requests spread over the page's compute
+// pf: pf_lines cache lines (the next page's V run); a pass over tiles [ti, ti + tc) prefetches
+// lines [ti, ti + tc) * pf_lines / ntiles, spread over its tokens
 template <int DT, int GH>
 static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc, const char* pf,
-                            size_t pf_bytes) {
+                            int pf_lines) {
     constexpr int TC = GH == 1 ? 4 : GH == 2 ? 2 : 1;
     const char* v = static_cast<const char*>(V);
     const int ntiles = Dp / 16;
-    const size_t slice = (pf_bytes / ntiles + 63) & ~(size_t)63;
+    auto first = [&](int ti) { return ti * pf_lines / ntiles; };
+    auto at = [&](int ti) { return pf ? pf + 64 * (size_t)first(ti) : nullptr; };
     int ti = 0;
-    for (; ti + TC <= ntiles; ti += TC) {
-        if (pf) prefetch_lines(pf, ti * slice, std::min(pf_bytes, (ti + TC) * slice));
-        pv_tiles<DT, GH, TC>(v, nvalid, ti, Dp, S, acc);
-    }
-    for (; ti < ntiles; ++ti) {
-        if (pf) prefetch_lines(pf, ti * slice, std::min(pf_bytes, (ti + 1) * slice));
-        pv_tiles<DT, GH, 1>(v, nvalid, ti, Dp, S, acc);
-    }
+    for (; ti + TC <= ntiles; ti += TC) pv_tiles<DT, GH, TC>(v, nvalid, ti, Dp, S, acc, at(ti), first(ti + TC) - first(ti));
+    for (; ti < ntiles; ++ti) pv_tiles<DT, GH, 1>(v, nvalid, ti, Dp, S, acc, at(ti), first(ti + 1) - first(ti));
 }
 
+// pf: the next page (page_bytes: K run then V run); this pass prefetches its V run
 static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc,
-                           const char* pf, size_t pf_bytes) {
+                           const char* pf, size_t page_bytes) {
+    const int v_lines = (int)(page_bytes / 2 / 64);
+    const char* pv = pf ? pf + page_bytes / 2 : nullptr;
     for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
-        pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp, j0 == 0 ? pf : nullptr,
-                                     pf_bytes);
+        pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp, j0 == 0 ? pv : nullptr,
+                                     v_lines);
     });
 }
 

@@ -1,0 +1,182 @@
+"""Kernel A/B: an earlier build of one ISA module against the current one, in the same process.
+
+Run-to-run drift on a shared host (10-25% here) is larger than most kernel changes, so comparing
+two kernel_bench runs says little. This bench loads both builds into one process, fills one store
+per build with the same data, checks that both give bit-identical outputs, and times them in
+alternating order over several rounds (the read bandwidth is measured every round too). The
+figure per shape is the median of the per-round ratio new / old; `new_wins` counts the rounds
+where the new build was faster.
+
+    git worktree add /tmp/fd-old REV && (cd /tmp/fd-old && python setup.py build_ext --inplace)
+    python setup.py build_ext --inplace
+    python bench/kernel_ab.py --old /tmp/fd-old --isa avx2 --label dev-2core-noavx512-v7
+
+Writes bench/results/kernel_ab_<label>.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernel_bench import ITEMSIZE, MODELS, bf16_bits_to_f32, fill_store, random_block  # noqa: E402
+
+from rworker import KVStore  # noqa: E402
+from rworker import isa as isa_mod  # noqa: E402
+from rworker._threads import default_threads, pin_cpus  # noqa: E402
+
+
+def load_old(build_dir: str, isa: str):
+    """The module rworker/_kernels_<isa>*.so of another checkout, under a private name."""
+    paths = glob.glob(os.path.join(build_dir, "rworker", f"_kernels_{isa}*.so"))
+    if not paths:
+        sys.exit(f"kernel_ab: no rworker/_kernels_{isa}*.so under {build_dir} (build it there first)")
+    spec = importlib.util.spec_from_file_location(f"fd_old_build._kernels_{isa}", paths[0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def git_rev(path: str) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def timed_gbps(store: KVStore, ids, q, out, nbytes: int, calls: int = 3) -> float:
+    """KV GB/s of the best of `calls` attend calls after one warm-up."""
+    store.attend(0, ids, q, out)
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        store.attend(0, ids, q, out)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
+    Hkv, Hq, D, _ = MODELS[model]
+    isz = ITEMSIZE[kv_dtype]
+    B = max(2 * args.threads, -(-args.min_mb * 2**20 // (ctx * Hkv * D * 2 * isz)))
+    blk = random_block(rng, min(ctx, 1024), Hkv, D)                     # [rows, Hkv, D] bf16 bits
+    q = random_block(rng, B, Hq, D)                                     # [B, Hq, D] bf16 bits
+    if kv_dtype != "bf16":
+        q = bf16_bits_to_f32(q)                                         # fp32 KV runs get fp32 q
+    ids = np.arange(B)
+    nbytes = B * ctx * Hkv * D * 2 * isz
+
+    stores = {}
+    for name in ("old", "new"):
+        st = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=args.isa)
+        if name == "old":     # same wrapper, the other build's store underneath
+            st._st = old_mod.Store(1, Hkv, D, kv_dtype, st.scale, 0, args.threads, pin_cpus(args.threads), 50)
+        fill_store(st, blk, B, ctx, kv_dtype)
+        stores[name] = st
+    out_old, out_new = np.empty((B, Hq, D), np.float32), np.empty((B, Hq, D), np.float32)
+    stores["old"].attend(0, ids, q, out_old)
+    stores["new"].attend(0, ids, q, out_new)
+    identical = bool(np.array_equal(out_old, out_new))
+
+    gbps = {"old": [], "new": []}
+    reads = []
+    for r in range(args.rounds):
+        reads.append(max(old_mod.read_bandwidth(512 << 20, args.threads, 2, pin_cpus(args.threads))))
+        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            gbps[name].append(timed_gbps(stores[name], ids, q, out_new, nbytes))
+    a, b = np.array(gbps["old"]), np.array(gbps["new"])
+    row = dict(model=model, Hkv=Hkv, Hq=Hq, D=D, context=ctx, batch=B, kv_dtype=kv_dtype, kv_bytes=nbytes,
+               outputs_identical=identical, rounds=args.rounds,
+               read_best_gbps=max(reads), read_median_gbps=float(np.median(reads)),
+               old_best_gbps=float(a.max()), new_best_gbps=float(b.max()),
+               old_median_gbps=float(np.median(a)), new_median_gbps=float(np.median(b)),
+               old_pct_of_read=100 * float(a.max()) / max(reads), new_pct_of_read=100 * float(b.max()) / max(reads),
+               ratio_median=float(np.median(b / a)), new_wins=int(np.sum(b > a)),
+               old_gbps=a.tolist(), new_gbps=b.tolist(), read_gbps=reads)
+    print(f"  {model:13s} {kv_dtype} ctx {ctx:6d}: read {max(reads):5.1f}  old {a.max():5.1f}  new {b.max():5.1f} GB/s"
+          f"  ({row['old_pct_of_read']:3.0f}% -> {row['new_pct_of_read']:3.0f}% of read)  new/old {row['ratio_median']:.3f}"
+          f"  wins {row['new_wins']}/{args.rounds}{'' if identical else '  OUTPUTS DIFFER'}", flush=True)
+    return row
+
+
+def plot(rows, path_png: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    labels = [f"{r['model'].split('-')[0]} {r['kv_dtype']} {r['context']}" for r in rows]
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["old_pct_of_read"] for r in rows], 0.4, label="old build")
+    ax.bar(x + 0.2, [r["new_pct_of_read"] for r in rows], 0.4, label="new build")
+    for i, r in enumerate(rows):
+        ax.text(i, max(r["old_pct_of_read"], r["new_pct_of_read"]) + 1, f"{r['ratio_median']:.2f}x",
+                ha="center", fontsize=7)
+    ax.axhline(70, color="gray", ls=":", lw=1)
+    ax.axhline(90, color="gray", ls="--", lw=1)
+    ax.set_xticks(x, labels, fontsize=7, rotation=40, ha="right")
+    ax.set_ylabel("% of read bandwidth (best, same run)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old", help="a checkout of the earlier code with its extension built")
+    ap.add_argument("--isa", default="avx2", help="which module to compare (avx512, avx2, portable)")
+    ap.add_argument("--label", help="result name (required unless --replot)")
+    ap.add_argument("--threads", type=int, default=None, help="default: physical cores of the CPU set")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--contexts", default="128,1024,4096,16384")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--min-mb", type=int, default=768, help="KV megabytes per shape (past the caches)")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier result file")
+    args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            res = json.load(f)
+        m = res["meta"]
+        plot(res["rows"], args.replot[:-5] + ".png", f"{m['isa']}, {m['threads']} threads: old vs new build, "
+             f"interleaved in one run (label {m['label']}); text: median per-round ratio new/old")
+        return
+    if not args.old or not args.label:
+        ap.error("--old (a checkout of the earlier code with its extension built) and --label are required")
+    args.threads = args.threads or default_threads()
+    if args.isa not in isa_mod.available_isas():
+        sys.exit(f"kernel_ab: this CPU cannot run the {args.isa} path (it has {isa_mod.available_isas()})")
+    old_mod = load_old(args.old, args.isa)
+    rng = np.random.default_rng(0)
+    rows = [ab_shape(args, old_mod, m, int(c), dt, rng)
+            for dt in args.dtypes.split(",") for m in args.models.split(",") for c in args.contexts.split(",")]
+    os.makedirs(args.out_dir, exist_ok=True)
+    base = os.path.join(args.out_dir, f"kernel_ab_{args.label}")
+    meta = dict(label=args.label, isa=args.isa, threads=args.threads, old=os.path.abspath(args.old),
+                old_rev=git_rev(args.old), new_rev=git_rev(ROOT), new_tree_dirty=bool(subprocess.run(
+                    ["git", "-C", ROOT, "status", "--porcelain", "csrc"], capture_output=True, text=True).stdout),
+                cpu=platform.processor() or platform.machine(), cpu_features=sorted(old_mod.cpu_features()),
+                min_mb=args.min_mb, rounds=args.rounds)
+    with open(base + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    plot(rows, base + ".png", f"{args.isa}, {args.threads} threads: old vs new build, interleaved in one run "
+                              f"(label {args.label}); text: median per-round ratio new/old")
+    print(f"wrote {base}.json, {base}.png")
+
+
+if __name__ == "__main__":
+    main()
