@@ -112,7 +112,7 @@ def test_lengths_mixed_batch(isa, kv_dtype, q_bf16):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("g", [1, 2, 3, 4, 6, 8, 16])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 6, 8, 16])
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 33])
 def test_shapes(isa, g, D):
     """GQA ratios x head dims (33: the generic padded path), random lengths, dtype cycles."""
