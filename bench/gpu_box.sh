@@ -6,7 +6,7 @@
 # A lent session has 30 minutes of device time and 10 per call; the open questions, in order:
 #   call 1: setup tests soverhead   (~5 min: CUDA tests incl. CUDA graphs; S-overhead with graphs, depths 1-3)
 #   call 2: fidelity                (~6 min: plan vs measured with the chain hand-off term, issue 4)
-#   call 3: kernel e2e8b            (~5 min: 16-core kernel vs read BW; GQA end-to-end)
+#   call 3: kernel e2e8b            (~6 min: 16-core kernel vs read BW, AVX2 versions 7-8 on the Xeon too; GQA end-to-end)
 #   call 4: e2e7b                   (~3 min: R-worker scaling 1..14)
 # A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
@@ -39,7 +39,7 @@ setup)
 tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local mode on CUDA
     stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py tests/test_layer_graphs.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
-    stage kernel 200 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;
+    stage kernel 280 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;   # JSON after every shape
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

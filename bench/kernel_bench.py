@@ -351,37 +351,45 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     results: list[dict] = []
     t_start = time.time()
+    os.makedirs(args.out_dir, exist_ok=True)
+    path_json = os.path.join(args.out_dir, f"kernel_{label}.json")
+
+    def write_json(append: dict | None) -> float:
+        """Results so far, against the best read bandwidth so far; `partial` until the end, so a
+        run cut by a time limit (a lent GPU box) still leaves every finished shape."""
+        best = rbw.best
+        for r in results:
+            r["pct_of_read_bw"] = 100 * r["gbps"] / best
+            sdpa = next((x for x in results if x["path"] == "torch_sdpa" and x["kv_dtype"] == "bf16"
+                         and x["model"] == r["model"] and x["context"] == r["context"]), None)
+            r["x_torch_sdpa_bf16"] = r["gbps"] / sdpa["gbps"] if sdpa else None
+        out = dict(
+            label=label, host=socket.gethostname(), cpu=cpu_model, cpu_features=feats, threads=args.threads,
+            logical_cpus=os.cpu_count(), python=platform.python_version(), numpy=np.__version__,
+            torch=getattr(torch, "__version__", None), quick=args.quick, min_mb=args.min_mb, reps=args.reps,
+            largest_cache_bytes=cache,
+            selected_isa=isa_mod.selected_isa(), wall_seconds=time.time() - t_start, partial=append is None,
+            read_bw=dict(ext_gbps=rbw.ext, torch_sum_gbps=rbw.tsum, best_gbps=best, bytes=rbw.nbytes),
+            results=results, append=append,
+        )
+        with open(path_json + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(path_json + ".tmp", path_json)
+        return best
+
     for model in args.models:
         for ctx in args.contexts:
             bench_shape(args, model, ctx, rbw, torch, rng, results)
+            write_json(None)
     rbw.measure(4)
     rbw.release()
-
-    best = rbw.best
-    for r in results:
-        r["pct_of_read_bw"] = 100 * r["gbps"] / best
-        sdpa = next((x for x in results if x["path"] == "torch_sdpa" and x["kv_dtype"] == "bf16"
-                     and x["model"] == r["model"] and x["context"] == r["context"]), None)
-        r["x_torch_sdpa_bf16"] = r["gbps"] / sdpa["gbps"] if sdpa else None
+    write_json(None)
 
     attn = next((r["gbps"] for r in results if r["path"] == args.paths[0] and r["kv_dtype"] == "bf16"
                  and r["model"] == "llama3-8b" and r["context"] == 1024), None)
     append = bench_append(args, attn)
     print(f"append: {append}", flush=True)
-
-    out = dict(
-        label=label, host=socket.gethostname(), cpu=cpu_model, cpu_features=feats, threads=args.threads,
-        logical_cpus=os.cpu_count(), python=platform.python_version(), numpy=np.__version__,
-        torch=getattr(torch, "__version__", None), quick=args.quick, min_mb=args.min_mb, reps=args.reps,
-        largest_cache_bytes=cache,
-        selected_isa=isa_mod.selected_isa(), wall_seconds=time.time() - t_start,
-        read_bw=dict(ext_gbps=rbw.ext, torch_sum_gbps=rbw.tsum, best_gbps=best, bytes=rbw.nbytes),
-        results=results, append=append,
-    )
-    os.makedirs(args.out_dir, exist_ok=True)
-    path_json = os.path.join(args.out_dir, f"kernel_{label}.json")
-    with open(path_json, "w") as f:
-        json.dump(out, f, indent=1)
+    best = write_json(append)
     print(f"\nread bandwidth (best of ext + torch.sum, this run): {best:.1f} GB/s")
     print("%read: of the run's best read bandwidth; %adj: of the best read measured just before/after the shape")
     print(f"{'model':13s} {'ctx':>6s} {'path':10s} {'kv':5s} {'GB/s':>7s} {'%read':>6s} {'%adj':>5s} {'xSDPAbf16':>9s}")
