@@ -23,7 +23,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -31,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_bench import ITEMSIZE, MODELS, bf16_bits_to_f32, fill_store, random_block  # noqa: E402
+from kernel_bench import ITEMSIZE, MODELS, best_time, bf16_bits_to_f32, fill_store, random_block  # noqa: E402
 
 from rworker import KVStore  # noqa: E402
 from rworker import isa as isa_mod  # noqa: E402
@@ -55,17 +54,6 @@ def git_rev(path: str) -> str | None:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-
-
-def timed_gbps(store: KVStore, ids, q, out, nbytes: int, calls: int = 3) -> float:
-    """KV GB/s of the best of `calls` attend calls after one warm-up."""
-    store.attend(0, ids, q, out)
-    best = float("inf")
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        store.attend(0, ids, q, out)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
@@ -96,7 +84,8 @@ def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
     for r in range(args.rounds):
         reads.append(max(old_mod.read_bandwidth(512 << 20, args.threads, 2, pin_cpus(args.threads))))
         for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            gbps[name].append(timed_gbps(stores[name], ids, q, out_new, nbytes))
+            best, _ = best_time(lambda: stores[name].attend(0, ids, q, out_new), 3)
+            gbps[name].append(nbytes / best / 1e9)
     a, b = np.array(gbps["old"]), np.array(gbps["new"])
     row = dict(model=model, Hkv=Hkv, Hq=Hq, D=D, context=ctx, batch=B, kv_dtype=kv_dtype, kv_bytes=nbytes,
                outputs_identical=identical, rounds=args.rounds,
@@ -157,6 +146,8 @@ def main(argv=None):
         return
     if not args.old or not args.label:
         ap.error("--old (a checkout of the earlier code with its extension built) and --label are required")
+    if os.path.realpath(args.old) == os.path.realpath(ROOT):
+        ap.error("--old must be another checkout: one extension file cannot be loaded twice in a process")
     args.threads = args.threads or default_threads()
     if args.isa not in isa_mod.available_isas():
         sys.exit(f"kernel_ab: this CPU cannot run the {args.isa} path (it has {isa_mod.available_isas()})")

@@ -452,7 +452,7 @@ private:
             const char* vr = kr + run_bytes;
 
             // 2a. what to prefetch while this page is computed: the next page of this item, or
-            //     the first page of the item this thread runs next (simd.h: prefetch_lines)
+            //     the first page of the item this thread runs next (simd.h: "Software prefetch")
             const char* pf = !prefetch_ ? nullptr
                              : pi < plast ? pages[(size_t)(pi + 1) * Hkv_ + it.h]
                              : next      ? first_page(C, *next)
