@@ -201,3 +201,23 @@ def test_admits_a_prefix_no_larger_than_the_queue(ctl):
     for step, n_wait, n_run in itertools.product(range(4), range(4), range(10)):
         k = ctl.admit(step, [(3, 7)] * n_wait, [(4, 4)] * n_run)
         assert 0 <= k <= n_wait
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_equal_lengths_with_varied_prompts_stay_stabilized(seed):
+    """The paper's setting: every request generates S tokens, prompts differ (16-64 tokens). The
+    load must stay flat with B running, not fall apart into fixed batches of fewer sequences
+    (which a W_lim at the bare mean projected peak did: refused micro-batches refill together)."""
+    B, S = 64, 256
+    rng = np.random.default_rng(seed)
+    reqs = [(int(p), S) for p in rng.integers(16, 65, 24 * B)]
+    stab = simulate(StabilizedAdmission(B), reqs)
+    fifo = simulate(FifoAdmission(B), reqs)
+    saturated = stab.waiting > 0
+    after_ramp = np.arange(len(stab.running)) >= 2 * S
+    w = stab.workload[saturated & after_ramp]
+    assert w.size > 10 * S
+    assert (stab.running[saturated & after_ramp] == B).all()
+    w_fifo = fifo.workload[fifo.waiting > 0]
+    assert w.std() / w.mean() < 0.06 < 0.4 < w_fifo.std() / w_fifo.mean()
+    assert len(stab.running) <= 1.05 * len(fifo.running)          # the ramp is all it costs
