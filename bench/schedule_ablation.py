@@ -7,6 +7,10 @@ Reports throughput, the coefficient of variation of the R-part time per step, th
 fraction of each side, and the KV-load trace. Writes bench/results/schedule_<label>.json/.png.
 
     python bench/schedule_ablation.py --label devbox-2core
+
+A random model (`--model random:...`, prompts as token ids, no EOS) shapes the S/R balance:
+`--gen fixed:N` gives every request the same length (FIFO admits and retires whole cohorts,
+the paper's worst case), `--gen lognormal:MEDIAN` varied lengths.
 """
 from __future__ import annotations
 
@@ -28,25 +32,47 @@ QUESTIONS = ["Summarize the text in one sentence.", "What should the committee d
              "Explain the situation to a child.", "Give the text a title."]
 
 
-def requests(n: int, seed: int) -> list[dict]:
+def gen_lengths(spec: str, n: int, rng) -> list[int]:
+    """`lognormal:MEDIAN` (sigma 0.6, clipped to [MEDIAN/6, 4*MEDIAN]) or `fixed:N`."""
+    kind, _, value = spec.partition(":")
+    size = int(value)
+    if kind == "fixed":
+        return [size] * n
+    if kind == "lognormal":
+        return [int(x) for x in np.clip(rng.lognormal(np.log(size), 0.6, n), max(1, size // 6), 4 * size)]
+    raise SystemExit(f"--gen {spec!r}: expected lognormal:MEDIAN or fixed:N")
+
+
+def requests(n: int, seed: int, gen: str, token_prompts: tuple[int, int] | None) -> list[dict]:
+    """Chat requests with 0-11 context paragraphs (a real model), or token-id prompts of
+    token_prompts = (shortest, longest) tokens (a random model)."""
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
-        context = PARAGRAPH * int(rng.integers(0, 12))
-        max_tokens = int(np.clip(rng.lognormal(np.log(96), 0.6), 16, 384))
-        body = {"messages": [{"role": "user", "content": context + QUESTIONS[i % len(QUESTIONS)]}],
-                "max_tokens": max_tokens, "temperature": 0.7, "seed": i}
-        out.append({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    for i, max_tokens in enumerate(gen_lengths(gen, n, rng)):
+        if token_prompts is None:
+            context = PARAGRAPH * int(rng.integers(0, 12))
+            body = {"messages": [{"role": "user", "content": context + QUESTIONS[i % len(QUESTIONS)]}],
+                    "max_tokens": max_tokens, "temperature": 0.7, "seed": i}
+            out.append({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+        else:
+            ids = rng.integers(100, 4000, int(rng.integers(token_prompts[0], token_prompts[1] + 1))).tolist()
+            body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True}
+            out.append({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": body})
     return out
 
 
-def run(schedule: list[str], inp: str, tmp: str, name: str, ranks: int, extra: list[str]) -> dict:
+def run(schedule: list[str], inp: str, tmp: str, name: str, ranks: int, extra: list[str], batch: int) -> dict:
     out, stats = os.path.join(tmp, f"out_{name}.jsonl"), os.path.join(tmp, f"stats_{name}.json")
     cmd = [shutil.which("mpiexec"), "-n", str(ranks), sys.executable, "-m", "fastdecode", "generate", "-i", inp,
            "-o", out, "--quiet", "--overwrite", "--stats-json", stats] + schedule + extra
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
+    return analyse(schedule, out, stats, batch)
+
+
+def analyse(schedule: list[str], out: str, stats: str, batch: int) -> dict:
+    """One run's row from its output JSONL and --stats-json file."""
     data = json.load(open(stats))
     steps = [s for s in data["steps"] if "r_time_max_s" in s]
     r_time = np.array([s["r_time_max_s"] for s in steps])
@@ -56,14 +82,30 @@ def run(schedule: list[str], inp: str, tmp: str, name: str, ranks: int, extra: l
     with open(out) as f:
         done = [json.loads(line) for line in f]
     finish = [c["finish_reason"] for r in done if r["error"] is None for c in r["response"]["body"]["choices"]]
+    n_requests = len(done)
+    # the full-batch window (>= 95% of B decoding): the steady state, without the start-up ramp
+    # and the drain at the end, whose length depends on how many requests the set holds
+    full = [x for x in steps if x["active"] >= 0.95 * batch]
+    full_kv = np.array([sum(x["kv_tokens"]) for x in full], dtype=float)
+    full_r = np.array([x["r_time_max_s"] for x in full])
+    window = {"full_batch_steps": len(full),
+              "full_batch_tokens_per_s": round(sum(x["active"] for x in full) / sum(x["step_s"] for x in full), 3),
+              "full_batch_kv_tokens_cv": round(float(full_kv.std() / full_kv.mean()), 4),
+              "full_batch_r_time_cv": round(float(full_r.std() / full_r.mean()), 4),
+              "full_batch_s_time_mean_s": round(float(np.mean([x["s_time_s"] for x in full])), 5),
+              "full_batch_r_time_mean_s": round(float(full_r.mean()), 5)} if full else {"full_batch_steps": 0}
     return {"schedule": " ".join(schedule), "wall_s": s["wall_s"], "output_tokens": s["output_tokens"],
-            "output_tokens_per_s": s["output_tokens_per_s"], "decode_steps": len(steps),
+            "output_tokens_per_s": s["output_tokens_per_s"], "decode_steps": s["decode_steps"],
+            # tokens after each request's first (that one comes from its prefill) per second of decode steps
+            "decode_s": s["decode_s"], "decode_tokens_per_s": round((s["output_tokens"] - n_requests) / s["decode_s"], 3),
+            "s_time_mean_s": round(float(np.mean([x["s_time_s"] for x in steps if "s_time_s" in x])), 5),
+            "r_time_mean_s": round(float(r_time.mean()), 5),
             "r_time_cv": round(float(r_time.std() / r_time.mean()), 4),
             "kv_tokens_cv": round(float(kv.std() / kv.mean()), 4), "kv_tokens_mean": round(float(kv.mean()), 1),
             "kv_tokens_max": int(kv.max()), "step_s_cv": round(float(step_s.std() / step_s.mean()), 4),
             "s_bubble_fraction": s["s_bubble_fraction"], "r_bubble_fraction": s["r_bubble_fraction"],
             "token_latency_p50_s": s.get("token_latency_p50_s"), "token_latency_p99_s": s.get("token_latency_p99_s"),
-            "finished_by_eos": round(finish.count("stop") / max(len(finish), 1), 3),
+            "finished_by_eos": round(finish.count("stop") / max(len(finish), 1), 3), **window,
             "trace_kv_tokens": kv.tolist(), "trace_r_time_s": [round(x, 5) for x in r_time.tolist()]}
 
 
@@ -73,22 +115,42 @@ def main():
     ap.add_argument("--requests", type=int, default=192)
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--ranks", type=int, default=3)
+    ap.add_argument("--model", default=None, help="default: the embedded smollm2-135m with chat prompts")
+    ap.add_argument("--gen", default="lognormal:96", help="generation lengths: lognormal:MEDIAN or fixed:N")
+    ap.add_argument("--prompt-tokens", default="16,64", help="token-id prompt lengths LO,HI (random models)")
     ap.add_argument("--extra", nargs="*", default=["--kv-dtype", "bf16"])
+    ap.add_argument("--from-stats", metavar="DIR", help="rebuild the result from an earlier run's files in DIR "
+                    "(out_/stats_{fifo,stabilized}) instead of running; same other arguments")
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="ablation-")
+    tmp = args.from_stats or tempfile.mkdtemp(prefix="ablation-")     # kept: out_*, stats_* for --from-stats
     inp = os.path.join(tmp, "in.jsonl")
-    with open(inp, "w") as f:
-        for r in requests(args.requests, seed=0):
+    random_model = bool(args.model and args.model.startswith("random:"))
+    token_prompts = tuple(int(x) for x in args.prompt_tokens.split(",")) if random_model else None
+    with open(inp if not args.from_stats else os.devnull, "w") as f:
+        for r in requests(args.requests, 0, args.gen, token_prompts):
             f.write(json.dumps(r) + "\n")
+    if args.model:
+        args.extra = ["-m", args.model] + args.extra
     b = str(args.batch)
-    result = {"label": args.label, "requests": args.requests, "batch": args.batch, "ranks": args.ranks, "runs": []}
+    result = {"label": args.label, "requests": args.requests, "batch": args.batch, "ranks": args.ranks,
+              "model": args.model or "smollm2-135m", "gen": args.gen,
+              "prompt_tokens": list(token_prompts) if token_prompts else "chat, 0-11 paragraphs",
+              "extra": args.extra, "runs": []}
     for name, sched in (("fifo", ["--schedule", "fifo", "--max-batch", b]),
                         ("stabilized", ["--schedule", "stabilized", "--max-batch", b, "--target-batch", b])):
-        row = run(sched, inp, tmp, name, args.ranks, args.extra)
+        if args.from_stats:
+            d = args.from_stats
+            row = analyse(sched, os.path.join(d, f"out_{name}.jsonl"), os.path.join(d, f"stats_{name}.json"), args.batch)
+        else:
+            row = run(sched, inp, tmp, name, args.ranks, args.extra, args.batch)
         result["runs"].append(row)
         print({k: v for k, v in row.items() if not k.startswith("trace")}, flush=True)
     fifo, stab = result["runs"]
     result["throughput_gain_stabilized"] = round(stab["output_tokens_per_s"] / fifo["output_tokens_per_s"] - 1, 4)
+    result["decode_throughput_gain_stabilized"] = round(stab["decode_tokens_per_s"] / fifo["decode_tokens_per_s"] - 1, 4)
+    if fifo["full_batch_steps"] and stab["full_batch_steps"]:
+        result["full_batch_throughput_gain_stabilized"] = round(
+            stab["full_batch_tokens_per_s"] / fifo["full_batch_tokens_per_s"] - 1, 4)
     base = os.path.join(REPO, "bench", "results", f"schedule_{args.label}")
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
