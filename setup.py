@@ -26,7 +26,6 @@ if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
                          "-Wno-uninitialized", "-Wno-maybe-uninitialized"]  # gcc 12 false alarms in avx512fintrin.h
 
 
-
 def simde_include_dir():
     """Where SIMDe's headers are (Debian: libsimde-dev; or $SIMDE_INCLUDE), else None."""
     for d in (os.environ.get("SIMDE_INCLUDE"), "/usr/include", "/usr/local/include", os.path.join(sys.prefix, "include")):
@@ -37,9 +36,11 @@ def simde_include_dir():
 
 # Test-only: the AVX-512 branch compiled for AVX2 CPUs through SIMDe (csrc/avx512/simde_avx512.h), so
 # its logic is tested where the CPU has no AVX-512. Never chosen by rworker.isa; skipped without SIMDe.
+# -O1: its speed means nothing (the module builds in ~20 s on the 2-core dev box).
 EMULATED = {}
-if "avx2" in ISA_FLAGS and simde_include_dir():
-    include = [] if simde_include_dir() in ("/usr/include", "/usr/local/include") else ["-isystem", simde_include_dir()]
+SIMDE_DIR = simde_include_dir() if "avx2" in ISA_FLAGS else None
+if SIMDE_DIR:
+    include = [] if SIMDE_DIR in ("/usr/include", "/usr/local/include") else ["-isystem", SIMDE_DIR]
     EMULATED["avx512emu"] = ISA_FLAGS["avx2"] + include + ["-DFD_SIMDE_AVX512", "-O1",
                                                            "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
 
