@@ -35,6 +35,8 @@ QUESTIONS = ["Summarize the text in one sentence.", "What should the committee d
 def gen_lengths(spec: str, n: int, rng) -> list[int]:
     """`lognormal:MEDIAN` (sigma 0.6, clipped to [MEDIAN/6, 4*MEDIAN]) or `fixed:N`."""
     kind, _, value = spec.partition(":")
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"--gen {spec!r}: expected lognormal:MEDIAN or fixed:N with a positive integer")
     size = int(value)
     if kind == "fixed":
         return [size] * n
@@ -88,12 +90,17 @@ def analyse(schedule: list[str], out: str, stats: str, batch: int) -> dict:
     full = [x for x in steps if x["active"] >= 0.95 * batch]
     full_kv = np.array([sum(x["kv_tokens"]) for x in full], dtype=float)
     full_r = np.array([x["r_time_max_s"] for x in full])
+    full_s = np.array([x["s_time_s"] for x in full])
+    full_bound = np.maximum(full_s, full_r)                  # the side that bounds each step
     window = {"full_batch_steps": len(full),
               "full_batch_tokens_per_s": round(sum(x["active"] for x in full) / sum(x["step_s"] for x in full), 3),
               "full_batch_kv_tokens_cv": round(float(full_kv.std() / full_kv.mean()), 4),
               "full_batch_r_time_cv": round(float(full_r.std() / full_r.mean()), 4),
-              "full_batch_s_time_mean_s": round(float(np.mean([x["s_time_s"] for x in full])), 5),
-              "full_batch_r_time_mean_s": round(float(full_r.mean()), 5)} if full else {"full_batch_steps": 0}
+              "full_batch_s_time_mean_s": round(float(full_s.mean()), 5),
+              "full_batch_r_time_mean_s": round(float(full_r.mean()), 5),
+              "full_batch_max_s_r_mean_s": round(float(full_bound.mean()), 5),
+              "full_batch_step_over_max_s_r": round(float(np.mean([x["step_s"] for x in full]) / full_bound.mean()), 4),
+              } if full else {"full_batch_steps": 0}
     return {"schedule": " ".join(schedule), "wall_s": s["wall_s"], "output_tokens": s["output_tokens"],
             "output_tokens_per_s": s["output_tokens_per_s"], "decode_steps": s["decode_steps"],
             # tokens after each request's first (that one comes from its prefill) per second of decode steps
@@ -106,7 +113,7 @@ def analyse(schedule: list[str], out: str, stats: str, batch: int) -> dict:
             "s_bubble_fraction": s["s_bubble_fraction"], "r_bubble_fraction": s["r_bubble_fraction"],
             "token_latency_p50_s": s.get("token_latency_p50_s"), "token_latency_p99_s": s.get("token_latency_p99_s"),
             "finished_by_eos": round(finish.count("stop") / max(len(finish), 1), 3), **window,
-            "trace_kv_tokens": kv.tolist(), "trace_r_time_s": [round(x, 5) for x in r_time.tolist()]}
+            "trace_active": [x["active"] for x in steps], "trace_kv_tokens": kv.tolist(), "trace_r_time_s": [round(x, 5) for x in r_time.tolist()]}
 
 
 def main():
@@ -125,7 +132,12 @@ def main():
     tmp = args.from_stats or tempfile.mkdtemp(prefix="ablation-")     # kept: out_*, stats_* for --from-stats
     inp = os.path.join(tmp, "in.jsonl")
     random_model = bool(args.model and args.model.startswith("random:"))
-    token_prompts = tuple(int(x) for x in args.prompt_tokens.split(",")) if random_model else None
+    token_prompts = None
+    if random_model:
+        lo, _, hi = args.prompt_tokens.partition(",")
+        if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+            raise SystemExit(f"--prompt-tokens {args.prompt_tokens!r}: expected LO,HI with 1 <= LO <= HI")
+        token_prompts = (int(lo), int(hi))
     with open(inp if not args.from_stats else os.devnull, "w") as f:
         for r in requests(args.requests, 0, args.gen, token_prompts):
             f.write(json.dumps(r) + "\n")

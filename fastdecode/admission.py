@@ -141,8 +141,8 @@ class StabilizedAdmission:
       running sequences and the M candidates (std ~ sqrt(B+M)*prompt_std). At the bare mean
       about half the micro-batches were refused; the freed slots then refill together, equal
       lengths keep such a group together, and the schedule degenerated into fixed batches of
-      ~W_lim/(prompt + S) sequences (simulated: B = 64, S = 512, prompts 16-64 tokens: 37
-      running, workload CV 0.46; with the margin 64 running, CV 0.03, as with equal prompts).
+      ~W_lim/(prompt + S) sequences (bench/admission_sim.py: B = 64, S = 512, prompts 16-64
+      tokens: 38 running, workload CV 0.47; with the margin 64 running, CV 0.03).
     - No deadlock: when nothing runs, the head is admitted even if it alone exceeds W_lim.
     - Fairness: FIFO prefix only. While the head waits nothing else joins, so the running
       sequences are gone within S_max steps and then the head starts: the head waits at most
