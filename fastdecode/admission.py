@@ -135,9 +135,9 @@ class StabilizedAdmission:
       candidates, each assumed to run to max_tokens (an upper bound), must stay <= W_lim at every
       future step; its peak comes just before a running sequence finishes. A micro-batch that
       does not fit is retried at every step, i.e. it starts at its earliest step.
-    - W_lim = B*(prompt_mean + (S+F)/2) + 3*sqrt(B+M)*prompt_std: the steady state of the
-      schedule plus the prompts' KV, never above capacity_tokens (total KV tokens the
-      R-workers can hold). The margin: the projected peak moves with the prompts of the B
+    - W_lim = B*(prompt_mean + (S+F)/2) + margin_sigmas*sqrt(B+M)*prompt_std (default 3):
+      the steady state of the schedule plus the prompts' KV, never above capacity_tokens
+      (total KV tokens the R-workers can hold). The margin: the projected peak moves with the prompts of the B
       running sequences and the M candidates (std ~ sqrt(B+M)*prompt_std). At the bare mean
       about half the micro-batches were refused; the freed slots then refill together, equal
       lengths keep such a group together, and the schedule degenerated into fixed batches of
@@ -153,7 +153,7 @@ class StabilizedAdmission:
     """
 
     def __init__(self, target_batch: int, admit_every: int | None = None, max_gen: int | None = None,
-                 w_lim: float | None = None, ramp: bool = True):
+                 w_lim: float | None = None, ramp: bool = True, margin_sigmas: float = 3.0):
         if target_batch < 1:
             raise ValueError("target_batch must be >= 1")
         if admit_every is not None and admit_every < 1:
@@ -165,6 +165,7 @@ class StabilizedAdmission:
         self.max_gen = max_gen
         self.w_lim = w_lim
         self.ramp = ramp
+        self.margin_sigmas = margin_sigmas   # W_lim's margin in prompt-spread stds (0: the bare mean peak)
         self._open = 0                      # slots opened so far (<= B)
         self._last_open: int | None = None   # step the last micro-batch of slots opened
         self._seen = np.zeros(5)            # admitted requests: count, sum m, sum m^2, sum prompt, sum prompt^2
@@ -191,7 +192,7 @@ class StabilizedAdmission:
         F = self.admit_every or max(1, math.ceil(S / 16))
         M = max(1, round(B * F / S))
         w_lim = (self.w_lim if self.w_lim is not None
-                 else B * (prompt_mean + (S + F) / 2) + 3 * math.sqrt(B + M) * prompt_std)
+                 else B * (prompt_mean + (S + F) / 2) + self.margin_sigmas * math.sqrt(B + M) * prompt_std)
         if capacity_tokens is not None:
             w_lim = min(w_lim, capacity_tokens)
         self._used = {"schedule": "stabilized", "target_batch": B, "max_gen": S,
