@@ -7,8 +7,12 @@ request can only wait for those ahead of it and nobody starves.
 Workload = total KV tokens the R-workers hold during a step; R-part time is proportional to it.
 Conventions shared with the engine (fastdecode/scheduler.py):
 - waiting[i] = (prompt_len, max_tokens), FIFO order.
-- running[i] = (kv_tokens_now, tokens_left_at_most): KV tokens held before this step's decode,
-  and how many more decode steps the sequence may run (its max_tokens bound; EOS may come sooner).
+- running[i] = (kv_tokens_now, tokens_left_at_most[, tokens_generated]): KV tokens held before
+  this step's decode, how many more decode steps the sequence may run (its max_tokens bound;
+  EOS may come sooner), and optionally how many tokens it has generated (its age, which the
+  learnt length model needs).
+- A controller with `observe_finished(generated, stopped)` is told of every finished sequence:
+  tokens generated, and whether it stopped at EOS/stop (True) or at max_tokens (False).
 - A running sequence holds kv + t + 1 tokens during step now+t (one appended per step) while
   t < left. An admitted request (p, m) is projected as running (p, m): at most p + m tokens,
   one step more than an engine that samples the first token at prefill needs (an upper bound).
@@ -21,6 +25,8 @@ from itertools import islice
 from typing import Sequence
 
 import numpy as np
+
+from .length_model import LengthModel
 
 HEAD_WINDOW = 4096     # queued requests looked at for the S / prompt estimates (the next to start)
 
@@ -69,6 +75,35 @@ def largest_prefix(w_run: np.ndarray, items: np.ndarray, w_lim: float, k_max: in
     return lo
 
 
+def _grid(horizon: int, dense: int = 32, coarse: int = 128) -> np.ndarray:
+    """Steps at which an expected projection is evaluated: every step up to `dense`, then
+    `coarse` evenly spaced ones. The expected curve is smooth, so the grid misses its peak by
+    at most (steps between points) x (sequences), a few percent of the load."""
+    if horizon <= dense + coarse:
+        return np.arange(max(horizon, 0))
+    return np.unique(np.concatenate([np.arange(dense), np.linspace(dense, horizon - 1, coarse).astype(np.int64)]))
+
+
+def largest_prefix_expected(lengths: LengthModel, run: np.ndarray, items: np.ndarray,
+                            w_lim: float, k_max: int) -> int:
+    """largest_prefix for the expected projection: run [n, 3] (kv, left, generated), items
+    [k, 2] (prompt, max_tokens). All prefixes at once: each candidate adds a nonnegative curve,
+    so the cumulative sum over candidates gives every prefix's projection."""
+    k_max = min(k_max, len(items))
+    if k_max <= 0:
+        return 0
+    new = items[:k_max]
+    horizon = int(max(run[:, 1].max(initial=0), new[:, 1].max()))
+    t = _grid(horizon)
+    w_run = lengths.expected_curve(run[:, 0], run[:, 2], run[:, 1], t)                  # [J]
+    if w_run.size and w_run.max() > w_lim:
+        return 0
+    curves = ((new[:, :1] + 1 + t[None, :]) * lengths.survival(t)[None, :]
+              * (t[None, :] < new[:, 1:2]))                                          # [k, J]
+    peaks = (np.cumsum(curves, axis=0) + w_run[None, :]).max(axis=1)                 # [k]
+    return int(np.searchsorted(peaks > w_lim, True))      # peaks rise with k: first infeasible
+
+
 def earliest_step(running: Sequence[tuple[int, int]], items: Sequence[tuple[int, int]],
                   w_lim: float) -> int:
     """GETEARLIESTSTEP: the fewest steps from now after which `items` can start together with
@@ -85,10 +120,17 @@ def earliest_step(running: Sequence[tuple[int, int]], items: Sequence[tuple[int,
     return int(w_run.size)
 
 
-def _as_pairs(rows: Sequence[tuple[int, int]], limit: int | None = None) -> np.ndarray:
-    """[n, 2] int64; only the first `limit` rows (a long queue is not converted every step)."""
+def _as_pairs(rows: Sequence[tuple[int, ...]], limit: int | None = None) -> np.ndarray:
+    """[n, 2] int64 from the first two fields; only the first `limit` rows (a long queue is not
+    converted every step)."""
+    return _as_rows(rows, limit)[:, :2]
+
+
+def _as_rows(rows: Sequence[tuple[int, ...]], limit: int | None = None) -> np.ndarray:
+    """[n, c] int64, c = the rows' width (2 when there are none)."""
     rows = rows if limit is None else list(islice(rows, limit))
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+    arr = np.asarray(rows, dtype=np.int64)
+    return arr if arr.ndim == 2 else arr.reshape(-1, 2)
 
 
 class FifoAdmission:
@@ -123,7 +165,8 @@ class StabilizedAdmission:
 
     B = target_batch sequences, S = max generation length, F = admit_every steps.
     - Slots: at most B sequences run. Every F steps a micro-batch of M = B*F/S new slots opens
-      (the ramp), so ages spread evenly over [0, S) and the workload settles near B*(S+F)/2
+      (the ramp; with varied lengths S here is the mean lifetime, at which rate the steady
+      state replaces sequences), so ages spread evenly over [0, S) and the workload settles near B*(S+F)/2
       instead of swinging between ~0 and B*S as a fixed batch does (the start-up spike).
     - A slot freed (at max_tokens or early at EOS) stays open and is refilled at the next step,
       under the W_lim check below, so the workload keeps tracking its target instead of
@@ -132,7 +175,7 @@ class StabilizedAdmission:
       later burst ramps up again instead of spiking.
     - GETEARLIESTSTEP/ADDMICROBATCH: the projection of the running sequences (rebuilt from
       `running` every call, so it never drifts from the engine's truth at EOS) plus the
-      candidates, each assumed to run to max_tokens (an upper bound), must stay <= W_lim at every
+      candidates, each assumed to run to max_tokens (an upper bound; but see learnt lengths), must stay <= W_lim at every
       future step; its peak comes just before a running sequence finishes. A micro-batch that
       does not fit is retried at every step, i.e. it starts at its earliest step.
     - W_lim = B*(prompt_mean + (S+F)/2) + margin_sigmas*sqrt(B+M)*prompt_std (default 3):
@@ -147,13 +190,24 @@ class StabilizedAdmission:
     - Fairness: FIFO prefix only. While the head waits nothing else joins, so the running
       sequences are gone within S_max steps and then the head starts: the head waits at most
       S_max steps (max over max_tokens) and everyone is served.
-    Defaults: S = length-biased mean of max_tokens seen (sum m^2 / sum m, which makes
-    B*(S+F)/2 the mean projected load of B requests with those bounds); F = ceil(S/16), a
-    ripple of about F/S = 6% around the target.
+    - Learnt lengths (learn_lengths, default on): once 16 sequences have stopped at EOS
+      (fastdecode/length_model.py: Kaplan-Meier over the last 4096 finished and the running
+      ones), the projection is the expected one: a sequence of age g holds its tokens at step
+      now+t with probability P(L > g+t | L > g), up to its bound. The bound projection is
+      pessimistic when EOS comes early: it refused slots the real load had room for
+      (bench/admission_sim.py: 57-58 of 64 running, against 63 with learnt lengths). W_lim
+      then bounds the expected projection, so the workload tracks it rather than staying
+      under it; capacity_tokens still bounds the worst case, since KV cannot be preempted.
+      With no EOS stops (every sequence runs to its bound) nothing changes.
+    Defaults: S = length-biased mean generation length (sum m^2 / sum m over the max_tokens
+    seen, which makes B*(S+F)/2 the mean projected load of B requests with those bounds; with
+    learnt lengths E[min(L, m)^2] / E[min(L, m)]); F = ceil(lifetime/16), a ripple of about
+    6% around the target.
     """
 
     def __init__(self, target_batch: int, admit_every: int | None = None, max_gen: int | None = None,
-                 w_lim: float | None = None, ramp: bool = True, margin_sigmas: float = 3.0):
+                 w_lim: float | None = None, ramp: bool = True, margin_sigmas: float = 3.0,
+                 learn_lengths: bool = True):
         if target_batch < 1:
             raise ValueError("target_batch must be >= 1")
         if admit_every is not None and admit_every < 1:
@@ -170,16 +224,35 @@ class StabilizedAdmission:
         self._last_open: int | None = None   # step the last micro-batch of slots opened
         self._seen = np.zeros(5)            # admitted requests: count, sum m, sum m^2, sum prompt, sum prompt^2
         self._used: dict = {}
+        self.lengths = LengthModel() if learn_lengths else None
 
-    def _estimates(self, waiting: np.ndarray) -> tuple[int, float, float]:
-        """(S, prompt_mean, prompt_std) from admitted requests plus the head of the queue."""
+    def observe_finished(self, generated: int, stopped: bool) -> None:
+        if self.lengths is not None:
+            self.lengths.observe(generated, stopped)
+
+    @property
+    def _learnt(self) -> bool:
+        return self.lengths is not None and self.lengths.ready
+
+    def _estimates(self, waiting: np.ndarray) -> tuple[int, int, float, float]:
+        """(S, lifetime, prompt_mean, prompt_std) from admitted requests plus the head of the
+        queue. S is the length-biased mean generation length (W_lim's growth term), lifetime
+        the plain mean (B/lifetime sequences start per step in the steady state: the ramp's
+        rate). Equal lengths make them equal."""
         head = waiting[:HEAD_WINDOW].astype(np.float64)
         n, sm, sm2, sp, sp2 = self._seen + [len(head), head[:, 1].sum(), (head[:, 1] ** 2).sum(),
                                             head[:, 0].sum(), (head[:, 0] ** 2).sum()]
-        s = self.max_gen if self.max_gen is not None else max(1, math.ceil(sm2 / max(sm, 1.0)))
         n = max(n, 1.0)
+        if self.max_gen is not None:
+            s = life = self.max_gen
+        elif self._learnt:
+            s = self.lengths.length_biased_mean(waiting[:HEAD_WINDOW, 1])
+            life = self.lengths.mean_len(waiting[:HEAD_WINDOW, 1])
+        else:
+            s, life = sm2 / max(sm, 1.0), sm / n
         mean = sp / n
-        return s, mean, math.sqrt(max(sp2 / n - mean * mean, 0.0))
+        return (max(1, math.ceil(s - 1e-9)), max(1, math.ceil(life - 1e-9)), mean,
+                math.sqrt(max(sp2 / n - mean * mean, 0.0)))
 
     def admit(self, step: int, waiting: Sequence[tuple[int, int]],
               running: Sequence[tuple[int, int]], capacity_tokens: float | None = None) -> int:
@@ -188,15 +261,19 @@ class StabilizedAdmission:
             return 0
         B = self.target_batch
         queue = _as_pairs(waiting, max(HEAD_WINDOW, B))
-        S, prompt_mean, prompt_std = self._estimates(queue)
-        F = self.admit_every or max(1, math.ceil(S / 16))
-        M = max(1, round(B * F / S))
+        run = _as_rows(running)
+        if self.lengths is not None and run.shape[1] >= 3:
+            self.lengths.set_running(run[:, 2])
+        S, life, prompt_mean, prompt_std = self._estimates(queue)
+        F = self.admit_every or max(1, math.ceil(life / 16))
+        M = max(1, round(B * F / life))
         w_lim = (self.w_lim if self.w_lim is not None
                  else B * (prompt_mean + (S + F) / 2) + self.margin_sigmas * math.sqrt(B + M) * prompt_std)
         if capacity_tokens is not None:
             w_lim = min(w_lim, capacity_tokens)
-        self._used = {"schedule": "stabilized", "target_batch": B, "max_gen": S,
-                      "max_gen_source": "given" if self.max_gen else "estimated",
+        self._used = {"schedule": "stabilized", "target_batch": B, "max_gen": S, "mean_gen": life,
+                      "max_gen_source": ("given" if self.max_gen else
+                                         "learnt lengths" if self._learnt else "max_tokens"),
                       "admit_every": F, "micro_batch": M, "w_lim": float(w_lim),
                       "prompt_mean": float(prompt_mean), "prompt_std": float(prompt_std), "ramp": self.ramp,
                       "capacity_tokens": capacity_tokens}
@@ -206,8 +283,13 @@ class StabilizedAdmission:
         else:
             slots = min(B, self._open + M) if due else self._open
         k = max(0, min(len(queue), slots - len(running)))      # len(queue) >= B >= slots when long
-        run = _as_pairs(running)
-        k = largest_prefix(projected_workload(run[:, 0], run[:, 1]), queue, w_lim, k)
+        if self._learnt and run.shape[1] >= 3:
+            # expected projection against W_lim; the worst case only against capacity
+            if capacity_tokens is not None:
+                k = largest_prefix(projected_workload(run[:, 0], run[:, 1]), queue, capacity_tokens, k)
+            k = largest_prefix_expected(self.lengths, run, queue, w_lim, k)
+        else:
+            k = largest_prefix(projected_workload(run[:, 0], run[:, 1]), queue, w_lim, k)
         if k == 0 and len(running) == 0:
             k = 1                           # lone oversized request: never deadlock
         if k:
@@ -219,9 +301,12 @@ class StabilizedAdmission:
         return k
 
     def describe(self) -> dict:
-        return dict(self._used) or {"schedule": "stabilized", "target_batch": self.target_batch,
-                                    "admit_every": self.admit_every, "max_gen": self.max_gen,
-                                    "w_lim": self.w_lim, "ramp": self.ramp}
+        out = dict(self._used) or {"schedule": "stabilized", "target_batch": self.target_batch,
+                                   "admit_every": self.admit_every, "max_gen": self.max_gen,
+                                   "w_lim": self.w_lim, "ramp": self.ramp}
+        if self.lengths is not None:
+            out["length_model"] = self.lengths.describe()
+        return out
 
 
 @dataclass(slots=True)
@@ -249,7 +334,8 @@ def simulate(controller, requests: Sequence[tuple[int, int]], eos_steps: Sequenc
     requests[i] = (prompt_len, max_tokens); eos_steps[i] = decode steps it really runs
     (<= max_tokens; default max_tokens); arrivals[i] = step it joins the queue (default 0).
     An admitted request decodes from its admission step on, holding prompt + t + 1 tokens in
-    its t-th step."""
+    its t-th step. Running sequences are reported with their age, and a controller with
+    observe_finished() hears of each finished one (stopped: it ended before max_tokens)."""
     req = _as_pairs(requests)
     n = len(req)
     eos = np.minimum(req[:, 1], eos_steps if eos_steps is not None else req[:, 1]).astype(np.int64)
@@ -268,7 +354,8 @@ def simulate(controller, requests: Sequence[tuple[int, int]], eos_steps: Sequenc
         if queue.size and head_since[queue[0]] < 0:
             head_since[queue[0]] = step
         k = controller.admit(step, [tuple(x) for x in req[queue].tolist()],
-                             list(zip(r_kv.tolist(), r_left.tolist())), capacity_tokens)
+                             list(zip(r_kv.tolist(), r_left.tolist(), (req[r_idx, 1] - r_left).tolist())),
+                             capacity_tokens)
         if k:
             new = queue[:k]
             admitted[new] = step
@@ -290,6 +377,9 @@ def simulate(controller, requests: Sequence[tuple[int, int]], eos_steps: Sequenc
         trace["w_lim"].append(limit)
         done = r_todo <= 0
         finished[r_idx[done]] = step
+        if hasattr(controller, "observe_finished"):
+            for i in r_idx[done].tolist():
+                controller.observe_finished(int(eos[i]), bool(eos[i] < req[i, 1]))
         r_idx, r_kv, r_left, r_todo = r_idx[~done], r_kv[~done], r_left[~done], r_todo[~done]
     return SimResult(**{k: np.asarray(v) for k, v in trace.items()}, arrival=arrival,
                      head_since=head_since, admitted=admitted, finished=finished)

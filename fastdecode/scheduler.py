@@ -2,13 +2,16 @@
 
 Admission is delegated to a controller from admission.py with one method,
 `admit(step, waiting, running, capacity_tokens) -> k` (admit the first k waiting, FIFO), so the
-load-stabilizing controller and plain FIFO plug in alike. Placement then finds each admitted
+load-stabilizing controller and plain FIFO plug in alike; a controller that learns generation
+lengths also hears of each finished sequence (observe_finished). Placement then finds each admitted
 sequence an R-worker; a sequence that fits nowhere right now waits (FIFO order is kept).
 """
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
+from .admission import HEAD_WINDOW
 from .placement import Placement
 from .sequence import Sequence, Status
 
@@ -32,8 +35,11 @@ class Scheduler:
         """Sequences to prefill now; they are placed and counted as running from here on."""
         if not self.waiting:
             return []
-        waiting = [(s.prompt_len, s.max_tokens) for s in self.waiting]
-        running = [(s.kv_len, s.max_tokens - len(s.output_ids)) for s in self.running]
+        # the head of the queue is all a controller reads (it admits a prefix of at most
+        # max_batch, estimates from HEAD_WINDOW); converting a 100k queue every step would not pay
+        head = islice(self.waiting, max(HEAD_WINDOW, self.max_batch))
+        waiting = [(s.prompt_len, s.max_tokens) for s in head]
+        running = [(s.kv_len, s.max_tokens - len(s.output_ids), len(s.output_ids)) for s in self.running]
         k = self.admission.admit(step, waiting, running, self.placement.total_capacity_tokens())
         k = min(k, self.max_batch - len(self.running))
         chosen, tokens = [], 0
@@ -54,6 +60,9 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
         self.placement.release(seq)
+        observe = getattr(self.admission, "observe_finished", None)
+        if observe is not None and seq.finish_reason is not None:   # not when aborted by an error
+            observe(len(seq.output_ids), seq.finish_reason == "stop")
 
     def drop_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.status is Status.FINISHED]

@@ -58,8 +58,10 @@ def test_earliest_step_is_first_feasible_offset(running, items, w_lim):
 @SETTINGS
 @given(workloads(), st.integers(1, 16), st.integers(1, 10), st.integers(50, 2000))
 def test_workload_never_exceeds_w_lim_but_for_a_lone_oversized_request(wl, B, F, w_lim):
+    """With the bound projection W_lim is a hard limit (with learnt lengths it bounds the
+    expected projection, and capacity the worst case: the next test)."""
     reqs, eos, arrivals = wl
-    ctl = StabilizedAdmission(B, admit_every=F, w_lim=w_lim)
+    ctl = StabilizedAdmission(B, admit_every=F, w_lim=w_lim, learn_lengths=False)
     r = simulate(ctl, reqs, eos, arrivals)
     assert (r.finished >= 0).all()                       # everyone served
     over = r.workload > w_lim
@@ -72,12 +74,27 @@ def test_workload_never_exceeds_w_lim_but_for_a_lone_oversized_request(wl, B, F,
 
 
 @SETTINGS
+@given(workloads(), st.integers(1, 16), st.integers(1, 10), st.integers(50, 2000), st.integers(80, 3000))
+def test_learnt_lengths_never_exceed_capacity(wl, B, F, w_lim, capacity):
+    """Learnt lengths may let the workload pass W_lim (a target in expectation), never the
+    capacity: KV cannot be preempted, so the worst case is still checked against it."""
+    reqs, eos, arrivals = wl
+    ctl = StabilizedAdmission(B, admit_every=F, w_lim=w_lim)
+    ctl.lengths.min_events = 2           # learn from the first stops of these small sets
+    r = simulate(ctl, reqs, eos, arrivals, capacity_tokens=capacity)
+    assert (r.finished >= 0).all()
+    over = r.workload > capacity
+    assert (r.running[over] == 1).all()  # only a lone request bigger than capacity
+    assert (r.running <= B).all()
+
+
+@SETTINGS
 @given(workloads(), st.integers(1, 16), st.booleans())
 def test_default_w_lim_bounds_the_workload_until_the_next_admission(wl, B, ramp):
     """With estimated S and prompt mean W_lim moves; the projection made at each admission
-    still bounds the workload until the next one."""
+    still bounds the workload until the next one (bound projection)."""
     reqs, eos, arrivals = wl
-    r = simulate(StabilizedAdmission(B, ramp=ramp), reqs, eos, arrivals)
+    r = simulate(StabilizedAdmission(B, ramp=ramp, learn_lengths=False), reqs, eos, arrivals)
     ok = (r.workload <= r.w_lim) | (r.running == 1)
     assert ok.all()
     assert (r.running <= B).all()
@@ -178,9 +195,10 @@ def test_defaults_estimate_s_from_max_tokens_and_include_prompts_in_w_lim():
     waiting = [(100, 10), (100, 30)] * 4
     k = ctl.admit(0, waiting, [])
     d = ctl.describe()
-    # length-biased mean: (10^2 + 30^2) / (10 + 30) = 25; F = ceil(25 / 16) = 2
-    assert d["max_gen"] == 25 and d["admit_every"] == 2
-    assert d["micro_batch"] == round(8 * 2 / 25) == 1
+    # length-biased mean (W_lim's growth term): (10^2 + 30^2) / (10 + 30) = 25; mean (the
+    # ramp's rate): 20, so F = ceil(20 / 16) = 2 and M = round(8 * 2 / 20) = 1
+    assert d["max_gen"] == 25 and d["mean_gen"] == 20 and d["admit_every"] == 2
+    assert d["micro_batch"] == 1
     assert d["w_lim"] == 8 * (100 + (25 + 2) / 2)
     assert k == 1                                        # one micro-batch of slots at start-up
 
@@ -221,3 +239,66 @@ def test_equal_lengths_with_varied_prompts_stay_stabilized(seed):
     w_fifo = fifo.workload[fifo.waiting > 0]
     assert w.std() / w.mean() < 0.06 < 0.4 < w_fifo.std() / w_fifo.mean()
     assert len(stab.running) <= 1.05 * len(fifo.running)          # the ramp is all it costs
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_early_eos_learnt_lengths_keep_the_batch_full(seed):
+    """max_tokens 256 but EOS anywhere in 20-256 tokens: projecting every sequence to its bound
+    refuses slots the real load has room for; lengths learnt from finished sequences fill
+    them, and the load stays at least as flat as FIFO's."""
+    B, S = 32, 256
+    rng = np.random.default_rng(seed)
+    n = 40 * B
+    reqs = [(int(p), S) for p in rng.integers(16, 65, n)]
+    eos = rng.integers(20, S + 1, n)
+    runs = {name: simulate(ctl, reqs, eos) for name, ctl in
+            (("learnt", StabilizedAdmission(B)), ("bound", StabilizedAdmission(B, learn_lengths=False)),
+             ("fifo", FifoAdmission(B)))}
+
+    def saturated(r):
+        keep = (r.waiting > 0) & (np.arange(len(r.running)) >= 2 * S)
+        return r.running[keep], r.workload[keep]
+
+    run_l, w_l = saturated(runs["learnt"])
+    run_b, _ = saturated(runs["bound"])
+    _, w_f = saturated(runs["fifo"])
+    assert run_l.size > 4 * S
+    assert run_b.mean() < 0.95 * B <= 0.97 * B <= run_l.mean()
+    assert w_l.std() / w_l.mean() <= w_f.std() / w_f.mean()
+    assert len(runs["learnt"].running) < len(runs["bound"].running)
+
+
+def test_scheduler_reports_ages_and_finished_sequences_to_the_controller():
+    """The engine's side of learnt lengths: running sequences carry their age, and every
+    finished one is observed (EOS stop vs max_tokens) but not one aborted without a reason."""
+    from fastdecode.placement import Placement
+    from fastdecode.rpart.base import WorkerInfo
+    from fastdecode.sampling_params import SamplingParams
+    from fastdecode.scheduler import Scheduler
+    from fastdecode.sequence import Request, Sequence
+
+    class Spy(StabilizedAdmission):
+        def admit(self, step, waiting, running, capacity_tokens=None):
+            self.last_running = list(running)
+            return super().admit(step, waiting, running, capacity_tokens)
+
+    ctl = Spy(4, admit_every=1, max_gen=8, ramp=False)
+    sched = Scheduler(ctl, Placement([WorkerInfo(1, "h", 1, "avx2", 10 ** 9)], 64), 4, 10 ** 6)
+    seqs = [Sequence(i, Request(i, str(i), None, [1] * (3 + i), SamplingParams(max_tokens=8), 0), 0, 8)
+            for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule_prefill(0)
+    assert len(first) == 4
+    for n, s in zip((2, 8, 5, 1), first):
+        s.output_ids = [7] * n
+    first[0].finish_reason = "stop"          # EOS after 2 tokens
+    first[1].finish_reason = "length"        # ran to max_tokens
+    for s in first[:3]:                      # first[2] has no reason: aborted, not a length sample
+        sched.finish(s)
+    sched.drop_finished()
+    sched.schedule_prefill(1)
+    assert ctl.last_running == [(3 + 3 + 0, 8 - 1, 1)]       # kv, tokens left, tokens generated
+    obs = ctl.lengths
+    assert obs.describe()["finished_seen"] == 2 and obs.describe()["eos_stops"] == 1
+    assert sorted(zip(obs._length[:2].tolist(), obs._stopped[:2].tolist())) == [(2, True), (8, False)]
