@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup tests kernel soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests kernel vtile soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to bench/results/ and, after every stage, into
 # $OUT/results.tar.gz (when $OUT is set) so that a cut run still returns what it finished.
 # A lent session has 30 minutes of device time and 10 per call; the open questions, in order:
 #   call 1: setup tests soverhead   (~5 min: CUDA tests incl. CUDA graphs; S-overhead with graphs, depths 1-3)
 #   call 2: fidelity                (~6 min: plan vs measured with the chain hand-off term, issue 4)
-#   call 3: kernel e2e8b            (~6 min: 16-core kernel vs read BW, AVX2 versions 7-8 on the Xeon too; GQA end-to-end)
+#   call 3: kernel vtile e2e8b      (~8 min: 16-core kernel vs read BW, AVX2 versions 7-8 on the Xeon too;
+#                                    AVX-512 V in tiles of 32 vs token-major, A/B in one process; GQA end-to-end)
 #   call 4: e2e7b                   (~3 min: R-worker scaling 1..14)
 # A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
@@ -40,6 +41,9 @@ tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local
     stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py tests/test_layer_graphs.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
     stage kernel 280 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;   # JSON after every shape
+vtile)       # issue 3: AVX-512 V run in tiles of 32 dims (FASTDECODE_VTILE=32) vs token-major, same build
+    stage vtile 150 $PY bench/kernel_ab.py --v-tiles 0,32 --isa avx512 --label h100-box-avx512-vtile32 \
+        --contexts 1024,4096 --dtypes bf16,fp32 --min-mb 512 --rounds 6 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

@@ -11,6 +11,10 @@ where the new build was faster.
     python setup.py build_ext --inplace
     python bench/kernel_ab.py --old /tmp/fd-old --isa avx2 --label dev-2core-noavx512-v7
 
+Or two V layouts of the current build (a store option, simd.h V_TILE_ALT), no second checkout:
+
+    python bench/kernel_ab.py --v-tiles 0,32 --isa avx512 --label h100-box-avx512-vtile32
+
 Writes bench/results/kernel_ab_<label>.json and .png.
 """
 from __future__ import annotations
@@ -69,8 +73,9 @@ def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
 
     stores = {}
     for name in ("old", "new"):
-        st = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=args.isa)
-        if name == "old":     # same wrapper, the other build's store underneath
+        v_tile = args.v_tiles[name == "new"] if args.v_tiles else None
+        st = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=args.isa, v_tile=v_tile)
+        if name == "old" and not args.v_tiles:     # same wrapper, the other build's store underneath
             st._st = old_mod.Store(1, Hkv, D, kv_dtype, st.scale, 0, args.threads, pin_cpus(args.threads), 50)
         fill_store(st, blk, B, ctx, kv_dtype)
         stores[name] = st
@@ -127,6 +132,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--old", help="a checkout of the earlier code with its extension built")
     ap.add_argument("--isa", default="avx2", help="which module to compare (avx512, avx2, portable)")
+    ap.add_argument("--v-tiles", metavar="OLD,NEW", help="compare two V layouts of the current build instead "
+                    "(e.g. 0,32: token-major vs tiles of 32 dims); no --old")
     ap.add_argument("--label", help="result name (required unless --replot)")
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores of the CPU set")
     ap.add_argument("--models", default=",".join(MODELS))
@@ -144,21 +151,37 @@ def main(argv=None):
         plot(res["rows"], args.replot[:-5] + ".png", f"{m['isa']}, {m['threads']} threads: old vs new build, "
              f"interleaved in one run (label {m['label']}); text: median per-round ratio new/old")
         return
-    if not args.old or not args.label:
-        ap.error("--old (a checkout of the earlier code with its extension built) and --label are required")
-    if os.path.realpath(args.old) == os.path.realpath(ROOT):
+    if not args.label or not (args.old or args.v_tiles) or (args.old and args.v_tiles):
+        ap.error("--label and one of --old (a checkout of the earlier code with its extension built) "
+                 "or --v-tiles OLD,NEW are required")
+    if args.old and os.path.realpath(args.old) == os.path.realpath(ROOT):
         ap.error("--old must be another checkout: one extension file cannot be loaded twice in a process")
+    if args.v_tiles:
+        try:
+            args.v_tiles = tuple(int(x) for x in args.v_tiles.split(","))
+            assert len(args.v_tiles) == 2
+        except (ValueError, AssertionError):
+            ap.error(f"--v-tiles must be two integers OLD,NEW, got {args.v_tiles!r}")
     args.threads = args.threads or default_threads()
-    if args.isa not in isa_mod.available_isas():
-        sys.exit(f"kernel_ab: this CPU cannot run the {args.isa} path (it has {isa_mod.available_isas()})")
-    old_mod = load_old(args.old, args.isa)
+    runnable = isa_mod.available_isas() + isa_mod.emulated_isas()
+    if args.isa not in runnable:
+        sys.exit(f"kernel_ab: this CPU cannot run the {args.isa} path (it has {runnable})")
+    if args.v_tiles:
+        old_mod = isa_mod.load(args.isa)
+        have = {old_mod.V_TILE, old_mod.V_TILE_ALT}
+        if not set(args.v_tiles) <= have:
+            sys.exit(f"kernel_ab: the {args.isa} build has V layouts {sorted(have)}, not {list(args.v_tiles)}")
+    else:
+        old_mod = load_old(args.old, args.isa)
     rng = np.random.default_rng(0)
     rows = [ab_shape(args, old_mod, m, int(c), dt, rng)
             for dt in args.dtypes.split(",") for m in args.models.split(",") for c in args.contexts.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"kernel_ab_{args.label}")
-    meta = dict(label=args.label, isa=args.isa, threads=args.threads, old=os.path.abspath(args.old),
-                old_rev=git_rev(args.old), new_rev=git_rev(ROOT), new_tree_dirty=bool(subprocess.run(
+    meta = dict(label=args.label, isa=args.isa, threads=args.threads,
+                old=os.path.abspath(args.old) if args.old else f"this build, v_tile={args.v_tiles[0]}",
+                new="this build" + (f", v_tile={args.v_tiles[1]}" if args.v_tiles else ""),
+                old_rev=git_rev(args.old or ROOT), new_rev=git_rev(ROOT), new_tree_dirty=bool(subprocess.run(
                     ["git", "-C", ROOT, "status", "--porcelain", "csrc"], capture_output=True, text=True).stdout),
                 cpu=platform.processor() or platform.machine(), cpu_features=sorted(old_mod.cpu_features()),
                 min_mb=args.min_mb, rounds=args.rounds)

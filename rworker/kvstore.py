@@ -37,7 +37,7 @@ class KVCapacityError(MemoryError):
 class KVStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bf16",
                  threads: int | None = None, scale: float | None = None, capacity_bytes: int | None = None,
-                 isa: str | None = None):
+                 isa: str | None = None, v_tile: int | None = None):
         kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
         if kv_dtype not in _ITEMSIZE:
             raise ValueError(f"kv_dtype must be 'bf16', 'fp16' or 'fp32', got {kv_dtype!r}")
@@ -57,7 +57,20 @@ class KVStore:
             raise ValueError(f"threads must be >= 1, got {threads!r}")
         spin_us = int(os.environ.get("FASTDECODE_SPIN_US", "50"))
         self._st = self._mod.Store(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, self.scale,
-                                   int(capacity_bytes or 0), n, pin_cpus(n), spin_us)
+                                   int(capacity_bytes or 0), n, pin_cpus(n), spin_us, self._layout(v_tile))
+
+    def _layout(self, v_tile: int | None) -> int:
+        """The V run layout: v_tile if given (must be one this ISA build has), else
+        FASTDECODE_VTILE where the build has that layout (a measurement knob: other builds
+        ignore it), else the build's default."""
+        layouts = (self._mod.V_TILE, self._mod.V_TILE_ALT)
+        if v_tile is not None:
+            if v_tile not in layouts:
+                raise ValueError(f"v_tile={v_tile!r}: the {self.isa} build stores V in tiles of "
+                                 f"{sorted(set(layouts))} dims (0: token-major)")
+            return int(v_tile)
+        env = os.environ.get("FASTDECODE_VTILE", "").strip()
+        return int(env) if env.isdigit() and int(env) in layouts else self._mod.V_TILE
 
     # ---- data path ------------------------------------------------------------------------
     def append(self, layer: int, seq_ids, k: np.ndarray, v: np.ndarray) -> None:
@@ -110,6 +123,11 @@ class KVStore:
         return self._mod.PAGE_TOKENS
 
     @property
+    def v_tile(self) -> int:
+        """V run layout: 0 token-major, else tiles of this many dims (FASTDECODE_VTILE, simd.h)."""
+        return self._st.v_tile
+
+    @property
     def threads(self) -> int:
         return self._st.threads
 
@@ -128,7 +146,7 @@ class KVStore:
 
     def __repr__(self) -> str:
         return (f"KVStore(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"kv_dtype={self.kv_dtype}, isa={self.isa}, threads={self.threads}, "
+                f"kv_dtype={self.kv_dtype}, isa={self.isa}, v_tile={self.v_tile}, threads={self.threads}, "
                 f"seqs={self.num_seqs()}, bytes_used={self.bytes_used()})")
 
 

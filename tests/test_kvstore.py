@@ -30,8 +30,18 @@ from rworker.kvstore import KVCapacityError  # noqa: E402
 
 # every path this CPU runs, and the AVX-512 code emulated through SIMDe where it was built
 # (rworker.isa.EMULATED: the AVX-512 branch's logic is then tested on CPUs without AVX-512 too)
-ISAS = [i for i in isa_mod.available_isas() if i in ("portable", "avx2", "avx512")] + isa_mod.emulated_isas()
+# A build with a second V layout under measurement (V_TILE_ALT, simd.h) is tested in both:
+# "<isa>+vt<N>" opens its stores with v_tile=N.
+_BASE = [i for i in isa_mod.available_isas() if i in ("portable", "avx2", "avx512")] + isa_mod.emulated_isas()
+ISAS = _BASE + [f"{i}+vt{isa_mod.load(i).V_TILE_ALT}" for i in _BASE
+                if isa_mod.load(i).V_TILE_ALT != isa_mod.load(i).V_TILE]
 DTYPES = ["fp32", "bf16", "fp16"]
+
+
+def open_store(*args, isa: str, **kw) -> KVStore:
+    """KVStore on one ISA path ("avx512emu", or "avx512emu+vt32" for its tiled V layout)."""
+    name, _, vt = isa.partition("+vt")
+    return KVStore(*args, isa=name, v_tile=int(vt) if vt else None, **kw)
 
 
 def rand(rng, shape, scale=1.0):
@@ -87,7 +97,7 @@ def test_lengths_mixed_batch(isa, kv_dtype, q_bf16):
     rng = np.random.default_rng(1)
     Hkv, g, D = 2, 4, 128
     lengths = [1, 2, 63, 64, 65, 4095, 4096, 10000]
-    store = KVStore(2, Hkv, D, kv_dtype, threads=2, isa=isa)
+    store = open_store(2, Hkv, D, kv_dtype, threads=2, isa=isa)
     mirror = Mirror()
     ids = list(range(100, 100 + len(lengths)))
     for layer in range(2):
@@ -121,7 +131,7 @@ def test_shapes(isa, g, D):
     kv_dtype = DTYPES[(g + D) % 3]
     rng = np.random.default_rng(g * 1000 + D)
     Hkv = 1 + (g + D) % 3
-    store = KVStore(1, Hkv, D, kv_dtype, threads=2, isa=isa)
+    store = open_store(1, Hkv, D, kv_dtype, threads=2, isa=isa)
     mirror = Mirror()
     lengths = rng.integers(1, 700, size=4).tolist()
     for s, n in enumerate(lengths):
@@ -141,7 +151,7 @@ def test_large_scores_no_overflow(isa, kv_dtype):
     """Scores of +-1e4: exp() of them overflows fp32, the online softmax must not."""
     rng = np.random.default_rng(7)
     Hkv, D, n = 2, 64, 1500
-    store = KVStore(1, Hkv, D, kv_dtype, threads=2, isa=isa)
+    store = open_store(1, Hkv, D, kv_dtype, threads=2, isa=isa)
     k = rand(rng, (n, Hkv, D), 30.0)
     v = rand(rng, (n, Hkv, D), 100.0)
     store.append(0, [5] * n, k, v)
@@ -161,7 +171,7 @@ def test_single_token_returns_stored_value(isa, kv_dtype):
     Checks the conversions into the store: fp32 -> bf16 / fp16 round to nearest even, as numpy."""
     rng = np.random.default_rng(3)
     Hkv, D = 3, 80
-    store = KVStore(1, Hkv, D, kv_dtype, threads=1, isa=isa)
+    store = open_store(1, Hkv, D, kv_dtype, threads=1, isa=isa)
     v = rand(rng, (4, Hkv, D)) * np.float32(1000)
     v[0, 0, :4] = [65519.0, 1e-6, -3e-8, 1.0 + 2.0**-8]   # fp16 max/subnormals, a bf16 tie
     k = rand(rng, (4, Hkv, D))
@@ -175,7 +185,7 @@ def test_bf16_bits_in_and_out(isa):
     """uint16 inputs are bf16 bits; a uint16 `out` receives bf16 bits rounded to nearest even."""
     rng = np.random.default_rng(11)
     Hkv, g, D, n = 2, 2, 64, 300
-    store = KVStore(1, Hkv, D, "bf16", threads=2, isa=isa)
+    store = open_store(1, Hkv, D, "bf16", threads=2, isa=isa)
     k = f32_to_bf16_bits(rand(rng, (n, Hkv, D)))
     v = f32_to_bf16_bits(rand(rng, (n, Hkv, D)))
     store.append(0, [9] * n, k, v)
@@ -199,8 +209,8 @@ def test_bf16_bits_in_and_out(isa):
 def test_append_attend_equals_append_then_attend(isa):
     rng = np.random.default_rng(5)
     Hkv, g, D = 2, 4, 64
-    a = KVStore(1, Hkv, D, "bf16", threads=2, isa=isa)
-    b = KVStore(1, Hkv, D, "bf16", threads=2, isa=isa)
+    a = open_store(1, Hkv, D, "bf16", threads=2, isa=isa)
+    b = open_store(1, Hkv, D, "bf16", threads=2, isa=isa)
     ids = [3, 1, 4]
     for s, n in zip(ids, [10, 600, 1]):
         k, v = rand(rng, (n, Hkv, D)), rand(rng, (n, Hkv, D))
@@ -223,7 +233,7 @@ def test_append_attend_equals_append_then_attend(isa):
 def test_interleaved_appends_and_frees_reuse_pages(isa):
     rng = np.random.default_rng(2)
     Hkv, D = 2, 64
-    store = KVStore(2, Hkv, D, "fp16", threads=2, isa=isa)
+    store = open_store(2, Hkv, D, "fp16", threads=2, isa=isa)
     mirror = Mirror()
     live = {}
     next_id = 0
@@ -269,7 +279,7 @@ def test_determinism_batch_threads_history(isa):
     q = rand(rng, (1, Hkv * g, D))
 
     def run(threads, others, churn):
-        st = KVStore(1, Hkv, D, "bf16", threads=threads, isa=isa)
+        st = open_store(1, Hkv, D, "bf16", threads=threads, isa=isa)
         r = np.random.default_rng(99)
         if churn:                                          # other sequences come and go first
             for s in range(20):
@@ -297,7 +307,7 @@ def test_determinism_batch_threads_history(isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_threads_property(isa):
     rng = np.random.default_rng(8)
-    store = KVStore(1, 1, 64, "fp32", threads=1, isa=isa)
+    store = open_store(1, 1, 64, "fp32", threads=1, isa=isa)
     store.append(0, [0] * 900, rand(rng, (900, 1, 64)), rand(rng, (900, 1, 64)))
     q = rand(rng, (1, 2, 64))
     o1 = store.attend(0, [0], q)
@@ -382,6 +392,40 @@ def test_accounting():
     assert st.bytes_reserved() >= st.bytes_used()
     assert st.scale == pytest.approx(1 / math.sqrt(128))
     assert st.isa in ISAS and "KVStore(" in repr(st)
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if "+vt" in i])
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 72, 80, 128])          # 72, 80: a 16-dim last tile
+def test_v_layouts_give_bitwise_equal_outputs(isa, kv_dtype, D):
+    """The tiled V layout reads the same values in the same order as token-major rows: the
+    outputs must agree to the bit (so the numpy reference checks above cover both)."""
+    name, vt = isa.split("+vt")
+    rng = np.random.default_rng(D)
+    Hkv, g, n = 2, 4, 3
+    lens = [1, 63, 700]                                    # 700: split-KV chunks
+    stores = [KVStore(1, Hkv, D, kv_dtype, threads=2, isa=name, v_tile=t) for t in (None, int(vt))]
+    assert [st.v_tile for st in stores] == [isa_mod.load(name).V_TILE, int(vt)]
+    for sid, L in enumerate(lens):
+        k, v = rand(rng, (L, Hkv, D)), rand(rng, (L, Hkv, D))
+        for st in stores:
+            st.append(0, [sid] * L, k, v)
+    q = rand(rng, (n, Hkv * g, D))
+    a, b = (st.attend(0, list(range(n)), q) for st in stores)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    # decode appends land in the right tile rows too
+    k1, v1 = rand(rng, (n, Hkv, D)), rand(rng, (n, Hkv, D))
+    a, b = (st.append_attend(0, list(range(n)), q, k1, v1) for st in stores)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_v_tile_must_be_a_layout_of_the_build(monkeypatch):
+    mod = isa_mod.load(None)
+    bad = 7
+    with pytest.raises(ValueError, match="v_tile=7"):
+        KVStore(1, 1, 64, v_tile=bad)
+    monkeypatch.setenv("FASTDECODE_VTILE", "7")            # a measurement knob: ignored where absent
+    assert KVStore(1, 1, 64).v_tile == mod.V_TILE
 
 
 # ---------------------------------------------------------------------------------------------

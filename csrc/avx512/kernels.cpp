@@ -80,9 +80,9 @@ struct PyStore {
     Store st;
 
     PyStore(int L_, int Hkv_, int D_, const std::string& dts, double scale, int64_t capacity, int threads,
-            std::vector<int> cpus, int spin_us)
+            std::vector<int> cpus, int spin_us, int vtile)
         : L(L_), Hkv(Hkv_), D(D_), dtype(parse_dtype(dts)),
-          st(L_, Hkv_, D_, parse_dtype(dts), scale, capacity, threads, std::move(cpus), spin_us) {}
+          st(L_, Hkv_, D_, parse_dtype(dts), scale, capacity, threads, std::move(cpus), spin_us, vtile) {}
 
     static int parse_dtype(const std::string& s) {
         if (s == "fp32" || s == "float32") return F32;
@@ -264,11 +264,14 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
     m.attr("ISA") = FD_ISA_NAME;
     m.attr("PAGE_TOKENS") = Store::P;
     m.attr("CHUNK_TOKENS") = Store::CH;
+    m.attr("V_TILE") = V_TILE;            // the V layout a store gets by default (simd.h)
+    m.attr("V_TILE_ALT") = V_TILE_ALT;    // a second layout under measurement (== V_TILE: none)
 
     py::class_<PyStore>(m, "Store", py::module_local())
-        .def(py::init<int, int, int, const std::string&, double, int64_t, int, std::vector<int>, int>(),
+        .def(py::init<int, int, int, const std::string&, double, int64_t, int, std::vector<int>, int, int>(),
              py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("kv_dtype"), py::arg("scale"),
-             py::arg("capacity_bytes"), py::arg("threads"), py::arg("cpus"), py::arg("spin_us"))
+             py::arg("capacity_bytes"), py::arg("threads"), py::arg("cpus"), py::arg("spin_us"),
+             py::arg("v_tile") = V_TILE)
         .def("append", &PyStore::append, "append rows; False if the capacity would be passed (nothing stored)")
         .def("attend", &PyStore::attend)
         .def("append_attend", &PyStore::append_attend)
@@ -278,6 +281,7 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
         .def("bytes_used", [](PyStore& s) { return s.st.bytes_used(); })
         .def("bytes_reserved", [](PyStore& s) { return s.st.bytes_reserved(); })
         .def_property_readonly("page_bytes", [](PyStore& s) { return s.st.page_bytes(); })
+        .def_property_readonly("v_tile", [](PyStore& s) { return s.st.v_tile(); })
         .def_property(
             "threads", [](PyStore& s) { return s.st.threads(); },
             [](PyStore& s, int n) {

@@ -4,6 +4,7 @@
 //
 //   page: [ K run: Dw words x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
 //   (the V run in tiles of V_TILE dims where the ISA's V pass wants them: simd.h)
+//   AVX2 runs V in tiles of 16; AVX-512 token-major, or in tiles of 32 with FASTDECODE_VTILE=32
 //
 // (simd.h says why K is word-major). Pages come from an arena of big chunks that never move
 // (hugepage-advised); freed pages go on a LIFO free list and are reused first. New pages of one
@@ -136,13 +137,15 @@ public:
     static constexpr int CH = 512;  // tokens per split-KV chunk (a multiple of P)
 
     Store(int L, int Hkv, int D, int dtype, double scale, int64_t capacity_bytes, int threads,
-          std::vector<int> cpus, int spin_us)
+          std::vector<int> cpus, int spin_us, int vtile = V_TILE)
         : L_(L), Hkv_(Hkv), D_(D), Dp_((int)round_up(D, 16)), dt_(dtype), isz_(dtype_size(dtype)),
           scale_((float)scale), capacity_(capacity_bytes), cpus_(std::move(cpus)), spin_us_(spin_us),
           page_bytes_(2 * (size_t)P * round_up(D, 16) * dtype_size(dtype)), arena_(page_bytes_),
           pool_(new Pool(threads, cpus_, spin_us)) {
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
+        if (vtile != V_TILE && vtile != V_TILE_ALT) throw std::invalid_argument("v_tile: not a layout of this build");
+        vtile_ = vtile;
         for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
 #if defined(FD_HAVE_DPBF16)
         // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
@@ -155,6 +158,8 @@ public:
         use_dp_ = has_dp && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
 #endif
     }
+
+    int v_tile() const { return vtile_; }
 
     // ---- geometry / accounting ------------------------------------------------
     int threads() const { return pool_->size(); }
@@ -312,11 +317,11 @@ private:
             thread_local AlignedBuf tmpb;
             char* tmp = reinterpret_cast<char*>(tmpb.get((size_t)P * Dp_));   // [nr][Dp] in kv dtype
             for (int64_t r = 0; r < nr; ++r) {
-                if constexpr (V_TILE == 0) store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
+                if (vtile_ == 0) store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
                 store_row(ksrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
             }
             transpose_in(tmp, nr, krun, s0);
-            if constexpr (V_TILE > 0) {
+            if (vtile_ > 0) {
                 for (int64_t r = 0; r < nr; ++r)
                     store_row(vsrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
                 tile_in(tmp, nr, vrun, s0);
@@ -339,14 +344,13 @@ private:
         }
     }
 
-    // V run [Dp/V_TILE][P][V_TILE]: rows s0 .. s0+nr-1 <- rows of blk [nr][Dp]
+    // V run [Dp/vt][P][vt] (+ [P][Dp % vt] last), vt = vtile_: rows s0 .. s0+nr-1 <- rows of blk [nr][Dp]
     void tile_in(const char* blk, int64_t nr, char* vrun, int s0) const {
-        if constexpr (V_TILE > 0) {
-            const size_t tile_row = (size_t)V_TILE * isz_, row = (size_t)Dp_ * isz_;
-            for (int ti = 0; ti < Dp_ / V_TILE; ++ti) {
-                char* dst = vrun + ((size_t)ti * P + s0) * tile_row;
-                for (int64_t r = 0; r < nr; ++r) std::memcpy(dst + r * tile_row, blk + r * row + ti * tile_row, tile_row);
-            }
+        const size_t row = (size_t)Dp_ * isz_;
+        for (int d0 = 0; d0 < Dp_; d0 += vtile_) {
+            const size_t width = (size_t)std::min(vtile_, Dp_ - d0) * isz_;    // bytes of this tile per token
+            char* dst = vrun + (size_t)d0 * P * isz_ + s0 * width;
+            for (int64_t r = 0; r < nr; ++r) std::memcpy(dst + r * width, blk + r * row + d0 * isz_, width);
         }
     }
 
@@ -475,7 +479,7 @@ private:
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
-            pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
+            pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_, vtile_);
         }
 
         // 3. single chunk: normalise and write; else publish the partial, last one merges
@@ -529,6 +533,7 @@ private:
     const bool prefetch_ = !(getenv("FASTDECODE_PREFETCH") && std::string(getenv("FASTDECODE_PREFETCH")) == "0");
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
+    int vtile_ = V_TILE;      // V run layout: token-major (0) or tiles of this many dims (simd.h)
     // state (guarded by mu_)
     std::mutex mu_;
     Arena arena_;

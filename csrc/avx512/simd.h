@@ -11,7 +11,9 @@
 //                   over K serves all g heads, with no horizontal sums, tokens in natural order
 //   V run  [PT][Dp] token-major (V_TILE = 0), or [Dp/V_TILE][PT][V_TILE] in tiles of V_TILE dims
 //          where the ISA's V pass reads one tile of all tokens at a time (a sequential stream):
-//          acc[j][:] += p_j[t] * V[t][:]
+//          acc[j][:] += p_j[t] * V[t][:]. When Dp is not a multiple of V_TILE the last tile is
+//          narrower, [PT][Dp % V_TILE]. An ISA with a second layout under measurement names it
+//          V_TILE_ALT; the store chooses per instance (FASTDECODE_VTILE) and tells pv_page.
 // Dp = head_dim rounded up to 16; pad dims are zero in the store.
 //
 // bf16 -> fp32 is a 16-bit shift: a 32-bit word w holding two bf16 gives (w << 16) and
@@ -20,7 +22,8 @@
 //
 //   scores_page(dt, K, Dp, q, g, S, pf)  S[j][t] = q_j . K[:, t] (q scaled, log2 units)
 //   softmax_page(S, nvalid, m, l)        online softmax step on one head's 32 tokens; S <- p
-//   pv_page(dt, V, nvalid, Dp, S, g, acc, pf, pf_bytes)  acc[j][apos] += sum_t p_j[t] V[t][:]
+//   pv_page(dt, V, nvalid, Dp, S, g, acc, pf, pf_bytes, vtile)  acc[j][apos] += sum_t p_j[t] V[t][:]
+//                                        vtile: the store's V layout (V_TILE or V_TILE_ALT)
 //                                        pf: the next page (pf_bytes) to prefetch while this one
 //                                        is computed (nullptr: none); each ISA issues it in one
 //                                        of the two passes
@@ -235,10 +238,11 @@ static inline void scores_page(int dt, const void* K, int Dp, const float* q, in
 }
 
 // acc[j][d0 : d0+32*TC] += sum_{t < nvalid} p_j[t] V[t][...] for GH heads: TC chunks of 32 dims
-// per pass, so one broadcast of p_j[t] feeds 2*TC FMAs and acc moves through memory once a page
+// per pass, so one broadcast of p_j[t] feeds 2*TC FMAs and acc moves through memory once a page.
+// v: dims d0.. of token 0; token t of chunk c at v + t*row + c*cstride (either V layout)
 template <int DT, int GH, int TC>
-static inline void pv_tile(const char* v, int nvalid, size_t row, int d0, int Dp, const float* S, float* acc) {
-    constexpr size_t esz = DT == F32 ? 4 : 2;
+static inline void pv_tile(const char* v, int nvalid, size_t row, size_t cstride, int d0, int Dp, const float* S,
+                           float* acc) {
     __m512 a[GH][2 * TC];
 #pragma GCC unroll 8
     for (int j = 0; j < GH; ++j)
@@ -247,7 +251,7 @@ static inline void pv_tile(const char* v, int nvalid, size_t row, int d0, int Dp
     for (int t = 0; t < nvalid; ++t) {
         __m512 x[2 * TC];
 #pragma GCC unroll 4
-        for (int c = 0; c < TC; ++c) load32<DT>(v + t * row + (d0 + 32 * c) * esz, x[2 * c], x[2 * c + 1]);
+        for (int c = 0; c < TC; ++c) load32<DT>(v + t * row + c * cstride, x[2 * c], x[2 * c + 1]);
 #pragma GCC unroll 8
         for (int j = 0; j < GH; ++j) {
             __m512 p = _mm512_set1_ps(S[(size_t)j * PT + t]);
@@ -261,21 +265,26 @@ static inline void pv_tile(const char* v, int nvalid, size_t row, int d0, int Dp
         for (int c = 0; c < 2 * TC; ++c) _mm512_storeu_ps(acc + (size_t)j * Dp + d0 + 16 * c, a[j][c]);
 }
 
-template <int DT, int GH>
+// TILED: the V run in tiles of 32 dims, [Dp/32][PT][32] (+ a 16-dim tile [PT][16] when
+// Dp % 32 == 16), so a pass reads whole tiles, one sequential stream each; else token-major
+template <int DT, int GH, bool TILED>
 static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc) {
     constexpr size_t esz = DT == F32 ? 4 : 2;
     constexpr int TC = GH <= 2 ? 4 : GH <= 4 ? 2 : 1;   // accumulators 2*TC*GH <= 16
     const char* v = static_cast<const char*>(V);
-    const size_t row = (size_t)Dp * esz;
+    const size_t row = TILED ? 32 * esz : (size_t)Dp * esz;         // token to token in one chunk
+    constexpr size_t cstride = TILED ? PT * 32 * esz : 32 * esz;    // chunk to chunk of one token
     int d = 0;
-    for (; d + 32 * TC <= Dp; d += 32 * TC) pv_tile<DT, GH, TC>(v, nvalid, row, d, Dp, S, acc);
-    for (; d + 32 <= Dp; d += 32) pv_tile<DT, GH, 1>(v, nvalid, row, d, Dp, S, acc);
+    for (; d + 32 * TC <= Dp; d += 32 * TC) pv_tile<DT, GH, TC>(v + d / 32 * cstride, nvalid, row, cstride, d, Dp, S, acc);
+    for (; d + 32 <= Dp; d += 32) pv_tile<DT, GH, 1>(v + d / 32 * cstride, nvalid, row, cstride, d, Dp, S, acc);
     if (d < Dp) {  // a 16-dim tail (Dp % 32 == 16), natural order
+        const char* vt = v + d / 32 * cstride;
+        const size_t trow = TILED ? 16 * esz : row;
         __m512 a[GH];
 #pragma GCC unroll 8
         for (int j = 0; j < GH; ++j) a[j] = _mm512_loadu_ps(acc + (size_t)j * Dp + d);
         for (int t = 0; t < nvalid; ++t) {
-            __m512 x = load16<DT>(v + t * row + d * esz);
+            __m512 x = load16<DT>(vt + t * trow);
 #pragma GCC unroll 8
             for (int j = 0; j < GH; ++j) a[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(S[(size_t)j * PT + t]), a[j]);
         }
@@ -284,13 +293,17 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
     }
 }
 
-// V run token-major, [PT][Dp]; the next page is prefetched during the K pass (scores_page)
+// V run token-major, [PT][Dp], unless the store runs in tiles of V_TILE_ALT = 32 dims
+// (FASTDECODE_VTILE=32: under measurement, bench/KERNEL_NOTES.md). The next page is
+// prefetched during the K pass (scores_page).
 constexpr int V_TILE = 0;
+constexpr int V_TILE_ALT = 32;
 
 static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc, const char*,
-                           size_t) {
+                           size_t, int vtile) {
     for_groups<8>(dt, g, [&](auto DT, auto GH, int j0) {
-        pv_group<DT.value, GH.value>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
+        if (vtile) pv_group<DT.value, GH.value, true>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
+        else pv_group<DT.value, GH.value, false>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
     });
 }
 
@@ -612,9 +625,11 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
     for (; ti < ntiles; ++ti) pv_tiles<DT, GH, 1>(v, nvalid, ti, Dp, S, acc, at(ti), first(ti + 1) - first(ti));
 }
 
+constexpr int V_TILE_ALT = V_TILE;   // one layout only
+
 // pf: the next page (page_bytes: K run then V run); this pass prefetches its V run
 static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc,
-                           const char* pf, size_t page_bytes) {
+                           const char* pf, size_t page_bytes, int) {
     const int v_lines = (int)(page_bytes / 2 / 64);
     const char* pv = pf ? pf + page_bytes / 2 : nullptr;
     for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
@@ -754,9 +769,10 @@ static inline void pv_t(const void* V, int nvalid, int Dp, const float* S, int g
 
 // V run token-major, [PT][Dp]; the next page is prefetched during the K pass (scores_page)
 constexpr int V_TILE = 0;
+constexpr int V_TILE_ALT = V_TILE;   // one layout only
 
 static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc, const char*,
-                           size_t) {
+                           size_t, int) {
     thread_local AlignedBuf vb;
     float* v = vb.get(Dp);
     if (dt == BF16) pv_t<BF16>(V, nvalid, Dp, S, g, acc, v);
