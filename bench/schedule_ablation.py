@@ -10,7 +10,11 @@ fraction of each side, and the KV-load trace. Writes bench/results/schedule_<lab
 
 A random model (`--model random:...`, prompts as token ids, no EOS) shapes the S/R balance:
 `--gen fixed:N` gives every request the same length (FIFO admits and retires whole cohorts,
-the paper's worst case), `--gen lognormal:MEDIAN` varied lengths.
+the paper's worst case), `--gen lognormal:MEDIAN` varied lengths. `--stop-ids K` stands in for
+EOS there: each request stops at the first of K token ids of its own (stop_token_ids), which the
+scheduler cannot see coming, so lengths vary below max_tokens as with a real model's EOS.
+`--runs` adds `stabilized-max-tokens` (the stabilized schedule projecting every sequence to its
+max_tokens, as before it learnt lengths).
 """
 from __future__ import annotations
 
@@ -45,9 +49,9 @@ def gen_lengths(spec: str, n: int, rng) -> list[int]:
     raise SystemExit(f"--gen {spec!r}: expected lognormal:MEDIAN or fixed:N")
 
 
-def requests(n: int, seed: int, gen: str, token_prompts: tuple[int, int] | None) -> list[dict]:
+def requests(n: int, seed: int, gen: str, token_prompts: tuple[int, int] | None, stop_ids: int = 0) -> list[dict]:
     """Chat requests with 0-11 context paragraphs (a real model), or token-id prompts of
-    token_prompts = (shortest, longest) tokens (a random model)."""
+    token_prompts = (shortest, longest) tokens (a random model), each with stop_ids stop tokens."""
     rng = np.random.default_rng(seed)
     out = []
     for i, max_tokens in enumerate(gen_lengths(gen, n, rng)):
@@ -59,6 +63,8 @@ def requests(n: int, seed: int, gen: str, token_prompts: tuple[int, int] | None)
         else:
             ids = rng.integers(100, 4000, int(rng.integers(token_prompts[0], token_prompts[1] + 1))).tolist()
             body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True}
+            if stop_ids:
+                body["stop_token_ids"] = rng.choice(np.arange(100, 4000), stop_ids, replace=False).tolist()
             out.append({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": body})
     return out
 
@@ -125,6 +131,10 @@ def main():
     ap.add_argument("--model", default=None, help="default: the embedded smollm2-135m with chat prompts")
     ap.add_argument("--gen", default="lognormal:96", help="generation lengths: lognormal:MEDIAN or fixed:N")
     ap.add_argument("--prompt-tokens", default="16,64", help="token-id prompt lengths LO,HI (random models)")
+    ap.add_argument("--stop-ids", type=int, default=0, help="random models: K stop token ids per request (EOS stand-in)")
+    ap.add_argument("--runs", default="fifo,stabilized",
+                    help="comma list of fifo, stabilized, stabilized-max-tokens, run in this order "
+                         "(gains are against fifo, else the first)")
     ap.add_argument("--extra", nargs="*", default=["--kv-dtype", "bf16"])
     ap.add_argument("--from-stats", metavar="DIR", help="rebuild the result from an earlier run's files in DIR "
                     "(out_/stats_{fifo,stabilized}) instead of running; same other arguments")
@@ -139,7 +149,7 @@ def main():
             raise SystemExit(f"--prompt-tokens {args.prompt_tokens!r}: expected LO,HI with 1 <= LO <= HI")
         token_prompts = (int(lo), int(hi))
     with open(inp if not args.from_stats else os.devnull, "w") as f:
-        for r in requests(args.requests, 0, args.gen, token_prompts):
+        for r in requests(args.requests, 0, args.gen, token_prompts, args.stop_ids):
             f.write(json.dumps(r) + "\n")
     if args.model:
         args.extra = ["-m", args.model] + args.extra
@@ -147,27 +157,39 @@ def main():
     result = {"label": args.label, "requests": args.requests, "batch": args.batch, "ranks": args.ranks,
               "model": args.model or "smollm2-135m", "gen": args.gen,
               "prompt_tokens": list(token_prompts) if token_prompts else "chat, 0-11 paragraphs",
-              "extra": args.extra, "runs": []}
-    for name, sched in (("fifo", ["--schedule", "fifo", "--max-batch", b]),
-                        ("stabilized", ["--schedule", "stabilized", "--max-batch", b, "--target-batch", b])):
+              "stop_ids": args.stop_ids, "extra": args.extra, "runs": []}
+    schedules = {"fifo": ["--schedule", "fifo", "--max-batch", b],
+                 "stabilized": ["--schedule", "stabilized", "--max-batch", b, "--target-batch", b],
+                 "stabilized-max-tokens": ["--schedule", "stabilized", "--max-batch", b, "--target-batch", b,
+                                           "--stabilize-lengths", "max-tokens"]}
+    names = args.runs.split(",")
+    if not names or any(n not in schedules for n in names):
+        raise SystemExit(f"--runs {args.runs!r}: expected a comma list of {', '.join(schedules)}")
+    for name in names:
+        sched = schedules[name]
         if args.from_stats:
             d = args.from_stats
             row = analyse(sched, os.path.join(d, f"out_{name}.jsonl"), os.path.join(d, f"stats_{name}.json"), args.batch)
         else:
             row = run(sched, inp, tmp, name, args.ranks, args.extra, args.batch)
+        row["run"] = name
         result["runs"].append(row)
         print({k: v for k, v in row.items() if not k.startswith("trace")}, flush=True)
-    fifo, stab = result["runs"]
-    result["throughput_gain_stabilized"] = round(stab["output_tokens_per_s"] / fifo["output_tokens_per_s"] - 1, 4)
-    result["decode_throughput_gain_stabilized"] = round(stab["decode_tokens_per_s"] / fifo["decode_tokens_per_s"] - 1, 4)
-    if fifo["full_batch_steps"] and stab["full_batch_steps"]:
-        result["full_batch_throughput_gain_stabilized"] = round(
-            stab["full_batch_tokens_per_s"] / fifo["full_batch_tokens_per_s"] - 1, 4)
+    ref = next((r for r in result["runs"] if r["run"] == "fifo"), result["runs"][0])
+    for row in [r for r in result["runs"] if r is not ref]:      # gains against fifo (else the first run)
+        key = row["run"].replace("-", "_")
+        result[f"throughput_gain_{key}"] = round(row["output_tokens_per_s"] / ref["output_tokens_per_s"] - 1, 4)
+        result[f"decode_throughput_gain_{key}"] = round(row["decode_tokens_per_s"] / ref["decode_tokens_per_s"] - 1, 4)
+        if ref["full_batch_steps"] and row["full_batch_steps"]:
+            result[f"full_batch_throughput_gain_{key}"] = round(
+                row["full_batch_tokens_per_s"] / ref["full_batch_tokens_per_s"] - 1, 4)
     base = os.path.join(REPO, "bench", "results", f"schedule_{args.label}")
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, base + ".png")
-    print("stabilized vs fifo throughput:", f"{result['throughput_gain_stabilized']:+.1%}")
+    for row in [r for r in result["runs"] if r is not ref]:
+        print(f"{row['run']} vs {ref['run']} throughput:",
+              f"{result['throughput_gain_' + row['run'].replace('-', '_')]:+.1%}")
 
 
 def plot(result, path):
@@ -179,13 +201,14 @@ def plot(result, path):
         return
     fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for run in result["runs"]:
-        axes[0].plot(run["trace_kv_tokens"], label=run["schedule"].split()[1])
-        axes[1].plot(np.array(run["trace_r_time_s"]) * 1e3, label=run["schedule"].split()[1])
+        axes[0].plot(run["trace_kv_tokens"], label=run.get("run", run["schedule"].split()[1]))
+        axes[1].plot(np.array(run["trace_r_time_s"]) * 1e3, label=run.get("run", run["schedule"].split()[1]))
     axes[0].set_ylabel("KV tokens held")
     axes[1].set_ylabel("R-part ms / step")
     axes[1].set_xlabel("decode step")
     axes[0].legend()
-    axes[0].set_title(f"admission: fifo vs stabilized ({result['label']})")
+    axes[0].set_title(f"admission: {' vs '.join(r.get('run', r['schedule'].split()[1]) for r in result['runs'])} "
+                      f"({result['label']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

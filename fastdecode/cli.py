@@ -76,6 +76,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="stabilized: steps F between micro-batches of B*F/S sequences (default S/16)")
     p.add_argument("--max-gen", type=_positive_int, default=None,
                    help="stabilized: generation length S (default: estimated from the requests' max_tokens)")
+    p.add_argument("--stabilize-lengths", default="learnt", choices=["learnt", "max-tokens"],
+                   help="stabilized: project running sequences with lengths learnt from finished ones "
+                        "(EOS; default), or as if each runs to its max_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,7 +209,8 @@ def engine_args(args):
                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, seed=args.seed,
                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
                       timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
-                      admit_every=args.admit_every, max_gen=args.max_gen, pipeline_depth=args.pipeline_depth,
+                      admit_every=args.admit_every, max_gen=args.max_gen,
+                      learn_lengths=args.stabilize_lengths == "learnt", pipeline_depth=args.pipeline_depth,
                       cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows)
 
 

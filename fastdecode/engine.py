@@ -57,6 +57,7 @@ class EngineArgs:
     target_batch: int | None = None   # stabilized: B (default max_batch)
     admit_every: int | None = None    # stabilized: F steps between micro-batches (default S/16)
     max_gen: int | None = None        # stabilized: S (default: estimated from requests' max_tokens)
+    learn_lengths: bool = True        # stabilized: project with lengths learnt from finished sequences
     pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
     cuda_graphs: bool = False         # CUDA S-worker: replay each layer's dense work from a CUDA graph
     cuda_graph_max_rows: int = 2048   # largest mini-batch run from graphs (larger ones run eagerly)
@@ -161,7 +162,8 @@ class LLMEngine:
         if a.schedule == "fifo":
             return FifoAdmission(a.max_batch)
         if a.schedule == "stabilized":
-            return StabilizedAdmission(min(a.target_batch or a.max_batch, a.max_batch), a.admit_every, a.max_gen)
+            return StabilizedAdmission(min(a.target_batch or a.max_batch, a.max_batch), a.admit_every, a.max_gen,
+                                       learn_lengths=a.learn_lengths)
         raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {a.schedule!r}")
 
     def _make_backend(self, comm) -> RBackend:

@@ -302,3 +302,18 @@ def test_scheduler_reports_ages_and_finished_sequences_to_the_controller():
     obs = ctl.lengths
     assert obs.describe()["finished_seen"] == 2 and obs.describe()["eos_stops"] == 1
     assert sorted(zip(obs._length[:2].tolist(), obs._stopped[:2].tolist())) == [(2, True), (8, False)]
+
+
+@pytest.mark.parametrize("flag,learns", [([], True), (["--stabilize-lengths", "max-tokens"], False)])
+def test_stabilize_lengths_flag_reaches_the_controller(flag, learns):
+    from types import SimpleNamespace
+
+    from fastdecode.cli import build_parser, engine_args
+    from fastdecode.engine import LLMEngine
+
+    args = build_parser().parse_args(["generate", "-i", "in.jsonl", "-o", "out.jsonl", "--schedule", "stabilized",
+                                 "--max-batch", "64"] + flag)
+    ea = engine_args(args)
+    assert ea.learn_lengths is learns
+    ctl = LLMEngine._make_admission(SimpleNamespace(args=ea))
+    assert (ctl.lengths is not None) is learns
