@@ -148,6 +148,10 @@ def main():
         if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
             raise SystemExit(f"--prompt-tokens {args.prompt_tokens!r}: expected LO,HI with 1 <= LO <= HI")
         token_prompts = (int(lo), int(hi))
+    if not 0 <= args.stop_ids <= 1000:
+        raise SystemExit(f"--stop-ids {args.stop_ids}: expected 0..1000 stop ids per request")
+    if args.stop_ids and not random_model:
+        raise SystemExit("--stop-ids is for random models (--model random:...); a real model has its own EOS")
     with open(inp if not args.from_stats else os.devnull, "w") as f:
         for r in requests(args.requests, 0, args.gen, token_prompts, args.stop_ids):
             f.write(json.dumps(r) + "\n")

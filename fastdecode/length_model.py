@@ -4,8 +4,8 @@ A sequence that stops at EOS after L tokens tells us its natural length; one tha
 max_tokens m only tells us L > m (right-censored). The Kaplan-Meier estimator turns both into a
 survival curve Sv(x) = P(L > x) over the last `window` finished sequences and the running ones
 (censored at their age), from which the
-admission controller projects a running sequence (g tokens generated, bound m) to end at
-E[min(L, m) | L > g] instead of at its bound m.
+admission controller projects a running sequence (g tokens generated, bound m) to be alive at
+step now+t with probability Sv(g+t)/Sv(g) up to its bound, instead of surely until m.
 """
 from __future__ import annotations
 
@@ -101,21 +101,6 @@ class LengthModel:
 
     # ---------------------------------------------------------------- queries
 
-    def expected_left(self, generated: np.ndarray, left: np.ndarray) -> np.ndarray:
-        """Expected tokens still to generate, E[min(L, m) | L > g] - g with m = g + left, for a
-        sequence that is still running after g tokens (>= 1 when left >= 1). Where the curve
-        says no sequence lives this long (Sv(g) = 0), it keeps the bound. Returns [n] int64."""
-        g = np.asarray(generated, dtype=np.int64)
-        left = np.asarray(left, dtype=np.int64)
-        if not self.ready or g.size == 0:
-            return left
-        self._fit()
-        sv_g = self._sv_at(g)
-        alive = sv_g > 0
-        exp = (self._sum_sv(g + left) - self._sum_sv(g)) / np.where(alive, sv_g, 1.0)
-        est = np.clip(np.ceil(exp - 1e-9).astype(np.int64), 1, None)
-        return np.where(alive, np.minimum(est, left), left)
-
     def expected_curve(self, kv: np.ndarray, generated: np.ndarray, left: np.ndarray,
                        t: np.ndarray) -> np.ndarray:
         """E[W(t)] = sum_i (kv_i + t + 1) * P(L_i > g_i + t | L_i > g_i) * [t < left_i]: the
@@ -134,8 +119,8 @@ class LengthModel:
         n = np.bincount(inv, minlength=keys.size).astype(np.float64)           # [U] sequences
         k1 = np.bincount(inv, weights=np.asarray(kv, np.float64) + 1.0, minlength=keys.size)  # [U] sum (kv + 1)
         g, lft = keys // span, keys % span
-        sv_g = self._sv.take(g, mode="clip")                                    # [U]
-        alive = self._sv.take(g[:, None] + t[None, :], mode="clip")             # [U, J] Sv(g + t)
+        sv_g = self._sv_at(g)                                                   # [U]
+        alive = self._sv_at(g[:, None] + t[None, :])                            # [U, J] Sv(g + t)
         alive *= (1.0 / np.where(sv_g > 0, sv_g, 1.0))[:, None]
         alive[sv_g <= 0] = 1.0                  # older than any seen: keep the bound
         alive[t[None, :] >= lft[:, None]] = 0.0

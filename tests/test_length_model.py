@@ -29,24 +29,17 @@ def test_without_censoring_the_curve_is_the_empirical_one():
     assert np.allclose(m.survival(x), [(lengths > v).mean() for v in x])
 
 
-@given(st.lists(st.integers(1, 30), min_size=1, max_size=60), st.integers(0, 35), st.integers(1, 40))
-def test_expected_left_is_the_conditional_mean(lengths, g, left):
-    """E[min(L, g + left) | L > g] - g from the empirical distribution, rounded up; the bound
-    where no observed sequence lived past g."""
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=60), st.integers(1, 40))
+def test_mean_len_is_the_empirical_mean_of_the_bounded_length(lengths, bound):
+    """E[min(L, m)] from the curve against the observed lengths themselves."""
     m = model_of([(x, True) for x in lengths])
-    got = int(m.expected_left(np.array([g]), np.array([left]))[0])
-    alive = np.array([x for x in lengths if x > g])
-    if alive.size == 0:
-        assert got == left
-    else:
-        want = np.minimum(alive, g + left).mean() - g
-        assert got == min(left, max(1, int(np.ceil(want - 1e-9))))
+    assert m.mean_len(np.array([bound])) == pytest.approx(np.minimum(lengths, bound).mean())
 
 
-def test_expected_left_keeps_the_bound_when_nothing_stopped_early():
+def test_nothing_is_learnt_when_nothing_stopped_early():
     m = model_of([(50, False)] * 40, min_events=16)          # every sequence hit max_tokens
     assert not m.ready
-    assert m.expected_left(np.array([0, 10]), np.array([50, 40])).tolist() == [50, 40]
+    assert m.mean_len(np.array([50])) is None and m.length_biased_mean(np.array([50])) is None
 
 
 def test_length_biased_mean_by_hand():
