@@ -13,6 +13,7 @@ _LAZY = {
     "SamplingParams": ("fastdecode.sampling_params", "SamplingParams"),
     "RequestOutput": ("fastdecode.sampling_params", "RequestOutput"),
     "CompletionOutput": ("fastdecode.sampling_params", "CompletionOutput"),
+    "Logprob": ("fastdecode.sampling_params", "Logprob"),
     "EngineArgs": ("fastdecode.engine", "EngineArgs"),
 }
 __all__ = list(_LAZY)

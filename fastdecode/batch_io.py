@@ -11,14 +11,29 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "min_tokens", "n")
+                 "ignore_eos", "min_tokens", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "skip_special_tokens", "include_stop_str_in_output")
 _TYPES = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "min_p": (int, float),
           "seed": int, "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "n": int,
-          "max_tokens": int, "max_completion_tokens": int}
+          "max_tokens": int, "max_completion_tokens": int, "presence_penalty": (int, float),
+          "frequency_penalty": (int, float), "repetition_penalty": (int, float), "top_logprobs": int,
+          "skip_special_tokens": bool, "include_stop_str_in_output": bool}
+# Fields that would change the output but are not implemented, and what they ask for: a
+# request that uses one gets a 400 instead of an answer that silently ignores it.
+_UNSUPPORTED = {"logit_bias": "token biases", "echo": "echoing the prompt", "suffix": "suffixes",
+                "use_beam_search": "beam search", "prompt_logprobs": "prompt log-probabilities",
+                "tools": "tool calls", "response_format": "structured output", "guided_json": "structured output",
+                "guided_regex": "structured output", "guided_choice": "structured output",
+                "guided_grammar": "structured output", "structured_outputs": "structured output",
+                "bad_words": "bad words", "allowed_token_ids": "allowed token ids",
+                "logits_processors": "logits processors", "truncate_prompt_tokens": "prompt truncation",
+                "chat_template": "custom chat templates", "chat_template_kwargs": "chat template arguments",
+                "continue_final_message": "continuing the final message"}
+LOGPROB_FLOOR = -9999.0    # what -inf is written as (JSON has no infinity); vLLM does the same
 
 
 class LineError(ValueError):
@@ -51,6 +66,43 @@ def _check_type(body: dict, name: str) -> None:
         if not ok:
             kind = want.__name__ if isinstance(want, type) else "number"
             raise LineError(f"body.{name} must be {kind}, got {type(val).__name__}")
+
+
+def _reject_unsupported(body: dict) -> None:
+    for name, what in _UNSUPPORTED.items():
+        val = body.get(name)
+        if val in (None, False, "", [], {}) or (name == "response_format" and val == {"type": "text"}):
+            continue
+        raise LineError(f"body.{name}: {what} is not supported by fastdecode", code="unsupported_parameter")
+    if body.get("add_generation_prompt", True) is not True:
+        raise LineError("body.add_generation_prompt: only true (the default) is supported by fastdecode",
+                        code="unsupported_parameter")
+    best_of, n = body.get("best_of"), body.get("n", 1)
+    if best_of is not None and best_of != n:
+        raise LineError(f"body.best_of ({best_of!r}) other than n is not supported by fastdecode",
+                        code="unsupported_parameter")
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions: `logprobs` is the number of top alternatives per token (0: the sampled token's only)."""
+    val = body.get("logprobs")
+    if val is not None and (not isinstance(val, int) or isinstance(val, bool)):
+        raise LineError(f"body.logprobs must be an integer for {COMPLETIONS}, got {type(val).__name__}")
+    return val
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat: `logprobs: true` asks for them, `top_logprobs` for that many alternatives per token."""
+    want, top = body.get("logprobs"), body.get("top_logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise LineError(f"body.logprobs must be a boolean for {CHAT}, got {type(want).__name__}")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise LineError(f"body.top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
+    if not want:
+        if top:
+            raise LineError("body.top_logprobs needs body.logprobs set to true")
+        return None
+    return top or 0
 
 
 def _messages(body: dict) -> list[dict]:
@@ -98,6 +150,7 @@ def parse_line(line_no: int, text: str) -> BatchLine:
             raise LineError("missing or non-object body")
         for name in list(_TYPES):
             _check_type(body, name)
+        _reject_unsupported(body)
         line = BatchLine(line_no, custom_id, url)
         if url == CHAT:
             line.messages = _messages(body)
@@ -115,6 +168,9 @@ def parse_line(line_no: int, text: str) -> BatchLine:
                 raise LineError("body.prompt must be a non-empty string or a list of token ids")
             max_tokens = body.get("max_tokens", 16)   # the completions API's default
         kwargs = {k: body[k] for k in _PARAM_FIELDS if body.get(k) is not None}
+        logprobs = _chat_logprobs(body) if url == CHAT else _completion_logprobs(body)
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
         stop = kwargs.get("stop")
         if stop is not None and not isinstance(stop, (str, list)):
             raise LineError("body.stop must be a string or a list of strings")
@@ -141,14 +197,48 @@ def _ids() -> tuple[str, str]:
     return f"batch-{uuid.uuid4().hex}", uuid.uuid4().hex
 
 
-def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: int) -> dict:
-    """output: a RequestOutput."""
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(token_ids: list[int], positions: list[dict], top: int) -> dict:
+    """OpenAI chat `choice.logprobs`: per token its text, log-probability and bytes, and the `top`
+    most likely alternatives."""
+    def item(lp) -> dict:
+        return {"token": lp.decoded_token, "logprob": _lp(lp.logprob), "bytes": list(lp.decoded_token.encode())}
+    content = []
+    for tok, pos in zip(token_ids, positions):
+        alts = sorted((lp for lp in pos.values() if lp.rank <= top), key=lambda lp: lp.rank)[:top]
+        content.append({**item(pos[tok]), "top_logprobs": [item(lp) for lp in alts]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], positions: list[dict]) -> dict:
+    """OpenAI completions `choice.logprobs`: tokens, their log-probabilities, text offsets, and per
+    token {text: log-probability} of the sampled token and the top alternatives."""
+    tokens, token_lps, tops, offsets, off = [], [], [], [], 0
+    for tok, pos in zip(token_ids, positions):
+        text = pos[tok].decoded_token
+        tokens.append(text)
+        token_lps.append(_lp(pos[tok].logprob))
+        tops.append({lp.decoded_token: _lp(lp.logprob) for lp in pos.values()})
+        offsets.append(off)
+        off += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: int, top_logprobs: int = 0) -> dict:
+    """output: a RequestOutput; top_logprobs: alternatives per token its request asked for."""
     line_id, request_id = _ids()
     choices = []
     completion_tokens = 0
     for c in output.outputs:
         completion_tokens += len(c.token_ids)
-        choice = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason,
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = (chat_logprobs(c.token_ids, c.logprobs, top_logprobs) if chat
+                        else completion_logprobs(c.token_ids, c.logprobs))
+        choice = {"index": c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}

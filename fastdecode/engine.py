@@ -21,7 +21,7 @@ from .model_source import ModelSource, read_config, resolve_model
 from .placement import Placement
 from .rpart.base import RBackend
 from .runner import ModelRunner
-from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from .sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from .admission import FifoAdmission, StabilizedAdmission
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
@@ -282,11 +282,12 @@ class LLMEngine:
                 seq.finish_reason = "stop"
                 return True
             if p.stop:
-                text = self.tokenizer.decode(seq.output_ids)
+                text = self.tokenizer.decode(seq.output_ids, p.skip_special_tokens)
                 hits = [(text.find(s), s) for s in p.stop if s in text]
                 if hits:
                     pos, stop = min(hits)
-                    seq.text, seq.finish_reason, seq.stop_reason = text[:pos], "stop", stop
+                    end = pos + len(stop) if p.include_stop_str_in_output else pos
+                    seq.text, seq.finish_reason, seq.stop_reason = text[:end], "stop", stop
                     return True
         if n >= seq.max_tokens:
             seq.finish_reason = "length"
@@ -298,9 +299,24 @@ class LLMEngine:
     def output_of(self, req: Request) -> RequestOutput:
         outs = []
         for s in req.sequences:
-            text = s.text if isinstance(s.stop_reason, str) else self.tokenizer.decode(s.output_ids)
-            outs.append(CompletionOutput(s.sample_index, text, list(s.output_ids), s.finish_reason, s.stop_reason))
+            text = s.text if isinstance(s.stop_reason, str) else \
+                self.tokenizer.decode(s.output_ids, req.params.skip_special_tokens)
+            out = CompletionOutput(s.sample_index, text, list(s.output_ids), s.finish_reason, s.stop_reason)
+            if req.params.logprobs is not None:
+                out.logprobs = [self._position_logprobs(tok, entry) for tok, entry in zip(s.output_ids, s.logprobs)]
+                out.cumulative_logprob = float(sum(entry[0] for entry in s.logprobs))
+            outs.append(out)
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs)
+
+    def _position_logprobs(self, token: int, entry: tuple) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the sampled token, then the top ones by rank (one entry if it is among them)."""
+        chosen, rank, top_ids, top = entry
+        text = self.tokenizer.token_text
+        found = {token: Logprob(chosen, rank, text(token))}
+        for r, (t, lp) in enumerate(zip(top_ids.tolist(), top.tolist()), start=1):
+            if t not in found:
+                found[t] = Logprob(lp, r, text(t))
+        return found
 
     def close(self) -> None:
         self.backend.close()

@@ -124,7 +124,8 @@ class BatchRunner:
             for req in eng.step():
                 line = self.pending.pop(req.index)
                 self._write(line.line_no, success_line(line.custom_id, line.is_chat, eng.source.name,
-                                                       eng.output_of(req), len(req.prompt_ids)), None)
+                                                       eng.output_of(req), len(req.prompt_ids),
+                                                       req.params.logprobs or 0), None)
                 self.num_requests += 1
             self.writer.sync()
             tick()

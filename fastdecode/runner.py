@@ -13,7 +13,7 @@ from .model.layer_graphs import LayerGraphs
 from .model.llama import LlamaSPart
 from .rpart.base import RBackend, StepStats
 from .rpart.wire import WireLayout
-from .sampler import SamplingBatch, sample
+from .sampler import Penalties, SamplingBatch, sample, token_logprobs
 from .sequence import Sequence
 
 
@@ -43,21 +43,40 @@ class ModelRunner:
         """What a sequence's sampling needs besides its position; fixed for its life, so cached."""
         p = s.request.params
         s.sampling_row = ((float(p.temperature), float(p.top_k), float(p.top_p), float(p.min_p),
-                           float(p.min_tokens)), s.request.seed, s.sample_index)
+                           float(p.min_tokens), float(p.penalized), float(-1 if p.logprobs is None else p.logprobs)),
+                          s.request.seed, s.sample_index)
         return s.sampling_row
 
     def _sampling_batch(self, seqs: list[Sequence], n_out: np.ndarray) -> SamplingBatch:
         """The rows' sampling parameters; n_out [n]: tokens each sequence has generated so far."""
         rows = [s.sampling_row or self._static_sampling(s) for s in seqs]
         n = len(rows)
-        cols = np.array([r[0] for r in rows], dtype=np.float64).reshape(n, 5)   # [n, (temp, k, p, min_p, min_tokens)]
+        cols = np.array([r[0] for r in rows], dtype=np.float64).reshape(n, 7)
+        #   [n, (temp, k, p, min_p, min_tokens, penalized, logprobs or -1)]
         suppress = {}
         for i in np.flatnonzero(n_out < cols[:, 4]):    # min_tokens: EOS/stop ids may not end it yet
             p = seqs[i].request.params
             suppress[int(i)] = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
-        return SamplingBatch.from_arrays(cols[:, :4], np.fromiter((r[1] for r in rows), np.uint64, n),
-                                         np.fromiter((r[2] for r in rows), np.uint64, n), n_out, suppress,
-                                         self.device)
+        batch = SamplingBatch.from_arrays(cols[:, :4], np.fromiter((r[1] for r in rows), np.uint64, n),
+                                          np.fromiter((r[2] for r in rows), np.uint64, n), n_out, suppress,
+                                          self.device)
+        penalized = np.flatnonzero(cols[:, 5] > 0)
+        if penalized.size:
+            batch.penalties = penalties_of([seqs[i] for i in penalized], penalized)
+        batch.logprob_rows = np.flatnonzero(cols[:, 6] >= 0)
+        batch.logprob_k = cols[batch.logprob_rows, 6].astype(np.int64)
+        return batch
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
+        """Tokens [n] for `seqs` (row order); rows that asked for log-probabilities get them appended."""
+        tokens = sample(logits, batch)
+        lp = token_logprobs(logits, tokens, batch)
+        if lp is not None:
+            for j, row in enumerate(lp.rows.tolist()):
+                s = seqs[row]
+                k = s.request.params.logprobs
+                s.logprobs.append((float(lp.chosen[j]), int(lp.rank[j]), lp.top_ids[j, :k], lp.top[j, :k]))
+        return tokens
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
@@ -81,7 +100,7 @@ class ModelRunner:
         self.prefill_rows += len(row_ids)
         last = torch.tensor(np.cumsum(lengths) - 1, device=self.device)
         logits = m.logits(x[last])                                   # [n, V]
-        return seqs, sample(logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
+        return seqs, self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray, StepStats | None]:
@@ -147,7 +166,7 @@ class ModelRunner:
                 if layer < last:
                     submit(layer + 1, mb, qkv)
                 else:   # this mini-batch's LM head and sampling run while the R-workers attend the next
-                    sampled.append(sample(m.logits(xs[mb]), sampling[mb]))    # [n_mb]
+                    sampled.append(self._sample(plans[mb][0], m.logits(xs[mb]), sampling[mb]))    # [n_mb]
         ordered = [s for part, _, _, _ in plans for s in part]
         next_tokens = np.concatenate(sampled) if len(sampled) > 1 else sampled[0]
         stats = be.decode_end()
@@ -155,6 +174,20 @@ class ModelRunner:
         self.last_r_wait = r_wait
         self.last_s_time = time.perf_counter() - t0 - r_wait
         return ordered, next_tokens, stats
+
+
+def penalties_of(seqs: list[Sequence], rows: np.ndarray) -> Penalties:
+    """The penalty inputs of `seqs` (rows [m] of the batch): their generated tokens, and the prompt
+    tokens of those with a repetition penalty (it counts the prompt too)."""
+    params = [s.request.params for s in seqs]
+    outs = [np.asarray(s.output_ids, np.int64) for s in seqs]
+    prompts = [np.asarray(s.request.prompt_ids if p.repetition_penalty != 1 else (), np.int64)
+               for s, p in zip(seqs, params)]
+    idx = np.arange(len(seqs))
+    return Penalties(rows, [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                     [p.repetition_penalty for p in params],
+                     np.repeat(idx, [len(o) for o in outs]), np.concatenate(outs),
+                     np.repeat(idx, [len(q) for q in prompts]), np.concatenate(prompts))
 
 
 def split_by_r_load(kv_len: np.ndarray, seq_id: np.ndarray, depth: int) -> list[np.ndarray]:

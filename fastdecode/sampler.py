@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+PENALTY_CHUNK_ROWS = 1024      # penalized rows per [rows, V] count table (128 MiB at V = 32k)
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -35,7 +36,7 @@ class SamplingBatch:
     device before its argmax is read."""
 
     __slots__ = ("top_k", "top_p", "min_p", "needs_filter", "seeds", "streams", "positions", "suppress",
-                 "sample_rows", "sample_rows_dev", "temperature")
+                 "sample_rows", "sample_rows_dev", "temperature", "penalties", "logprob_rows", "logprob_k")
 
     def __init__(self, rows, device):
         # rows: list of (SamplingParams, seed:int, stream:int, position:int, suppress_ids:list[int]|None)
@@ -65,6 +66,9 @@ class SamplingBatch:
                                  or (self.min_p[self.sample_rows] > 0).any())
         self.seeds, self.streams, self.positions = seeds, streams, positions
         self.suppress = suppress
+        self.penalties = None                          # Penalties, set by the caller for rows that have them
+        self.logprob_rows = np.zeros(0, np.int64)      # [r] rows that return log-probabilities
+        self.logprob_k = np.zeros(0, np.int64)         # [r] top alternatives each wants
         if self.sample_rows.size:
             device = torch.device(device)
             self.sample_rows_dev = torch.from_numpy(self.sample_rows).to(device)
@@ -73,13 +77,86 @@ class SamplingBatch:
             self.sample_rows_dev = self.temperature = None
 
 
+class Penalties:
+    """vLLM's presence, frequency and repetition penalties for some rows of a batch.
+
+    rows [m]: the penalized rows; presence, frequency, repetition [m]; out_rows/out_ids [t]: one
+    entry per generated token of those rows (row as an index into `rows`); seen_rows/seen_ids:
+    the same for prompt tokens of rows with a repetition penalty."""
+
+    def __init__(self, rows, presence, frequency, repetition, out_rows, out_ids, seen_rows, seen_ids):
+        self.rows = np.asarray(rows, np.int64)
+        self.presence = np.asarray(presence, np.float32)
+        self.frequency = np.asarray(frequency, np.float32)
+        self.repetition = np.asarray(repetition, np.float32)
+        self.out_rows, self.out_ids = np.asarray(out_rows, np.int64), np.asarray(out_ids, np.int64)
+        self.seen_rows, self.seen_ids = np.asarray(seen_rows, np.int64), np.asarray(seen_ids, np.int64)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place on logits [n, V]: repetition first, then frequency and presence (vLLM's order).
+        Rows go in chunks so the [rows, V] count tables stay small at any batch size."""
+        for lo in range(0, len(self.rows), PENALTY_CHUNK_ROWS):
+            hi = min(lo + PENALTY_CHUNK_ROWS, len(self.rows))
+            out = slice(*np.searchsorted(self.out_rows, [lo, hi]))      # out_rows/seen_rows ascend
+            seen = slice(*np.searchsorted(self.seen_rows, [lo, hi]))
+            self._apply_chunk(logits, lo, hi, self.out_rows[out] - lo, self.out_ids[out],
+                              self.seen_rows[seen] - lo, self.seen_ids[seen])
+
+    def _apply_chunk(self, logits, lo, hi, out_rows, out_ids, seen_rows, seen_ids) -> None:
+        dev = logits.device
+        dev_of = lambda a: torch.from_numpy(a).to(dev)                             # noqa: E731
+        col = lambda a: dev_of(np.ascontiguousarray(a[lo:hi]))[:, None]            # noqa: E731  [m, 1]
+        rows = dev_of(self.rows[lo:hi])
+        sub = logits[rows]                                                         # [m, V]
+        counts = torch.zeros_like(sub)                                             # [m, V] output token counts
+        if out_ids.size:
+            counts.index_put_((dev_of(out_rows), dev_of(out_ids)),
+                              torch.ones(len(out_ids), device=dev, dtype=sub.dtype), accumulate=True)
+        if (self.repetition[lo:hi] != 1).any():
+            seen = counts > 0                                                      # [m, V] prompt or output
+            if seen_ids.size:
+                seen[dev_of(seen_rows), dev_of(seen_ids)] = True
+            r = col(self.repetition)
+            sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        sub = sub - col(self.frequency) * counts - col(self.presence) * (counts > 0).to(sub.dtype)
+        logits[rows] = sub
+
+
+class TokenLogprobs:
+    """Log-probabilities of the sampled tokens of some rows: rows [r], chosen [r] float32,
+    rank [r] (1 = most likely), top_ids / top [r, k] (k = the most any row asked for)."""
+    __slots__ = ("rows", "chosen", "rank", "top_ids", "top")
+
+    def __init__(self, rows, chosen, rank, top_ids, top):
+        self.rows, self.chosen, self.rank, self.top_ids, self.top = rows, chosen, rank, top_ids, top
+
+
+def token_logprobs(logits: torch.Tensor, tokens: np.ndarray, batch: SamplingBatch) -> TokenLogprobs | None:
+    """The raw model distribution's log-probabilities (before penalties, temperature and filters,
+    as vLLM returns them) of `tokens` [n] for the rows that asked; None if none did."""
+    if not batch.logprob_rows.size:
+        return None
+    rows = torch.from_numpy(batch.logprob_rows).to(logits.device)
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)                          # [r, V]
+    picked = torch.from_numpy(tokens[batch.logprob_rows]).to(logits.device)[:, None]
+    chosen = lp.gather(1, picked)                                                  # [r, 1]
+    rank = (lp > chosen).sum(dim=-1) + 1
+    k = int(batch.logprob_k.max())
+    top, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], rows[:, None][:, :0])
+    return TokenLogprobs(batch.logprob_rows, chosen[:, 0].cpu().numpy(), rank.cpu().numpy(),
+                         top_ids.cpu().numpy(), top.cpu().numpy())
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
-    """logits: [n, V] float32 -> token ids int64 [n] (numpy)."""
+    """logits: [n, V] float32 -> token ids int64 [n] (numpy). `logits` itself is left as it is."""
     n, vocab = logits.shape
-    if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet
+    if batch.suppress or batch.penalties is not None:
         logits = logits.clone()
+    if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet
         for row, ids in batch.suppress.items():
             logits[row, ids] = -float("inf")
+    if batch.penalties is not None:
+        batch.penalties.apply(logits)
     out = torch.argmax(logits, dim=-1)
     if not batch.sample_rows.size:
         return out.cpu().numpy()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20         # most top alternatives per token (vLLM's max_logprobs default, OpenAI's top_logprobs)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -18,6 +20,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0     # subtracted once from every token already generated
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0   # tokens of the prompt or the output: logit / r if > 0, else * r
+    logprobs: int | None = None       # per output token: its log-probability and this many top ones
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -52,10 +59,31 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of them")
+        for name in ("presence_penalty", "frequency_penalty"):
+            val = getattr(self, name)
+            if not isinstance(val, (int, float)) or isinstance(val, bool) or not -2 <= val <= 2:
+                bad(name, "must be a number in [-2, 2]")
+        if not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool) \
+                or not 0 < self.repetition_penalty < float("inf"):
+            bad("repetition_penalty", "must be a number > 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float               # natural log, of the model's distribution before any sampling processing
+    rank: int                    # 1 = the most likely token
+    decoded_token: str | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +93,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None    # "stop" | "length"
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None   # per output token: {token id: Logprob}, the sampled
+                                                       # token and the top `SamplingParams.logprobs`
 
 
 @dataclass(slots=True)

@@ -45,6 +45,8 @@ class Sequence:
     start_step: int = -1             # step of admission (prefill)
     token_times: list[float] = field(default_factory=list)  # wall time of each output token
     sampling_row: tuple | None = None   # the runner's cache of its sampling parameters
+    logprobs: list[tuple] = field(default_factory=list)   # per output token, if asked for:
+    #   (logprob, rank, top ids [k], top logprobs [k])
 
     @property
     def prompt_len(self) -> int:

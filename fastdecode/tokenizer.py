@@ -1,5 +1,6 @@
 """The model's HF tokenizer, with its defaults: special tokens as `tokenizer(prompt)` adds them,
-chat through the model's chat template with the generation prompt, decode skipping special tokens.
+chat through the model's chat template with the generation prompt, decode skipping special tokens
+(unless a request says otherwise).
 
 A GGUF tokenizer is converted by transformers once (slow) and cached with `save_pretrained`.
 """
@@ -28,7 +29,10 @@ class TokenIdsOnly:
 
     encode_chat = encode
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def token_text(self, token: int) -> str:
         return ""
 
 
@@ -70,8 +74,12 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token: int) -> str:
+        """One token's text for log-probability listings: special tokens spelled out."""
+        return self.hf.decode([token], skip_special_tokens=False)
 
 
 def _generation_config_eos(model_dir: str) -> tuple[int, ...]:
