@@ -33,7 +33,9 @@ from .sizing import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProf
 
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
-PROMPT_GRID = [16, 128, 512, 1024, 2048]
+# Steps of at most 1.5x from 512 up: the per-token cost is not smooth in the prompt length (dev VM,
+# chunks of 8192: 1.4 / 1.7 / 3.0 ms at 512 / 768 / 1024), so a 2x step misprices what lies between.
+PROMPT_GRID = [16, 128, 256, 512, 768, 1024, 1536, 2048]
 MIN_TIMED_S = 1.0               # a timing repeats until it spans this long (shared hosts drift)
 PROFILE_SEQ_BASE = 1 << 48      # ids of the profile's own sequences, clear of the engine's
 LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 22, 16 << 20, 64 << 20]
@@ -177,35 +179,40 @@ def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float,
 def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float:
     """Seconds per prompt token of a prefill chunk of `prompt_len`-token prompts: the engine's
     ModelRunner.prefill (dense layers, causal attention over the prompt, K/V shipped to the
-    R-workers, first-token sampling), about `chunk_tokens` tokens per chunk (past the GEMM knee:
-    per-token cost no longer falls with the chunk, so the profile need not run whole
-    --max-prefill-tokens)."""
+    R-workers, first-token sampling), in chunks of as many whole prompts as fit `chunk_tokens`."""
     m = engine.model
     runner = ModelRunner(m, engine.backend, engine.eos_ids, depth=1)
     warm = _placed(engine, 1, 8, PROFILE_SEQ_BASE)
     runner.prefill(warm)
     _free(engine, warm)
-    seqs = _placed(engine, max(1, chunk_tokens // prompt_len), prompt_len, PROFILE_SEQ_BASE)
-    _sync(m.device)
-    t = time.perf_counter()
-    runner.prefill(seqs)
-    _sync(m.device)
-    elapsed = time.perf_counter() - t
-    _free(engine, seqs)
-    return elapsed / (len(seqs) * prompt_len)
+    count = max(1, chunk_tokens // prompt_len)
+    times = []
+    while not times or sum(times) < MIN_TIMED_S / 4:   # a GPU chunk takes milliseconds: repeat, take the median
+        seqs = _placed(engine, count, prompt_len, PROFILE_SEQ_BASE)
+        _sync(m.device)
+        t = time.perf_counter()
+        runner.prefill(seqs)
+        _sync(m.device)
+        times.append(time.perf_counter() - t)
+        _free(engine, seqs)
+    return float(np.median(times)) / (count * prompt_len)
 
 
 PREFILL_CHUNK_PROMPT = 128      # prompt length of the chunk-size table: the dense part dominates
 
 
 def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log) -> dict:
-    """SWorkerProfile's prefill tables: seconds per prompt token over prompt lengths at one chunk
-    size (2,048 tokens on a CPU, 16,384 on a GPU, at most --max-prefill-tokens), and over chunk
-    sizes (a quarter of that, it, four times it, capped the same way) at a 128-token prompt."""
+    """SWorkerProfile's prefill tables: seconds per prompt token over prompt lengths at the chunk a
+    FIFO job prefills in (--max-prefill-tokens; at most 16,384 on a GPU, to bound the profile's
+    time), and over chunk sizes (a quarter of that, it, four times it, capped the same way) at a
+    128-token prompt, for smaller chunks (the stabilized schedule's micro-batches).
+    Prompt length and chunk do not separate on a CPU (dev VM: 768-token prompts cost 2.2 ms per
+    token one at a time and 1.7 ten at a time, 512-token ones 1.2 and 1.4), so the prompt table is
+    measured at the chunk FIFO uses rather than shifted to it."""
     c, cap = engine.config, engine.args.max_prefill_tokens
     max_prompt = min(c.max_position, cap)
     prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt] or [max_prompt]
-    base = min(cap, 16384 if engine.device.type == "cuda" else 2048)
+    base = min(cap, 16384) if engine.device.type == "cuda" else cap
     cp = min(PREFILL_CHUNK_PROMPT, max_prompt)
     chunk_grid = sorted({max(cp, min(cap, x)) // cp * cp for x in (base // 4, base, base * 4)})
     seen = {}
