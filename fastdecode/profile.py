@@ -34,7 +34,8 @@ from .sizing import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProf
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
 # Steps of at most 1.5x from 512 up: the per-token cost is not smooth in the prompt length (dev VM,
-# chunks of 8192: 1.4 / 1.7 / 3.0 ms at 512 / 768 / 1024), so a 2x step misprices what lies between.
+# chunks of ~8192: 1.5 / 1.7 / 3.2 ms at 512 / 768 / 1024, bench/results/prefill_chunk_*.json), so a
+# 2x step misprices what lies between.
 PROMPT_GRID = [16, 128, 256, 512, 768, 1024, 1536, 2048]
 MIN_TIMED_S = 1.0               # a timing repeats until it spans this long (shared hosts drift)
 PROFILE_SEQ_BASE = 1 << 48      # ids of the profile's own sequences, clear of the engine's
@@ -206,9 +207,10 @@ def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log) ->
     FIFO job prefills in (--max-prefill-tokens; at most 16,384 on a GPU, to bound the profile's
     time), and over chunk sizes (a quarter of that, it, four times it, capped the same way) at a
     128-token prompt, for smaller chunks (the stabilized schedule's micro-batches).
-    Prompt length and chunk do not separate on a CPU (dev VM: 768-token prompts cost 2.2 ms per
-    token one at a time and 1.7 ten at a time, 512-token ones 1.2 and 1.4), so the prompt table is
-    measured at the chunk FIFO uses rather than shifted to it."""
+    Prompt length and chunk do not separate on a CPU (dev VM: 768-token prompts cost 2.1 ms per
+    token one at a time and 1.7 ten at a time, 512-token ones 1.2 and 1.5 sixteen at a time;
+    bench/prefill_chunk_probe.py), so the prompt table is measured at the chunk FIFO uses rather
+    than shifted to it."""
     c, cap = engine.config, engine.args.max_prefill_tokens
     max_prompt = min(c.max_position, cap)
     prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt] or [max_prompt]
