@@ -21,12 +21,11 @@ _TYPES = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "min
           "seed": int, "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "n": int,
           "max_tokens": int, "max_completion_tokens": int, "presence_penalty": (int, float),
           "frequency_penalty": (int, float), "repetition_penalty": (int, float), "top_logprobs": int,
-          "skip_special_tokens": bool, "include_stop_str_in_output": bool}
+          "skip_special_tokens": bool, "include_stop_str_in_output": bool, "echo": bool, "prompt_logprobs": int,
+          "logit_bias": dict}
 # Fields that would change the output but are not implemented, and what they ask for: a
 # request that uses one gets a 400 instead of an answer that silently ignores it.
-_UNSUPPORTED = {"logit_bias": "token biases", "echo": "echoing the prompt", "suffix": "suffixes",
-                "use_beam_search": "beam search", "prompt_logprobs": "prompt log-probabilities",
-                "tools": "tool calls", "response_format": "structured output", "guided_json": "structured output",
+_UNSUPPORTED = {"suffix": "suffixes", "use_beam_search": "beam search", "tools": "tool calls", "response_format": "structured output", "guided_json": "structured output",
                 "guided_regex": "structured output", "guided_choice": "structured output",
                 "guided_grammar": "structured output", "structured_outputs": "structured output",
                 "bad_words": "bad words", "allowed_token_ids": "allowed token ids",
@@ -50,6 +49,8 @@ class BatchLine:
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     params: SamplingParams | None = None
+    echo: bool = False               # completions: the prompt goes before the completion (and its logprobs)
+    echo_only: bool = False          # ... with max_tokens 0: the prompt alone (one token is generated, unused)
     error: LineError | None = None
 
     @property
@@ -68,7 +69,10 @@ def _check_type(body: dict, name: str) -> None:
             raise LineError(f"body.{name} must be {kind}, got {type(val).__name__}")
 
 
-def _reject_unsupported(body: dict) -> None:
+def _reject_unsupported(body: dict, url: str) -> None:
+    if url == CHAT and body.get("echo"):    # vLLM's chat echo repeats the last message; not implemented
+        raise LineError(f"body.echo: echoing the last message is not supported by fastdecode for {CHAT}",
+                        code="unsupported_parameter")
     for name, what in _UNSUPPORTED.items():
         val = body.get(name)
         if val in (None, False, "", [], {}) or (name == "response_format" and val == {"type": "text"}):
@@ -150,7 +154,7 @@ def parse_line(line_no: int, text: str) -> BatchLine:
             raise LineError("missing or non-object body")
         for name in list(_TYPES):
             _check_type(body, name)
-        _reject_unsupported(body)
+        _reject_unsupported(body, url)
         line = BatchLine(line_no, custom_id, url)
         if url == CHAT:
             line.messages = _messages(body)
@@ -167,10 +171,20 @@ def parse_line(line_no: int, text: str) -> BatchLine:
             else:
                 raise LineError("body.prompt must be a non-empty string or a list of token ids")
             max_tokens = body.get("max_tokens", 16)   # the completions API's default
+            line.echo = bool(body.get("echo"))
+            if line.echo and max_tokens == 0:          # scoring a text: vLLM's echo without generation
+                line.echo_only, max_tokens = True, 1
         kwargs = {k: body[k] for k in _PARAM_FIELDS if body.get(k) is not None}
         logprobs = _chat_logprobs(body) if url == CHAT else _completion_logprobs(body)
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
+        prompt_logprobs = body.get("prompt_logprobs")
+        if prompt_logprobs is None and line.echo:      # echoed tokens carry logprobs like the generated ones
+            prompt_logprobs = logprobs
+        if prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = prompt_logprobs
+        if body.get("logit_bias"):
+            kwargs["logit_bias"] = body["logit_bias"]
         stop = kwargs.get("stop")
         if stop is not None and not isinstance(stop, (str, list)):
             raise LineError("body.stop must be a string or a list of strings")
@@ -213,43 +227,69 @@ def chat_logprobs(token_ids: list[int], positions: list[dict], top: int) -> dict
     return {"content": content}
 
 
-def completion_logprobs(token_ids: list[int], positions: list[dict]) -> dict:
+def completion_logprobs(token_ids: list[int], positions: list[dict | None], first_text: str = "") -> dict:
     """OpenAI completions `choice.logprobs`: tokens, their log-probabilities, text offsets, and per
-    token {text: log-probability} of the sampled token and the top alternatives."""
+    token {text: log-probability} of the sampled token and the top alternatives. A position of None
+    (an echoed prompt's first token: nothing comes before it) has text `first_text` and nulls."""
     tokens, token_lps, tops, offsets, off = [], [], [], [], 0
     for tok, pos in zip(token_ids, positions):
-        text = pos[tok].decoded_token
+        text = first_text if pos is None else pos[tok].decoded_token
         tokens.append(text)
-        token_lps.append(_lp(pos[tok].logprob))
-        tops.append({lp.decoded_token: _lp(lp.logprob) for lp in pos.values()})
+        token_lps.append(None if pos is None else _lp(pos[tok].logprob))
+        tops.append(None if pos is None else {lp.decoded_token: _lp(lp.logprob) for lp in pos.values()})
         offsets.append(off)
         off += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: int, top_logprobs: int = 0) -> dict:
-    """output: a RequestOutput; top_logprobs: alternatives per token its request asked for."""
+def vllm_prompt_logprobs(positions: list[dict | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}."""
+    return [None if pos is None else
+            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in pos.items()} for pos in positions]
+
+
+def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: int, top_logprobs: int = 0,
+                 echo: str | None = None, echo_only: bool = False, first_text: str = "") -> dict:
+    """output: a RequestOutput; top_logprobs: alternatives per token its request asked for; echo: the
+    prompt's text to put before each completion (completions' `echo`), echo_only: and nothing after it
+    (max_tokens 0); first_text: the prompt's first token's text (for echoed logprobs)."""
     line_id, request_id = _ids()
     choices = []
     completion_tokens = 0
+    prompt_lps = output.prompt_logprobs
     for c in output.outputs:
-        completion_tokens += len(c.token_ids)
+        token_ids, positions, text = c.token_ids, c.logprobs, c.text
+        if echo_only:
+            token_ids, positions, text = [], [] if positions is not None else None, ""
+        completion_tokens += len(token_ids)
+        if echo is not None:
+            text = echo + text
+            if positions is not None:
+                token_ids, positions = output.prompt_token_ids + token_ids, prompt_lps + positions
         logprobs = None
-        if c.logprobs is not None:
-            logprobs = (chat_logprobs(c.token_ids, c.logprobs, top_logprobs) if chat
-                        else completion_logprobs(c.token_ids, c.logprobs))
+        if positions is not None:
+            logprobs = (chat_logprobs(token_ids, positions, top_logprobs) if chat
+                        else completion_logprobs(token_ids, positions, first_text))
         choice = {"index": c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
+        if echo_only:
+            choice["finish_reason"], choice["stop_reason"] = "length", None
         if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = c.text
+            choice["text"] = text
+            if prompt_lps is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps)
         choices.append(choice)
     body = {"id": ("chatcmpl-" if chat else "cmpl-") + request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+    if chat and prompt_lps is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps)
     return {"id": line_id, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 

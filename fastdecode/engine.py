@@ -207,6 +207,9 @@ class LLMEngine:
             raise RequestError("the prompt is empty (no tokens)")
         if any(not 0 <= t < self.config.vocab_size for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.config.vocab_size:
+            raise RequestError(f"logit_bias token id {max(params.logit_bias)} is not in the model's vocabulary "
+                               f"[0, {self.config.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
         if n_prompt + max_tokens > limit or max_tokens < 1:
             raise RequestError(
@@ -306,13 +309,17 @@ class LLMEngine:
                 out.logprobs = [self._position_logprobs(tok, entry) for tok, entry in zip(s.output_ids, s.logprobs)]
                 out.cumulative_logprob = float(sum(entry[0] for entry in s.logprobs))
             outs.append(out)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs)
+        result = RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs)
+        if req.prompt_logprobs is not None:
+            result.prompt_logprobs = [None] + [self._position_logprobs(tok, entry)
+                                               for tok, entry in zip(req.prompt_ids[1:], zip(*req.prompt_logprobs))]
+        return result
 
     def _position_logprobs(self, token: int, entry: tuple) -> dict[int, Logprob]:
         """vLLM's per-position dict: the sampled token, then the top ones by rank (one entry if it is among them)."""
         chosen, rank, top_ids, top = entry
         text = self.tokenizer.token_text
-        found = {token: Logprob(chosen, rank, text(token))}
+        found = {token: Logprob(float(chosen), int(rank), text(token))}
         for r, (t, lp) in enumerate(zip(top_ids.tolist(), top.tolist()), start=1):
             if t not in found:
                 found[t] = Logprob(lp, r, text(t))

@@ -96,6 +96,14 @@ class BatchRunner:
             else:
                 self._submit(line)
 
+    def _success(self, line: BatchLine, req) -> dict:
+        eng, tok = self.engine, self.engine.tokenizer
+        echo = None
+        if line.echo:
+            echo = req.prompt if req.prompt is not None else tok.decode(req.prompt_ids, False)
+        return success_line(line.custom_id, line.is_chat, eng.source.name, eng.output_of(req), len(req.prompt_ids),
+                            req.params.logprobs or 0, echo, line.echo_only, tok.token_text(req.prompt_ids[0]))
+
     def done_lines(self) -> int:
         return self.index.skipped + self.num_requests + self.num_errors
 
@@ -123,9 +131,7 @@ class BatchRunner:
                 continue
             for req in eng.step():
                 line = self.pending.pop(req.index)
-                self._write(line.line_no, success_line(line.custom_id, line.is_chat, eng.source.name,
-                                                       eng.output_of(req), len(req.prompt_ids),
-                                                       req.params.logprobs or 0), None)
+                self._write(line.line_no, self._success(line, req), None)
                 self.num_requests += 1
             self.writer.sync()
             tick()
@@ -199,6 +205,14 @@ class BatchJob:
             print(f"fastdecode: interrupted by {self.stop.name}: {self.done_lines()} of {total} requests done; "
                   f"rerun the same command to resume", file=sys.stderr, flush=True)
         return interrupted
+
+    def _success(self, line: BatchLine, req) -> dict:
+        eng, tok = self.engine, self.engine.tokenizer
+        echo = None
+        if line.echo:
+            echo = req.prompt if req.prompt is not None else tok.decode(req.prompt_ids, False)
+        return success_line(line.custom_id, line.is_chat, eng.source.name, eng.output_of(req), len(req.prompt_ids),
+                            req.params.logprobs or 0, echo, line.echo_only, tok.token_text(req.prompt_ids[0]))
 
     def done_lines(self) -> int:
         """Input lines answered in the output now: this run's rows, the earlier rows it matched,

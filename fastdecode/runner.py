@@ -13,8 +13,11 @@ from .model.layer_graphs import LayerGraphs
 from .model.llama import LlamaSPart
 from .rpart.base import RBackend, StepStats
 from .rpart.wire import WireLayout
-from .sampler import Penalties, SamplingBatch, sample, token_logprobs
+from .sampler import LogitBias, Penalties, SamplingBatch, logprobs_of, sample, token_logprobs
 from .sequence import Sequence
+
+PROMPT_LOGPROB_BLOCK = 1 << 24   # logits per LM-head block for prompt log-probabilities (64 MB fp32):
+                                 # a 30k-token prompt never needs a [30k, V] tensor
 
 
 def group_by_worker(seqs: list[Sequence], num_workers: int) -> tuple[list[Sequence], list[int]]:
@@ -43,7 +46,8 @@ class ModelRunner:
         """What a sequence's sampling needs besides its position; fixed for its life, so cached."""
         p = s.request.params
         s.sampling_row = ((float(p.temperature), float(p.top_k), float(p.top_p), float(p.min_p),
-                           float(p.min_tokens), float(p.penalized), float(-1 if p.logprobs is None else p.logprobs)),
+                           float(p.min_tokens), float(p.penalized), float(-1 if p.logprobs is None else p.logprobs),
+                           float(p.biased)),
                           s.request.seed, s.sample_index)
         return s.sampling_row
 
@@ -51,8 +55,8 @@ class ModelRunner:
         """The rows' sampling parameters; n_out [n]: tokens each sequence has generated so far."""
         rows = [s.sampling_row or self._static_sampling(s) for s in seqs]
         n = len(rows)
-        cols = np.array([r[0] for r in rows], dtype=np.float64).reshape(n, 7)
-        #   [n, (temp, k, p, min_p, min_tokens, penalized, logprobs or -1)]
+        cols = np.array([r[0] for r in rows], dtype=np.float64).reshape(n, 8)
+        #   [n, (temp, k, p, min_p, min_tokens, penalized, logprobs or -1, biased)]
         suppress = {}
         for i in np.flatnonzero(n_out < cols[:, 4]):    # min_tokens: EOS/stop ids may not end it yet
             p = seqs[i].request.params
@@ -60,6 +64,9 @@ class ModelRunner:
         batch = SamplingBatch.from_arrays(cols[:, :4], np.fromiter((r[1] for r in rows), np.uint64, n),
                                           np.fromiter((r[2] for r in rows), np.uint64, n), n_out, suppress,
                                           self.device)
+        biased = np.flatnonzero(cols[:, 7] > 0)
+        if biased.size:
+            batch.bias = LogitBias.of({int(i): seqs[i].request.params.logit_bias for i in biased})
         penalized = np.flatnonzero(cols[:, 5] > 0)
         if penalized.size:
             batch.penalties = penalties_of([seqs[i] for i in penalized], penalized)
@@ -98,9 +105,26 @@ class ModelRunner:
             x = m.post_attn(layer, x, o)
         be.prefill_end()
         self.prefill_rows += len(row_ids)
+        self._prompt_logprobs(seqs, lengths, x)
         last = torch.tensor(np.cumsum(lengths) - 1, device=self.device)
         logits = m.logits(x[last])                                   # [n, V]
         return seqs, self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
+
+    def _prompt_logprobs(self, seqs: list[Sequence], lengths: list[int], x: torch.Tensor) -> None:
+        """For requests that asked (once per request, by its first sample): the log-probability of each
+        prompt token after the first given the ones before it, from the last layer's x [T, h]."""
+        m = self.model
+        block = max(1, PROMPT_LOGPROB_BLOCK // m.config.vocab_size)
+        for s, end in zip(seqs, np.cumsum(lengths).tolist()):
+            k = s.request.params.prompt_logprobs
+            if k is None or s.sample_index != 0:
+                continue
+            start, n = end - s.prompt_len, s.prompt_len - 1        # rows start .. start+n-1 predict tokens 1..n
+            targets = torch.tensor(s.request.prompt_ids[1:], dtype=torch.int64, device=self.device)   # [n]
+            parts = [logprobs_of(m.logits(x[start + i: start + min(i + block, n)]), targets[i: i + block], k)
+                     for i in range(0, n, block)]
+            s.request.prompt_logprobs = tuple(np.concatenate(col) for col in zip(*parts)) if parts else \
+                (np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray, StepStats | None]:

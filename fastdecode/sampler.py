@@ -37,7 +37,7 @@ class SamplingBatch:
     device before its argmax is read."""
 
     __slots__ = ("top_k", "top_p", "min_p", "needs_filter", "seeds", "streams", "positions", "suppress",
-                 "sample_rows", "sample_rows_dev", "temperature", "penalties", "logprob_rows", "logprob_k")
+                 "sample_rows", "sample_rows_dev", "temperature", "bias", "penalties", "logprob_rows", "logprob_k")
 
     def __init__(self, rows, device):
         # rows: list of (SamplingParams, seed:int, stream:int, position:int, suppress_ids:list[int]|None)
@@ -67,6 +67,7 @@ class SamplingBatch:
                                  or (self.min_p[self.sample_rows] > 0).any())
         self.seeds, self.streams, self.positions = seeds, streams, positions
         self.suppress = suppress
+        self.bias = None                               # LogitBias, set by the caller for rows that have one
         self.penalties = None                          # Penalties, set by the caller for rows that have them
         self.logprob_rows = np.zeros(0, np.int64)      # [r] rows that return log-probabilities
         self.logprob_k = np.zeros(0, np.int64)         # [r] top alternatives each wants
@@ -76,6 +77,27 @@ class SamplingBatch:
             self.temperature = torch.from_numpy(temperature[self.sample_rows].astype(np.float32)).to(device)[:, None]
         else:
             self.sample_rows_dev = self.temperature = None
+
+
+class LogitBias:
+    """OpenAI's logit_bias for some rows: rows, ids, values [t], one entry per (row, biased token)."""
+
+    def __init__(self, rows, ids, values):
+        self.rows = np.asarray(rows, np.int64)
+        self.ids = np.asarray(ids, np.int64)
+        self.values = np.asarray(values, np.float32)
+
+    @classmethod
+    def of(cls, biases: dict[int, dict[int, float]]) -> "LogitBias":
+        """biases: row -> {token id: bias}."""
+        rows = [r for r, b in biases.items() for _ in b]
+        return cls(rows, [t for b in biases.values() for t in b], [v for b in biases.values() for v in b.values()])
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place on logits [n, V]; each (row, token) pair occurs once, so no accumulation is needed."""
+        dev = logits.device
+        rows, ids = torch.from_numpy(self.rows).to(dev), torch.from_numpy(self.ids).to(dev)
+        logits[rows, ids] += torch.from_numpy(self.values).to(dev, logits.dtype)
 
 
 class Penalties:
@@ -116,12 +138,30 @@ class Penalties:
 
 
 class TokenLogprobs(NamedTuple):
-    """Log-probabilities of the sampled tokens of some rows (numpy, k = the most any row asked for)."""
+    """Log-probabilities of chosen tokens at some rows (numpy, k = the most any row asked for)."""
     rows: np.ndarray        # [r] rows of the batch
-    chosen: np.ndarray      # [r] float32: the sampled token's
+    chosen: np.ndarray      # [r] float32: the chosen token's
     rank: np.ndarray        # [r] its rank (1 = most likely)
     top_ids: np.ndarray     # [r, k] the k most likely tokens
     top: np.ndarray         # [r, k] ... and their log-probabilities
+
+
+def logprobs_of(logits: torch.Tensor, picked: torch.Tensor, k: int) -> tuple[np.ndarray, ...]:
+    """logits [r, V], picked [r] token ids -> (chosen [r], rank [r], top ids [r, k], top [r, k]) of the
+    raw distribution log_softmax(logits), as numpy."""
+    lp = torch.log_softmax(logits.float(), dim=-1)                                # [r, V]
+    chosen = lp.gather(1, picked[:, None])                                        # [r, 1]
+    rank = _count_greater(lp, chosen) + 1
+    top, top_ids = lp.topk(k, dim=-1)                                             # [r, k] (k may be 0)
+    return chosen[:, 0].cpu().numpy(), rank.cpu().numpy(), top_ids.cpu().numpy(), top.cpu().numpy()
+
+
+def _count_greater(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Per row of x [r, V], how many entries exceed threshold [r, 1]. On the CPU in numpy: PyTorch's
+    CPU reduction of a bool tensor is ~10x slower, as slow as the log_softmax itself."""
+    if x.device.type == "cpu":
+        return torch.from_numpy((x.numpy() > threshold.numpy()).view(np.uint8).sum(-1, dtype=np.int64))
+    return (x > threshold).sum(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: np.ndarray, batch: SamplingBatch) -> TokenLogprobs | None:
@@ -130,24 +170,20 @@ def token_logprobs(logits: torch.Tensor, tokens: np.ndarray, batch: SamplingBatc
     if not batch.logprob_rows.size:
         return None
     rows = torch.from_numpy(batch.logprob_rows).to(logits.device)
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)                          # [r, V]
-    picked = torch.from_numpy(tokens[batch.logprob_rows]).to(logits.device)[:, None]
-    chosen = lp.gather(1, picked)                                                  # [r, 1]
-    rank = (lp > chosen).sum(dim=-1) + 1
-    k = int(batch.logprob_k.max())
-    top, top_ids = lp.topk(k, dim=-1)                                             # [r, k] (k may be 0)
-    return TokenLogprobs(batch.logprob_rows, chosen[:, 0].cpu().numpy(), rank.cpu().numpy(),
-                         top_ids.cpu().numpy(), top.cpu().numpy())
+    picked = torch.from_numpy(tokens[batch.logprob_rows]).to(logits.device)
+    return TokenLogprobs(batch.logprob_rows, *logprobs_of(logits[rows], picked, int(batch.logprob_k.max())))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     """logits: [n, V] float32 -> token ids int64 [n] (numpy). `logits` itself is left as it is."""
     n, vocab = logits.shape
-    if batch.suppress or batch.penalties is not None:
+    if batch.suppress or batch.bias is not None or batch.penalties is not None:
         logits = logits.clone()
     if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet
         for row, ids in batch.suppress.items():
             logits[row, ids] = -float("inf")
+    if batch.bias is not None:           # vLLM's order: min_tokens and logit_bias, then penalties
+        batch.bias.apply(logits)
     if batch.penalties is not None:
         batch.penalties.apply(logits)
     out = torch.argmax(logits, dim=-1)

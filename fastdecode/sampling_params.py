@@ -25,6 +25,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0   # tokens of the prompt or the output: logit / r if > 0, else * r
     logprobs: int | None = None       # per output token: its log-probability and this many top ones
+    prompt_logprobs: int | None = None   # per prompt token after the first: the same, given the tokens before it
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before penalties (OpenAI's)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -33,6 +35,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):     # OpenAI's JSON has string keys
+            self.logit_bias = {_token_key(t): b for t, b in self.logit_bias.items()}
         self.validate()
 
     def validate(self):
@@ -69,14 +73,39 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be a map from token id to a number")
+            for t, b in self.logit_bias.items():
+                if t < 0:
+                    bad("logit_bias", f"keys must be token ids (integers >= 0); {t} is not")
+                if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
+                    bad("logit_bias", f"values must be numbers in [-100, 100]; token {t} has {b!r}")
 
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _token_key(key) -> int:
+    """A logit_bias key as a token id: ints as they are, decimal strings parsed."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
 
 
 @dataclass(slots=True)
@@ -105,3 +134,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # if asked: None for the first prompt
+                                                                     # token, then a dict per token as above

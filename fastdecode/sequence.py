@@ -24,6 +24,8 @@ class Request:
     sequences: list["Sequence"] = field(default_factory=list)
     meta: dict = field(default_factory=dict)   # caller's data carried to the output (e.g. chat vs completion)
     arrival_step: int = 0
+    prompt_logprobs: tuple | None = None   # if asked, per prompt token after the first:
+    #   (logprob [L-1], rank [L-1], top ids [L-1, k], top logprobs [L-1, k])
 
     @property
     def finished(self) -> bool:
