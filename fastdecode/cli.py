@@ -51,6 +51,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
     p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
                    help="prompt tokens prefilled per step (default 8192; on CUDA up to 32768 as memory allows)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + generation served (default: the model's context). Each sequence "
+                        "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
+                        "for the whole context: a shorter limit lets more sequences run at once")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--s-threads", type=_positive_int, default=None, help="torch threads on a CPU S-worker")
     p.add_argument("--r-threads", type=_positive_int, default=None,
@@ -126,9 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------- validation (no MPI, no torch)
 
 def validate_generate(args) -> None:
-    from .config import ConfigError
-    from .model_source import read_config, resolve_model
-
     if os.path.isdir(args.input):
         raise UsageError(f"input {args.input} is a directory, expected a JSONL file")
     if not os.path.isfile(args.input):
@@ -149,8 +150,15 @@ def validate_generate(args) -> None:
     summary = args.summary_json or args.output + ".summary.json"
     if os.path.isdir(summary) or not os.access(os.path.dirname(os.path.abspath(summary)), os.W_OK):
         raise UsageError(f"--summary-json {summary}: not a writable file path")
+    check_model(args)
+
+
+def check_model(args) -> None:
+    """The model's config is readable and servable, and --max-model-len fits it."""
+    from .config import ConfigError
+    from .model_source import read_config, resolve_model
     try:
-        read_config(resolve_model(args.model))
+        read_config(resolve_model(args.model)).resolve_max_model_len(args.max_model_len)
     except ConfigError as e:
         raise UsageError(str(e)) from None
 
@@ -206,7 +214,8 @@ def cmd_generate(args) -> int:
 def engine_args(args):
     from .engine import EngineArgs
     return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                      max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, seed=args.seed,
+                      max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
+                      max_model_len=args.max_model_len, seed=args.seed,
                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
                       timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
                       admit_every=args.admit_every, max_gen=args.max_gen,
@@ -233,12 +242,7 @@ def run_s_worker(args, comm) -> int:
 
 
 def validate_model(args) -> None:
-    from .config import ConfigError
-    from .model_source import read_config, resolve_model
-    try:
-        read_config(resolve_model(args.model))
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
+    check_model(args)
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")

@@ -61,6 +61,19 @@ class ModelConfig:
             return min(self.max_position, self.sliding_window)
         return self.max_position
 
+    def resolve_max_model_len(self, requested: int | None) -> int:
+        """The context a job serves: `requested` (vLLM's --max-model-len) if given, which may only
+        shorten the model's own; a shorter one bounds each sequence's worst-case KV reservation."""
+        if requested is None:
+            return self.max_context
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 2:
+            raise ConfigError(f"--max-model-len must be an integer >= 2, got {requested!r}")
+        if requested > self.max_context:
+            raise ConfigError(f"--max-model-len {requested} is longer than the model's context of "
+                              f"{self.max_context} tokens (max_position_embeddings"
+                              f"{' / sliding_window' if self.sliding_window else ''})")
+        return requested
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 

@@ -48,6 +48,7 @@ class EngineArgs:
     kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16
     max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
     max_prefill_tokens: int | None = None  # prompt tokens per prefill step (8192 on CPU, up to 32768 on CUDA)
+    max_model_len: int | None = None  # longest prompt + generation (default: the model's context)
     seed: int = 0                     # seeds requests that name none
     s_threads: int | None = None      # torch threads on the S-worker (CPU)
     r_threads: int | None = None      # kernel threads per R-worker
@@ -103,6 +104,7 @@ class LLMEngine:
         self.args = args
         self.source: ModelSource = resolve_model(args.model)
         self.config: ModelConfig = read_config(self.source)
+        self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
         self.device = resolve_device(args.device)
         self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
         self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
@@ -128,6 +130,7 @@ class LLMEngine:
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
+        self._noted_reservation = False
 
     def _make_graphs(self) -> LayerGraphs | None:
         if not self.args.cuda_graphs:
@@ -202,7 +205,7 @@ class LLMEngine:
                     params: SamplingParams, meta: dict | None = None) -> Request:
         """Queue a request; raise RequestError if it can never be served."""
         n_prompt = len(prompt_ids)
-        limit = self.config.max_context
+        limit = self.max_model_len
         if n_prompt == 0:
             raise RequestError("the prompt is empty (no tokens)")
         if any(not 0 <= t < self.config.vocab_size for t in prompt_ids):
@@ -217,6 +220,8 @@ class LLMEngine:
                 f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the messages, "
                 f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
                 code="context_length_exceeded")
+        if params.max_tokens is None:
+            self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no)
         for i in range(params.n):
@@ -229,6 +234,18 @@ class LLMEngine:
         for seq in req.sequences:
             self.scheduler.add(seq)
         return req
+
+    def _note_whole_context_reservation(self, request_id: str, bound: int) -> None:
+        """Once per job: say so when requests without max_tokens reserve so much KV that fewer than
+        --max-batch of them fit at once (a silent cause of a small batch on long-context models)."""
+        fits = self.placement.total_capacity_tokens() // bound
+        if self._noted_reservation or fits >= self.args.max_batch:
+            return
+        self._noted_reservation = True
+        print(f"fastdecode: note: request {request_id!r} sets no max_tokens, so each of its sequences reserves "
+              f"R-worker memory for the whole context ({bound} tokens); at that size {fits} fit at once, fewer "
+              f"than --max-batch {self.args.max_batch}. Set max_tokens in the requests or pass a shorter "
+              f"--max-model-len to run more at once.", file=sys.stderr, flush=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

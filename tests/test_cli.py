@@ -186,3 +186,41 @@ def test_info_reports_isa_and_mpi():
     proc = run_fastdecode(["info"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "kernel_isa" in proc.stdout and "mpi_library" in proc.stdout and "torch" in proc.stdout
+
+
+# ---------------------------------------------------------------------------- --max-model-len
+
+def test_max_model_len_caps_requests_and_the_reservation(tmp_path):
+    """Under --max-model-len 40: a chat request without max_tokens runs to 40 tokens in all and one
+    that asks past 40 is a 400. The note about whole-context reservations appears when few such
+    sequences fit (the model's own 8,192-token context in 64 MiB of KV)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([
+        batch_line("open", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True},
+                   CHAT),
+        batch_line("over", {"prompt": "The sky is", "max_tokens": 38}),
+    ]) + "\n")
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--kv-dtype", "fp32", "--quiet",
+                           "--max-model-len", "40"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["custom_id"]: r for r in read_output(str(out))}
+    usage = rows["open"]["response"]["body"]["usage"]
+    assert usage["total_tokens"] == 40 and rows["open"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    assert rows["over"]["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length is 40 tokens" in rows["over"]["error"]["message"]
+    assert "sets no max_tokens" not in proc.stderr          # 40-token reservations fit by the thousand
+
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "o2.jsonl"), "--kv-dtype", "fp32",
+                           "--quiet", "--rworker-mem", "64M", "--max-model-len", "8192"], ranks=2, timeout=300)
+    assert "request 'open' sets no max_tokens" in proc.stderr and "--max-model-len" in proc.stderr
+
+
+@pytest.mark.parametrize("value,needle", [("100000", "longer than the model's context of 8192"),
+                                          ("1", "--max-model-len must be an integer >= 2")])
+def test_bad_max_model_len_exits_2(tmp_path, value, needle):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(good_lines()[0] + "\n")
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "o"), "--max-model-len", value],
+                          timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
