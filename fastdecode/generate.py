@@ -206,14 +206,6 @@ class BatchJob:
                   f"rerun the same command to resume", file=sys.stderr, flush=True)
         return interrupted
 
-    def _success(self, line: BatchLine, req) -> dict:
-        eng, tok = self.engine, self.engine.tokenizer
-        echo = None
-        if line.echo:
-            echo = req.prompt if req.prompt is not None else tok.decode(req.prompt_ids, False)
-        return success_line(line.custom_id, line.is_chat, eng.source.name, eng.output_of(req), len(req.prompt_ids),
-                            req.params.logprobs or 0, echo, line.echo_only, tok.token_text(req.prompt_ids[0]))
-
     def done_lines(self) -> int:
         """Input lines answered in the output now: this run's rows, the earlier rows it matched,
         and the earlier done rows of lines it did not reach (an interrupted run)."""
