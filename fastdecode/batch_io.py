@@ -25,7 +25,8 @@ _TYPES = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "min
           "logit_bias": dict}
 # Fields that would change the output but are not implemented, and what they ask for: a
 # request that uses one gets a 400 instead of an answer that silently ignores it.
-_UNSUPPORTED = {"suffix": "suffixes", "use_beam_search": "beam search", "tools": "tool calls", "response_format": "structured output", "guided_json": "structured output",
+_UNSUPPORTED = {"suffix": "suffixes", "use_beam_search": "beam search", "tools": "tool calls",
+                "response_format": "structured output", "guided_json": "structured output",
                 "guided_regex": "structured output", "guided_choice": "structured output",
                 "guided_grammar": "structured output", "structured_outputs": "structured output",
                 "bad_words": "bad words", "allowed_token_ids": "allowed token ids",
