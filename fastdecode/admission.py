@@ -138,14 +138,17 @@ class FifoAdmission:
     continuous batching without preemption). With capacity_tokens it also keeps the worst-case
     projection within capacity, since nothing can be preempted later."""
 
-    def __init__(self, max_batch: int):
+    def __init__(self, max_batch: int, worst_case: bool = True):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.max_batch = max_batch
+        self.worst_case = worst_case    # False under --kv-reserve grow: preemption bounds memory instead
         self._capacity: float | None = None
 
     def admit(self, step: int, waiting: Sequence[tuple[int, int]],
               running: Sequence[tuple[int, int]], capacity_tokens: float | None = None) -> int:
+        if not self.worst_case:
+            capacity_tokens = None
         self._capacity = capacity_tokens
         k = max(0, min(len(waiting), self.max_batch - len(running)))
         if k and capacity_tokens is not None:

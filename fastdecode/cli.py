@@ -55,6 +55,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + generation served (default: the model's context). Each sequence "
                         "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
                         "for the whole context: a shorter limit lets more sequences run at once")
+    p.add_argument("--kv-reserve", default="full", choices=["full", "grow"],
+                   help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
+                        "never preempted; default) or grow (page by page as it grows; when a worker is full the "
+                        "youngest sequences there are preempted and later recomputed, as vLLM does)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--s-threads", type=_positive_int, default=None, help="torch threads on a CPU S-worker")
     p.add_argument("--r-threads", type=_positive_int, default=None,
@@ -215,7 +219,7 @@ def engine_args(args):
     from .engine import EngineArgs
     return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
-                      max_model_len=args.max_model_len, seed=args.seed,
+                      max_model_len=args.max_model_len, kv_reserve=args.kv_reserve, seed=args.seed,
                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
                       timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
                       admit_every=args.admit_every, max_gen=args.max_gen,

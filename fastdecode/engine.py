@@ -49,6 +49,7 @@ class EngineArgs:
     max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
     max_prefill_tokens: int | None = None  # prompt tokens per prefill step (8192 on CPU, up to 32768 on CUDA)
     max_model_len: int | None = None  # longest prompt + generation (default: the model's context)
+    kv_reserve: str = "full"          # full: reserve each sequence's worst case | grow: page by page, preempt
     seed: int = 0                     # seeds requests that name none
     s_threads: int | None = None      # torch threads on the S-worker (CPU)
     r_threads: int | None = None      # kernel threads per R-worker
@@ -121,7 +122,7 @@ class LLMEngine:
         if comm is not None and comm.Get_size() > 1:
             self._log_roster()
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(KV_ITEMSIZE[self.kv_dtype])
-        self.placement = Placement(self.backend.workers, self.kv_bytes_per_token)
+        self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve)
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
@@ -130,6 +131,7 @@ class LLMEngine:
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
+        self.num_recomputed_tokens = 0     # KV recomputed for preempted sequences (--kv-reserve grow)
         self._noted_reservation = False
 
     def _make_graphs(self) -> LayerGraphs | None:
@@ -163,7 +165,7 @@ class LLMEngine:
     def _make_admission(self):
         a = self.args
         if a.schedule == "fifo":
-            return FifoAdmission(a.max_batch)
+            return FifoAdmission(a.max_batch, worst_case=a.kv_reserve == "full")
         if a.schedule == "stabilized":
             return StabilizedAdmission(min(a.target_batch or a.max_batch, a.max_batch), a.admit_every, a.max_gen,
                                        learn_lengths=a.learn_lengths)
@@ -220,7 +222,7 @@ class LLMEngine:
                 f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the messages, "
                 f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
                 code="context_length_exceeded")
-        if params.max_tokens is None:
+        if params.max_tokens is None and self.placement.policy == "full":
             self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no)
@@ -244,8 +246,9 @@ class LLMEngine:
         self._noted_reservation = True
         print(f"fastdecode: note: request {request_id!r} sets no max_tokens, so each of its sequences reserves "
               f"R-worker memory for the whole context ({bound} tokens); at that size {fits} fit at once, fewer "
-              f"than --max-batch {self.args.max_batch}. Set max_tokens in the requests or pass a shorter "
-              f"--max-model-len to run more at once.", file=sys.stderr, flush=True)
+              f"than --max-batch {self.args.max_batch}. Set max_tokens in the requests, pass a shorter "
+              f"--max-model-len, or --kv-reserve grow (reserve as sequences grow, preempt when full) to run "
+              f"more at once.", file=sys.stderr, flush=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -260,24 +263,30 @@ class LLMEngine:
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)
         if new:
+            self.num_recomputed_tokens += sum(s.kv_len for s in new if s.output_ids)
             seqs, first = self.runner.prefill(new)
             self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
             self._postprocess(seqs, first, finished)
+        if self.placement.policy == "grow":
+            self._free_kv(self.scheduler.make_room())
         t_prefill = time.perf_counter() - t0
         running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         stats = None
         if running:
             seqs, tokens, stats = self.runner.decode(running)
             self._postprocess(seqs, tokens, finished)
-        done = self.scheduler.drop_finished()
-        if done:
-            by_worker = [[] for _ in self.backend.workers]
-            for s in done:
-                by_worker[s.worker].append(s.seq_id)
-            self.backend.free(by_worker)
+        self._free_kv(self.scheduler.drop_finished())
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
                              t_prefill, time.perf_counter() - t0, decode=bool(running))
         return finished
+
+    def _free_kv(self, seqs: list[Sequence]) -> None:
+        """Release the sequences' KV on their R-workers (sent before the next prefill or decode)."""
+        if seqs:
+            by_worker = [[] for _ in self.backend.workers]
+            for s in seqs:
+                by_worker[s.worker].append(s.seq_id)
+            self.backend.free(by_worker)
 
     def _postprocess(self, seqs: list[Sequence], tokens: np.ndarray, finished: list[Request]) -> None:
         now = time.perf_counter()

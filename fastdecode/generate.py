@@ -167,7 +167,8 @@ def run_summary(runner: BatchRunner, wall: float) -> dict:
     eng = runner.engine
     out = eng.recorder.summary(wall, eng.num_output_tokens, eng.num_prompt_tokens, eng.token_gaps.values())
     out.update(requests=runner.num_requests, errors=runner.num_errors,
-               requests_per_s=round(runner.num_requests / wall, 4) if wall else None)
+               requests_per_s=round(runner.num_requests / wall, 4) if wall else None,
+               preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens)
     return out
 
 

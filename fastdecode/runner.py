@@ -87,11 +87,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
-        """Prompt forward for `seqs`; their K/V go to their workers. -> (seqs in row order, first tokens)."""
+        """Prompt forward for `seqs`; their K/V go to their workers. -> (the new sequences in row order,
+        their first tokens). A preempted sequence back from the queue has its prompt and all its output
+        but the newest token prefilled (its KV recomputed) and samples nothing: decode goes on from there."""
         m, be = self.model, self.backend
         seqs, counts = group_by_worker(seqs, be.num_workers)
-        lengths = [s.prompt_len for s in seqs]
-        tokens = torch.tensor([t for s in seqs for t in s.request.prompt_ids], device=self.device)
+        lengths = [s.kv_len for s in seqs]
+        tokens = torch.tensor([t for s in seqs for t in s.request.prompt_ids + s.output_ids[:-1]],
+                              device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         row_ids = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), lengths)
         worker_rows = [sum(n for s, n in zip(seqs, lengths) if s.worker == w) for w in range(be.num_workers)]
@@ -105,17 +108,22 @@ class ModelRunner:
             x = m.post_attn(layer, x, o)
         be.prefill_end()
         self.prefill_rows += len(row_ids)
-        self._prompt_logprobs(seqs, lengths, x)
-        last = torch.tensor(np.cumsum(lengths) - 1, device=self.device)
+        fresh = [i for i, s in enumerate(seqs) if not s.output_ids]
+        if not fresh:
+            return [], np.zeros(0, np.int64)
+        self._prompt_logprobs([seqs[i] for i in fresh], np.cumsum(lengths)[fresh].tolist(), x)
+        seqs = [seqs[i] for i in fresh]
+        last = torch.tensor(np.cumsum(lengths)[fresh] - 1, device=self.device)
         logits = m.logits(x[last])                                   # [n, V]
         return seqs, self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
 
-    def _prompt_logprobs(self, seqs: list[Sequence], lengths: list[int], x: torch.Tensor) -> None:
+    def _prompt_logprobs(self, seqs: list[Sequence], ends: list[int], x: torch.Tensor) -> None:
         """For requests that asked (once per request, by its first sample): the log-probability of each
-        prompt token after the first given the ones before it, from the last layer's x [T, h]."""
+        prompt token after the first given the ones before it, from the last layer's x [T, h];
+        sequence i's prompt rows end before row ends[i]."""
         m = self.model
         block = max(1, PROMPT_LOGPROB_BLOCK // m.config.vocab_size)
-        for s, end in zip(seqs, np.cumsum(lengths).tolist()):
+        for s, end in zip(seqs, ends):
             k = s.request.params.prompt_logprobs
             if k is None or s.sample_index != 0:
                 continue

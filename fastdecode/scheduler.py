@@ -5,6 +5,9 @@ Admission is delegated to a controller from admission.py with one method,
 load-stabilizing controller and plain FIFO plug in alike; a controller that learns generation
 lengths also hears of each finished sequence (observe_finished). Placement then finds each admitted
 sequence an R-worker; a sequence that fits nowhere right now waits (FIFO order is kept).
+Under `--kv-reserve grow`, `make_room` preempts the youngest sequences of a worker that has no
+page left for an older one's next token; they go back to the head of the queue with what they
+generated and are prefilled again (prompt + output) when re-admitted.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -38,14 +42,14 @@ class Scheduler:
         # the head of the queue is all a controller reads (it admits a prefix of at most
         # max_batch, estimates from HEAD_WINDOW); converting a 100k queue every step would not pay
         head = islice(self.waiting, max(HEAD_WINDOW, self.max_batch))
-        waiting = [(s.prompt_len, s.max_tokens) for s in head]
+        waiting = [(s.kv_len, s.max_tokens - len(s.output_ids)) for s in head]
         running = [(s.kv_len, s.max_tokens - len(s.output_ids), len(s.output_ids)) for s in self.running]
         k = self.admission.admit(step, waiting, running, self.placement.total_capacity_tokens())
         k = min(k, self.max_batch - len(self.running))
         chosen, tokens = [], 0
         while self.waiting and len(chosen) < k:
             seq = self.waiting[0]
-            if chosen and tokens + seq.prompt_len > self.max_prefill_tokens:
+            if chosen and tokens + seq.kv_len > self.max_prefill_tokens:
                 break                       # the rest waits for the next step's prefill
             if self.placement.place(seq) is None:
                 break                       # no worker has room now; keep FIFO order
@@ -53,9 +57,31 @@ class Scheduler:
             seq.status = Status.RUNNING
             seq.start_step = step
             chosen.append(seq)
-            tokens += seq.prompt_len
+            tokens += seq.kv_len
         self.running.extend(chosen)
         return chosen
+
+    def make_room(self) -> list[Sequence]:
+        """grow: reserve room for every running sequence's next token, oldest first, preempting the
+        youngest sequences of a full worker (possibly the one growing). -> the preempted sequences,
+        whose KV the caller frees; they wait at the head of the queue, oldest first."""
+        preempted = []
+        for seq in sorted(self.running, key=lambda s: s.seq_id):
+            if seq.status is not Status.RUNNING or not self.placement.needs_growth(seq):
+                continue
+            while not self.placement.grow(seq):
+                victim = max((s for s in self.running if s.worker == seq.worker and s.status is Status.RUNNING),
+                             key=lambda s: s.seq_id)
+                self.placement.release(victim)
+                victim.status = Status.WAITING
+                preempted.append(victim)
+                if victim is seq:
+                    break
+        if preempted:
+            self.running = [s for s in self.running if s.status is not Status.WAITING]
+            self.waiting.extendleft(sorted(preempted, key=lambda s: -s.seq_id))
+            self.num_preemptions += len(preempted)
+        return preempted
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
