@@ -263,7 +263,7 @@ def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: 
     for c in output.outputs:
         token_ids, positions, text = c.token_ids, c.logprobs, c.text
         if echo_only:
-            token_ids, positions, text = [], [] if positions is not None else None, ""
+            token_ids, positions, text = [], ([] if positions is not None else None), ""
         completion_tokens += len(token_ids)
         if echo is not None:
             text = echo + text

@@ -111,9 +111,9 @@ class ModelRunner:
         fresh = [i for i, s in enumerate(seqs) if not s.output_ids]
         if not fresh:
             return [], np.zeros(0, np.int64)
-        self._prompt_logprobs([seqs[i] for i in fresh], np.cumsum(lengths)[fresh].tolist(), x)
-        seqs = [seqs[i] for i in fresh]
-        last = torch.tensor(np.cumsum(lengths)[fresh] - 1, device=self.device)
+        seqs, ends = [seqs[i] for i in fresh], np.cumsum(lengths)[fresh]   # ends: row after each one's last
+        self._prompt_logprobs(seqs, ends.tolist(), x)
+        last = torch.tensor(ends - 1, device=self.device)
         logits = m.logits(x[last])                                   # [n, V]
         return seqs, self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
 

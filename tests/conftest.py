@@ -22,6 +22,15 @@ def pytest_configure(config):
     os.environ.setdefault("FASTDECODE_CACHE", os.path.join(REPO, ".pytest_cache", "fastdecode-cache"))
 
 
+@pytest.fixture(scope="module")
+def llm():
+    """The embedded model in fp32 with fp32 KV on the CPU, local mode: comparable with HF's fp32."""
+    from fastdecode import LLM
+    engine = LLM("smollm2-135m", kv_dtype="fp32", dtype="float32", device="cpu")
+    yield engine
+    engine.close()
+
+
 @pytest.fixture(scope="session")
 def smollm_source():
     from fastdecode.model_source import resolve_model

@@ -14,17 +14,8 @@ import torch
 
 from conftest import batch_line, hf_greedy, read_output, run_fastdecode
 
-ENGINE = {"kv_dtype": "fp32", "dtype": "float32", "device": "cpu"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there was a",
            "List of fruits: apple, banana, apple, banana,"]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    from fastdecode import LLM
-    engine = LLM("smollm2-135m", **ENGINE)
-    yield engine
-    engine.close()
 
 
 def hf_logprobs(model, prompt_ids: list[int], out_ids: list[int]) -> np.ndarray:

@@ -12,17 +12,8 @@ import torch
 
 from conftest import batch_line, read_output, run_fastdecode
 
-ENGINE = {"kv_dtype": "fp32", "dtype": "float32", "device": "cpu"}
 PROMPTS = ["The capital of France is Paris, and the capital of Italy is", "def fibonacci(n):\n    if n <",
            "Hi"]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    from fastdecode import LLM
-    engine = LLM("smollm2-135m", **ENGINE)
-    yield engine
-    engine.close()
 
 
 def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
