@@ -293,11 +293,11 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
     }
 }
 
-// V run token-major, [PT][Dp], unless the store runs in tiles of V_TILE_ALT = 32 dims
-// (FASTDECODE_VTILE=32: under measurement, bench/KERNEL_NOTES.md). The next page is
-// prefetched during the K pass (scores_page).
-constexpr int V_TILE = 0;
-constexpr int V_TILE_ALT = 32;
+// V run in tiles of 32 dims, [Dp/32][PT][32]: 1.02-1.06x token-major for bf16 KV on Zen 5, equal
+// for fp32 (bench/KERNEL_NOTES.md, version 9). Token-major stays as V_TILE_ALT = 0 for A/B runs
+// (FASTDECODE_VTILE=0). The next page is prefetched during the K pass (scores_page).
+constexpr int V_TILE = 32;
+constexpr int V_TILE_ALT = 0;
 
 static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc, const char*,
                            size_t, int vtile) {
