@@ -53,12 +53,12 @@ constexpr float EXP2_POLY[8] = {1.0f, 6.9314718055994531e-01f, 2.402265069591007
                                 9.6181291076284772e-03f, 1.3333558146428443e-03f, 1.5403530393381606e-04f,
                                 1.5252733804059840e-05f};
 
-// Software prefetch of the NEXT page while this one is computed: the scores loop (AVX-512,
-// portable) walks the K run of this page and, at twice its pace, the K+V runs of the next one
-// (they are contiguous); AVX2 prefetches the next K run a line or two per K word row and the
-// next V run a line or two per token of the V pass. Either way a page arrives in cache as it is
-// needed and the prefetches spread evenly over compute. Measured against a burst
-// of 256 prefetches at each page start (which queues on the L1 miss buffers), L2-only hints,
+// Software prefetch of the NEXT page while this one is computed. AVX-512 and AVX2 prefetch the
+// next K run a line or two per K word row of the scores pass and the next V run a line or two
+// per token of the V pass, so the prefetches spread over both passes; the portable scores loop
+// walks the next page's K+V runs (contiguous) at twice the pace of this K run. Measured against
+// a burst of 256 prefetches at each page start (which queues on the L1 miss buffers), the whole
+// next page during the K pass (AVX-512 up to version 9), 2 or 3 pages ahead, L2-only hints,
 // prefetching only pages that do not follow in memory, and none: bench/KERNEL_NOTES.md.
 static inline void prefetch_lines(const char* p, size_t from, size_t to) {
     for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
@@ -195,8 +195,9 @@ static inline void kword16(const char* p, __m512& x, __m512& y) {
 }
 
 // S[j][0:32] for GH heads; 4 accumulators per head keep enough FMA chains in flight
+// pf: pf_lines cache lines (the next page's K run) prefetched a share per step
 template <int DT, int GH>
-static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf) {
+static inline void scores_group(const void* K, int Dp, const float* q, float* S, const char* pf, int pf_lines) {
     const char* k = static_cast<const char*>(K);
     __m512 a0[GH], a1[GH], b0[GH], b1[GH];   // a: tokens 0-15, b: tokens 16-31; 0/1: two dims
 #pragma GCC unroll 8
@@ -204,7 +205,7 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S,
     // each step consumes 2 dims of 32 tokens = 128 bytes (bf16/fp16: 1 word-row, fp32: 2)
     for (int d = 0; d < Dp; d += 2) {
         const char* row = k + (size_t)d * PT * (DT == F32 ? 4 : 2);
-        if (pf) prefetch_lines(pf, 2 * (size_t)d * PT * (DT == F32 ? 4 : 2), 2 * (size_t)(d + 2) * PT * (DT == F32 ? 4 : 2));
+        if (pf) prefetch_share(pf, pf_lines, d / 2, Dp / 2);
         __m512 xa, ya, xb, yb;
         if constexpr (DT == F32) {
             xa = _mm512_loadu_ps((const float*)row);
@@ -231,24 +232,32 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S,
     }
 }
 
+// pf: the next page; its K run is prefetched during the first pass over this K run, its V run
+// during this page's V pass (pv_page), one line or two per step, so misses stay in flight while
+// the FMAs run (bench/KERNEL_NOTES.md, version 10)
+static inline int k_run_lines(int dt, int Dp) { return (int)((size_t)PT * Dp * (dt == F32 ? 4 : 2) / 64); }
+
 static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
     for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
-        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr);
+        scores_group<DT.value, GH.value>(K, Dp, q + (size_t)j0 * Dp, S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr,
+                                         k_run_lines(dt, Dp));
     });
 }
 
 // acc[j][d0 : d0+32*TC] += sum_{t < nvalid} p_j[t] V[t][...] for GH heads: TC chunks of 32 dims
 // per pass, so one broadcast of p_j[t] feeds 2*TC FMAs and acc moves through memory once a page.
 // v: dims d0.. of token 0; token t of chunk c at v + t*row + c*cstride (either V layout)
+// pf: pf_lines cache lines prefetched a share per token
 template <int DT, int GH, int TC>
 static inline void pv_tile(const char* v, int nvalid, size_t row, size_t cstride, int d0, int Dp, const float* S,
-                           float* acc) {
+                           float* acc, const char* pf, int pf_lines) {
     __m512 a[GH][2 * TC];
 #pragma GCC unroll 8
     for (int j = 0; j < GH; ++j)
 #pragma GCC unroll 8
         for (int c = 0; c < 2 * TC; ++c) a[j][c] = _mm512_loadu_ps(acc + (size_t)j * Dp + d0 + 16 * c);
     for (int t = 0; t < nvalid; ++t) {
+        if (pf) prefetch_share(pf, pf_lines, t, nvalid);
         __m512 x[2 * TC];
 #pragma GCC unroll 4
         for (int c = 0; c < TC; ++c) load32<DT>(v + t * row + c * cstride, x[2 * c], x[2 * c + 1]);
@@ -267,17 +276,25 @@ static inline void pv_tile(const char* v, int nvalid, size_t row, size_t cstride
 
 // TILED: the V run in tiles of 32 dims, [Dp/32][PT][32] (+ a 16-dim tile [PT][16] when
 // Dp % 32 == 16), so a pass reads whole tiles, one sequential stream each; else token-major
+// pf: pf_lines cache lines (the next page's V run); the pass over dims [d, e) prefetches lines
+// [d, e) * pf_lines / Dp, spread over its tokens
 template <int DT, int GH, bool TILED>
-static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc) {
+static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, float* acc, const char* pf,
+                            int pf_lines) {
     constexpr size_t esz = DT == F32 ? 4 : 2;
     constexpr int TC = GH <= 2 ? 4 : GH <= 4 ? 2 : 1;   // accumulators 2*TC*GH <= 16
     const char* v = static_cast<const char*>(V);
     const size_t row = TILED ? 32 * esz : (size_t)Dp * esz;         // token to token in one chunk
     constexpr size_t cstride = TILED ? PT * 32 * esz : 32 * esz;    // chunk to chunk of one token
+    auto first = [&](int d) { return d * pf_lines / Dp; };
+    auto at = [&](int d) { return pf ? pf + 64 * (size_t)first(d) : nullptr; };
     int d = 0;
-    for (; d + 32 * TC <= Dp; d += 32 * TC) pv_tile<DT, GH, TC>(v + d / 32 * cstride, nvalid, row, cstride, d, Dp, S, acc);
-    for (; d + 32 <= Dp; d += 32) pv_tile<DT, GH, 1>(v + d / 32 * cstride, nvalid, row, cstride, d, Dp, S, acc);
+    for (; d + 32 * TC <= Dp; d += 32 * TC)
+        pv_tile<DT, GH, TC>(v + d / 32 * cstride, nvalid, row, cstride, d, Dp, S, acc, at(d), first(d + 32 * TC) - first(d));
+    for (; d + 32 <= Dp; d += 32)
+        pv_tile<DT, GH, 1>(v + d / 32 * cstride, nvalid, row, cstride, d, Dp, S, acc, at(d), first(d + 32) - first(d));
     if (d < Dp) {  // a 16-dim tail (Dp % 32 == 16), natural order
+        if (pf) prefetch_lines(at(d), 0, 64 * (size_t)(pf_lines - first(d)));
         const char* vt = v + d / 32 * cstride;
         const size_t trow = TILED ? 16 * esz : row;
         __m512 a[GH];
@@ -299,11 +316,15 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
 constexpr int V_TILE = 32;
 constexpr int V_TILE_ALT = 0;
 
-static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc, const char*,
-                           size_t, int vtile) {
+// pf: the next page (page_bytes: K run then V run); the first group's pass prefetches its V run
+static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc,
+                           const char* pf, size_t page_bytes, int vtile) {
+    const int v_lines = (int)(page_bytes / 2 / 64);
+    const char* pv = pf ? pf + page_bytes / 2 : nullptr;
     for_groups<8>(dt, g, [&](auto DT, auto GH, int j0) {
-        if (vtile) pv_group<DT.value, GH.value, true>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
-        else pv_group<DT.value, GH.value, false>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp);
+        const char* p = j0 == 0 ? pv : nullptr;
+        if (vtile) pv_group<DT.value, GH.value, true>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp, p, v_lines);
+        else pv_group<DT.value, GH.value, false>(V, nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp, p, v_lines);
     });
 }
 
@@ -318,13 +339,13 @@ static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const floa
 
 template <int GH>
 FD_TARGET_BF16 static void scores_group_dp(const char* k, int Dw, const uint32_t* qw, float sc, float* S,
-                                          const char* pf) {
+                                          const char* pf, int pf_lines) {
     __m512 a0[GH], b0[GH], a1[GH], b1[GH];   // a: tokens 0-15, b: 16-31; 0/1: even/odd word rows
 #pragma GCC unroll 8
     for (int j = 0; j < GH; ++j) a0[j] = b0[j] = a1[j] = b1[j] = _mm512_setzero_ps();
     for (int w = 0; w < Dw; w += 2) {                  // Dw is even (Dp is a multiple of 16)
         const char* row = k + (size_t)w * PT * 4;    // 2 word rows = 256 bytes
-        if (pf) prefetch_lines(pf, 2 * (size_t)w * PT * 4, 2 * (size_t)(w + 2) * PT * 4);
+        if (pf) prefetch_share(pf, pf_lines, w / 2, Dw / 2);
         __m512i x0 = _mm512_loadu_si512(row), y0 = _mm512_loadu_si512(row + 64);
         __m512i x1 = _mm512_loadu_si512(row + 128), y1 = _mm512_loadu_si512(row + 192);
 #pragma GCC unroll 8
@@ -350,7 +371,7 @@ static inline void scores_page_dp(const void* K, int Dp, const uint32_t* qw, flo
     const int Dw = Dp / 2;
     for_groups<4>(BF16, g, [&](auto, auto GH, int j0) {
         scores_group_dp<GH.value>(static_cast<const char*>(K), Dw, qw + (size_t)j0 * Dw, sc, S + (size_t)j0 * PT,
-                                  j0 == 0 ? pf : nullptr);
+                                  j0 == 0 ? pf : nullptr, k_run_lines(BF16, Dp));
     });
 }
 
