@@ -16,20 +16,19 @@ from .sampling_params import MAX_LOGPROBS, SamplingParams
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "min_tokens", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "skip_special_tokens", "include_stop_str_in_output")
+                 "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words")
 _TYPES = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "min_p": (int, float),
           "seed": int, "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "n": int,
           "max_tokens": int, "max_completion_tokens": int, "presence_penalty": (int, float),
           "frequency_penalty": (int, float), "repetition_penalty": (int, float), "top_logprobs": int,
           "skip_special_tokens": bool, "include_stop_str_in_output": bool, "echo": bool, "prompt_logprobs": int,
-          "logit_bias": dict}
+          "logit_bias": dict, "allowed_token_ids": list, "bad_words": list}
 # Fields that would change the output but are not implemented, and what they ask for: a
 # request that uses one gets a 400 instead of an answer that silently ignores it.
 _UNSUPPORTED = {"suffix": "suffixes", "use_beam_search": "beam search", "tools": "tool calls",
                 "response_format": "structured output", "guided_json": "structured output",
                 "guided_regex": "structured output", "guided_choice": "structured output",
                 "guided_grammar": "structured output", "structured_outputs": "structured output",
-                "bad_words": "bad words", "allowed_token_ids": "allowed token ids",
                 "logits_processors": "logits processors", "truncate_prompt_tokens": "prompt truncation",
                 "chat_template": "custom chat templates", "chat_template_kwargs": "chat template arguments",
                 "continue_final_message": "continuing the final message"}

@@ -26,6 +26,7 @@ from .admission import FifoAdmission, StabilizedAdmission
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
 from .stats import Reservoir, StepRecorder
+from .token_masks import bad_word_sequences
 from .tokenizer import TokenIdsOnly, Tokenizer
 from .weights import load_weights, source_digest
 
@@ -215,6 +216,7 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= self.config.vocab_size:
             raise RequestError(f"logit_bias token id {max(params.logit_bias)} is not in the model's vocabulary "
                                f"[0, {self.config.vocab_size})")
+        bad_words_ids = self._check_masks(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
         if n_prompt + max_tokens > limit or max_tokens < 1:
             raise RequestError(
@@ -225,7 +227,8 @@ class LLMEngine:
         if params.max_tokens is None and self.placement.policy == "full":
             self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
-                      self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no)
+                      self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
+                      bad_words_ids=bad_words_ids)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, max_tokens)
             if not self.placement.fits_anywhere_alone(seq):
@@ -236,6 +239,30 @@ class LLMEngine:
         for seq in req.sequences:
             self.scheduler.add(seq)
         return req
+
+    def _check_masks(self, params: SamplingParams) -> list[tuple[int, ...]]:
+        """allowed_token_ids and bad_words against the model; -> bad_words as token sequences. A request
+        whose masks leave no token to generate is refused here rather than sampled from nothing."""
+        vocab = self.config.vocab_size
+        allowed = set(params.allowed_token_ids or ())
+        if allowed and max(allowed) >= vocab:
+            raise RequestError(f"allowed_token_ids: token id {max(allowed)} is not in the model's vocabulary "
+                               f"[0, {vocab})")
+        bad_ids = []
+        if params.bad_words:
+            try:
+                bad_ids = bad_word_sequences(self.tokenizer.encode_text, params.bad_words)
+            except ValueError as e:
+                raise RequestError(f"bad_words: {e}") from None
+        if allowed:
+            allowed -= {ids[0] for ids in bad_ids if len(ids) == 1}
+            if not allowed:
+                raise RequestError("bad_words ban every token in allowed_token_ids")
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if params.min_tokens > 0 and allowed <= ends:
+                raise RequestError(f"min_tokens is {params.min_tokens} but every token in allowed_token_ids "
+                                   f"ends the sequence (EOS or stop_token_ids)")
+        return bad_ids
 
     def _note_whole_context_reservation(self, request_id: str, bound: int) -> None:
         """Once per job: say so when requests without max_tokens reserve so much KV that fewer than

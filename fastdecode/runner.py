@@ -13,8 +13,9 @@ from .model.layer_graphs import LayerGraphs
 from .model.llama import LlamaSPart
 from .rpart.base import RBackend, StepStats
 from .rpart.wire import WireLayout
-from .sampler import LogitBias, Penalties, SamplingBatch, logprobs_of, sample, token_logprobs
+from .sampler import AllowedTokens, LogitBias, Penalties, SamplingBatch, logprobs_of, sample, token_logprobs
 from .sequence import Sequence
+from .token_masks import banned_tokens
 
 PROMPT_LOGPROB_BLOCK = 1 << 24   # logits per LM-head block for prompt log-probabilities (64 MB fp32):
                                  # a 30k-token prompt never needs a [30k, V] tensor
@@ -47,7 +48,7 @@ class ModelRunner:
         p = s.request.params
         s.sampling_row = ((float(p.temperature), float(p.top_k), float(p.top_p), float(p.min_p),
                            float(p.min_tokens), float(p.penalized), float(-1 if p.logprobs is None else p.logprobs),
-                           float(p.biased)),
+                           float(p.biased), float(p.masked)),
                           s.request.seed, s.sample_index)
         return s.sampling_row
 
@@ -55,15 +56,25 @@ class ModelRunner:
         """The rows' sampling parameters; n_out [n]: tokens each sequence has generated so far."""
         rows = [s.sampling_row or self._static_sampling(s) for s in seqs]
         n = len(rows)
-        cols = np.array([r[0] for r in rows], dtype=np.float64).reshape(n, 8)
-        #   [n, (temp, k, p, min_p, min_tokens, penalized, logprobs or -1, biased)]
+        cols = np.array([r[0] for r in rows], dtype=np.float64).reshape(n, 9)
+        #   [n, (temp, k, p, min_p, min_tokens, penalized, logprobs or -1, biased, masked)]
         suppress = {}
         for i in np.flatnonzero(n_out < cols[:, 4]):    # min_tokens: EOS/stop ids may not end it yet
             p = seqs[i].request.params
             suppress[int(i)] = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
+        allowed = {}
+        for i in np.flatnonzero(cols[:, 8] > 0):        # allowed_token_ids, bad_words
+            s = seqs[i]
+            if s.request.params.allowed_token_ids:
+                allowed[int(i)] = s.request.params.allowed_token_ids
+            banned = banned_tokens(s.request.bad_words_ids, s.output_ids)
+            if banned:
+                suppress.setdefault(int(i), []).extend(banned)
         batch = SamplingBatch.from_arrays(cols[:, :4], np.fromiter((r[1] for r in rows), np.uint64, n),
                                           np.fromiter((r[2] for r in rows), np.uint64, n), n_out, suppress,
                                           self.device)
+        if allowed:
+            batch.allowed = AllowedTokens.of(allowed)
         biased = np.flatnonzero(cols[:, 7] > 0)
         if biased.size:
             batch.bias = LogitBias.of({int(i): seqs[i].request.params.logit_bias for i in biased})
@@ -131,8 +142,9 @@ class ModelRunner:
             targets = torch.tensor(s.request.prompt_ids[1:], dtype=torch.int64, device=self.device)   # [n]
             parts = [logprobs_of(m.logits(x[start + i: start + min(i + block, n)]), targets[i: i + block], k)
                      for i in range(0, n, block)]
-            s.request.prompt_logprobs = tuple(np.concatenate(col) for col in zip(*parts)) if parts else \
-                (np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+            empty = (np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, k), np.int64),
+                     np.zeros((0, k), np.float32))
+            s.request.prompt_logprobs = tuple(np.concatenate(col) for col in zip(*parts)) if parts else empty
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray, StepStats | None]:

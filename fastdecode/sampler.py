@@ -37,7 +37,8 @@ class SamplingBatch:
     device before its argmax is read."""
 
     __slots__ = ("top_k", "top_p", "min_p", "needs_filter", "seeds", "streams", "positions", "suppress",
-                 "sample_rows", "sample_rows_dev", "temperature", "bias", "penalties", "logprob_rows", "logprob_k")
+                 "sample_rows", "sample_rows_dev", "temperature", "allowed", "bias", "penalties", "logprob_rows",
+                 "logprob_k")
 
     def __init__(self, rows, device):
         # rows: list of (SamplingParams, seed:int, stream:int, position:int, suppress_ids:list[int]|None)
@@ -52,7 +53,7 @@ class SamplingBatch:
     def from_arrays(cls, cols: np.ndarray, seeds: np.ndarray, streams: np.ndarray, positions: np.ndarray,
                     suppress: dict[int, list[int]], device) -> "SamplingBatch":
         """cols: [n, 4] float64 (temperature, top_k, top_p, min_p); seeds/streams/positions: [n];
-        suppress: row -> token ids that may not be sampled (min_tokens)."""
+        suppress: row -> token ids that may not be sampled (min_tokens, bad_words)."""
         batch = cls.__new__(cls)
         batch._fill(cols, seeds.astype(np.uint64), streams.astype(np.uint64), positions.astype(np.uint64),
                     suppress, device)
@@ -67,6 +68,7 @@ class SamplingBatch:
                                  or (self.min_p[self.sample_rows] > 0).any())
         self.seeds, self.streams, self.positions = seeds, streams, positions
         self.suppress = suppress
+        self.allowed = None                            # AllowedTokens, set by the caller for rows that have them
         self.bias = None                               # LogitBias, set by the caller for rows that have one
         self.penalties = None                          # Penalties, set by the caller for rows that have them
         self.logprob_rows = np.zeros(0, np.int64)      # [r] rows that return log-probabilities
@@ -98,6 +100,31 @@ class LogitBias:
         dev = logits.device
         rows, ids = torch.from_numpy(self.rows).to(dev), torch.from_numpy(self.ids).to(dev)
         logits[rows, ids] += torch.from_numpy(self.values).to(dev, logits.dtype)
+
+
+class AllowedTokens:
+    """vLLM's allowed_token_ids for some rows: every other token of those rows is masked.
+    rows [t], ids [t]: one entry per (row, allowed token)."""
+
+    def __init__(self, rows, ids):
+        self.rows = np.asarray(rows, np.int64)
+        self.ids = np.asarray(ids, np.int64)
+
+    @classmethod
+    def of(cls, allowed: dict[int, list[int]]) -> "AllowedTokens":
+        """allowed: row -> token ids it may generate."""
+        return cls([r for r, ids in allowed.items() for _ in ids], [t for ids in allowed.values() for t in ids])
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place on logits [n, V]: -inf outside each row's allowed ids."""
+        dev = logits.device
+        urows, local = np.unique(self.rows, return_inverse=True)               # [u], [t] index into urows
+        urows_dev = torch.from_numpy(urows).to(dev)
+        local, ids = torch.from_numpy(local.reshape(-1)).to(dev), torch.from_numpy(self.ids).to(dev)
+        sub = logits[urows_dev]                                                 # [u, V]
+        kept = torch.full_like(sub, -float("inf"))
+        kept[local, ids] = sub[local, ids]
+        logits[urows_dev] = kept
 
 
 class Penalties:
@@ -178,9 +205,11 @@ def token_logprobs(logits: torch.Tensor, tokens: np.ndarray, batch: SamplingBatc
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     """logits: [n, V] float32 -> token ids int64 [n] (numpy). `logits` itself is left as it is."""
     n, vocab = logits.shape
-    if batch.suppress or batch.bias is not None or batch.penalties is not None:
+    if batch.suppress or batch.allowed is not None or batch.bias is not None or batch.penalties is not None:
         logits = logits.clone()
-    if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet
+    if batch.allowed is not None:        # vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias,
+        batch.allowed.apply(logits)      # penalties (the masks commute with the rest: -inf stays -inf)
+    if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet; bad_words
         for row, ids in batch.suppress.items():
             logits[row, ids] = -float("inf")
     if batch.bias is not None:           # vLLM's order: min_tokens and logit_bias, then penalties

@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: int | None = None       # per output token: its log-probability and this many top ones
     prompt_logprobs: int | None = None   # per prompt token after the first: the same, given the tokens before it
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before penalties (OpenAI's)
+    allowed_token_ids: list[int] | None = None   # if set, only these tokens may be generated (vLLM's)
+    bad_words: list[str] | None = None           # words that may not be generated (vLLM's): a word's last
+                                                 # token is banned where the output ends with the rest of it
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -37,6 +40,8 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):     # OpenAI's JSON has string keys
             self.logit_bias = {_token_key(t): b for t, b in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
 
     def validate(self):
@@ -85,6 +90,13 @@ class SamplingParams:
                     bad("logit_bias", f"keys must be token ids (integers >= 0); {t} is not")
                 if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
                     bad("logit_bias", f"values must be numbers in [-100, 100]; token {t} has {b!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-blank strings")
 
     @property
     def penalized(self) -> bool:
@@ -93,6 +105,11 @@ class SamplingParams:
     @property
     def biased(self) -> bool:
         return bool(self.logit_bias)
+
+    @property
+    def masked(self) -> bool:
+        """Some tokens may not be generated: allowed_token_ids or bad_words."""
+        return bool(self.allowed_token_ids) or bool(self.bad_words)
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ class Request:
     arrival_step: int = 0
     prompt_logprobs: tuple | None = None   # if asked, per prompt token after the first:
     #   (logprob [L-1], rank [L-1], top ids [L-1, k], top logprobs [L-1, k])
+    bad_words_ids: list[tuple[int, ...]] = field(default_factory=list)   # params.bad_words as token sequences
 
     @property
     def finished(self) -> bool:

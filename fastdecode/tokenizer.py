@@ -27,7 +27,7 @@ class TokenIdsOnly:
     def encode(self, prompt: str) -> list[int]:
         raise ValueError("this model has no tokenizer (a random benchmark model): give prompts as token ids")
 
-    encode_chat = encode
+    encode_chat = encode_text = encode
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
@@ -69,6 +69,10 @@ class Tokenizer:
 
     def encode(self, prompt: str) -> list[int]:
         return self.hf(prompt)["input_ids"]
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a piece of text, without the special tokens a prompt gets."""
+        return self.hf(text, add_special_tokens=False)["input_ids"]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
