@@ -12,6 +12,8 @@ Reports output tokens/s, mean decode batch, steps, preemptions and recomputed to
 how many requests' outputs are identical between runs (the same up to floating point). Writes bench/results/kv_reserve_<label>.json.
 
     python bench/kv_reserve_bench.py --label devbox-2core
+    python bench/kv_reserve_bench.py --label devbox-2core-preempt --instruction "Explain in detail." \
+        --max-tokens 256 --mem 12M        # longer answers in less memory: grow must preempt
 """
 from __future__ import annotations
 
@@ -55,10 +57,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--mem", default="24M", help="KV bytes of the (one, local) R-worker")
+    ap.add_argument("--instruction", default="Answer briefly.", help="put before every question")
     args = ap.parse_args()
     from rworker.capacity import parse_bytes
     mem = parse_bytes(args.mem)
-    messages = [[{"role": "user", "content": f"Answer briefly. {QUESTIONS[i % len(QUESTIONS)]}"}]
+    messages = [[{"role": "user", "content": f"{args.instruction} {QUESTIONS[i % len(QUESTIONS)]}"}]
                 for i in range(args.requests)]
     seeded = [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i) for i in range(args.requests)]
 
@@ -76,6 +79,7 @@ def main() -> None:
     result = {
         "label": args.label, "host": platform.node(), "model": "smollm2-135m", "kv_dtype": "bf16",
         "requests": args.requests, "max_tokens": args.max_tokens, "rworker_mem_bytes": mem,
+        "instruction": args.instruction,
         "answer_lengths": {"mean": sum(lengths) / len(lengths), "max": max(lengths), "min": min(lengths)},
         "identical_outputs_of_requests": same, "full": full, "grow": grow, "oracle": oracle,
         "grow_vs_full_throughput": grow["output_tokens_per_s"] / full["output_tokens_per_s"],
