@@ -109,6 +109,7 @@ class AllowedTokens:
     def __init__(self, rows, ids):
         self.rows = np.asarray(rows, np.int64)
         self.ids = np.asarray(ids, np.int64)
+        self.row_set = frozenset(self.rows.tolist())
 
     @classmethod
     def of(cls, allowed: dict[int, list[int]]) -> "AllowedTokens":
@@ -210,8 +211,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     if batch.allowed is not None:        # vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias,
         batch.allowed.apply(logits)      # penalties (the masks commute with the rest: -inf stays -inf)
     if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet; bad_words
+        both = [r for r in batch.suppress if batch.allowed is not None and r in batch.allowed.row_set]
+        allowed_only = logits[both].clone() if both else None                  # [b, V]
         for row, ids in batch.suppress.items():
             logits[row, ids] = -float("inf")
+        if both:                         # bans that leave none of a row's allowed tokens are lifted for
+            dead = torch.isneginf(logits[both]).all(-1)     # the step: allowed_token_ids wins
+            if bool(dead.any()):
+                rows = torch.tensor(both, device=logits.device)[dead]
+                logits[rows] = allowed_only[dead]
     if batch.bias is not None:           # vLLM's order: min_tokens and logit_bias, then penalties
         batch.bias.apply(logits)
     if batch.penalties is not None:

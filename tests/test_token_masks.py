@@ -45,6 +45,25 @@ def test_allowed_tokens_mask_keeps_only_allowed_logits():
         assert torch.isneginf(logits[row][~keep]).all()
 
 
+def test_bans_that_empty_the_allowed_set_are_lifted_for_the_step():
+    """bad_words / min_tokens bans that leave a row none of its allowed tokens: allowed_token_ids wins
+    for that step (never a sample from all -inf); other rows keep their bans."""
+    from fastdecode.sampler import AllowedTokens, SamplingBatch, sample
+    rng = np.random.default_rng(1)
+    logits = torch.from_numpy(rng.standard_normal((3, 40)).astype(np.float32))
+    cols = np.array([[0, 0, 1, 0], [0, 0, 1, 0], [1.0, 0, 1, 0]])          # rows 0, 1 greedy; row 2 samples
+    for suppress, want0 in (({0: [3, 7], 1: [5], 2: [3, 7]}, None), ({0: [7], 1: [5], 2: [3, 7]}, 3)):
+        batch = SamplingBatch.from_arrays(cols, np.arange(3), np.zeros(3), np.zeros(3), suppress, "cpu")
+        batch.allowed = AllowedTokens.of({0: [3, 7], 2: [3, 7]})
+        got = sample(logits, batch)
+        ref0 = [3, 7][int(np.argmax(logits[0, [3, 7]].numpy()))]
+        assert got[0] == (ref0 if want0 is None else want0)                # all banned: lifted; else the ban holds
+        z1 = logits[1].numpy().copy()
+        z1[5] = -np.inf
+        assert got[1] == int(np.argmax(z1))                                 # a row without allowed ids: ban kept
+        assert got[2] in (3, 7)                                             # sampled inside the allowed set
+
+
 def test_allowed_token_ids_greedy_equals_hf_restricted_argmax(llm, hf_smollm):
     from fastdecode import SamplingParams
     tok, model = hf_smollm
