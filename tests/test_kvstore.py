@@ -455,12 +455,13 @@ def test_gil_released_during_kernel():
     st = KVStore(1, 2, 128, "fp32", threads=1, isa="portable")
     n = 20_000
     st.append(0, [0] * n, rand(rng, (n, 2, 128)), rand(rng, (n, 2, 128)))
-    q = rand(rng, (1, 8, 128))
+    rows = 32                          # the sequence 32 times in one call: ~0.1-0.3 s of kernel (one pass
+    q = rand(rng, (rows, 8, 128))      # takes ~4 ms on a Zen 5 core, too short for the other thread to wake)
     started, done, ticks = threading.Event(), threading.Event(), [0]
 
     def kernel():
         started.set()
-        st.attend(0, [0], q)           # ~20-50 ms, well under the switch interval below
+        st.attend(0, [0] * rows, q)    # well under the switch interval below
         done.set()
 
     def count():
