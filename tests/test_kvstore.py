@@ -456,7 +456,7 @@ def test_gil_released_during_kernel():
     n = 20_000
     st.append(0, [0] * n, rand(rng, (n, 2, 128)), rand(rng, (n, 2, 128)))
     rows = 32                          # the sequence 32 times in one call: ~0.1-0.3 s of kernel (one pass
-    q = rand(rng, (rows, 8, 128))      # takes ~4 ms on a Zen 5 core, too short for the other thread to wake)
+    q = rand(rng, (rows, 8, 128))      # takes a few ms on a Zen 5 core, too short for the other thread to wake)
     started, done, ticks = threading.Event(), threading.Event(), [0]
 
     def kernel():
