@@ -211,7 +211,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     if batch.allowed is not None:        # vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias,
         batch.allowed.apply(logits)      # penalties (the masks commute with the rest: -inf stays -inf)
     if batch.suppress:                   # min_tokens: EOS/stop ids may not end the sequence yet; bad_words
-        both = [r for r in batch.suppress if batch.allowed is not None and r in batch.allowed.row_set]
+        both = [r for r in batch.suppress if r in batch.allowed.row_set] if batch.allowed is not None else []
         allowed_only = logits[both].clone() if both else None                  # [b, V]
         for row, ids in batch.suppress.items():
             logits[row, ids] = -float("inf")
@@ -220,7 +220,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
             if bool(dead.any()):
                 rows = torch.tensor(both, device=logits.device)[dead]
                 logits[rows] = allowed_only[dead]
-    if batch.bias is not None:           # vLLM's order: min_tokens and logit_bias, then penalties
+    if batch.bias is not None:
         batch.bias.apply(logits)
     if batch.penalties is not None:
         batch.penalties.apply(logits)

@@ -64,6 +64,9 @@ static inline void prefetch_lines(const char* p, size_t from, size_t to) {
     for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
+// cache lines of one K run (= one V run) of a page
+static inline int k_run_lines(int dt, int Dp) { return (int)(PT * Dp * dtype_size(dt) / 64); }
+
 // step i of n: the share [i*per, (i+1)*per) of `lines` cache lines at p, per = ceil(lines / n)
 static inline void prefetch_share(const char* p, int lines, int i, int n) {
     const int per = (lines + n - 1) / n;
@@ -235,7 +238,6 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S,
 // pf: the next page; its K run is prefetched during the first pass over this K run, its V run
 // during this page's V pass (pv_page), one line or two per step, so misses stay in flight while
 // the FMAs run (bench/KERNEL_NOTES.md, version 10)
-static inline int k_run_lines(int dt, int Dp) { return (int)((size_t)PT * Dp * (dt == F32 ? 4 : 2) / 64); }
 
 static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
     for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
@@ -312,7 +314,7 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
 
 // V run in tiles of 32 dims, [Dp/32][PT][32]: 1.02-1.06x token-major for bf16 KV on Zen 5, equal
 // for fp32 (bench/KERNEL_NOTES.md, version 9). Token-major stays as V_TILE_ALT = 0 for A/B runs
-// (FASTDECODE_VTILE=0). The next page is prefetched during the K pass (scores_page).
+// (FASTDECODE_VTILE=0).
 constexpr int V_TILE = 32;
 constexpr int V_TILE_ALT = 0;
 
@@ -578,7 +580,7 @@ static inline void scores_quad(const void* K, int Dp, const float* q, float* S, 
 // stay in flight while the FMAs run: 1.04-1.24x the speed of version 6, which issued the whole
 // page as a slice per tile pass of the V pass (bench/KERNEL_NOTES.md, versions 7 and 8).
 static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
-    const int k_lines = (int)((size_t)PT * Dp * (dt == F32 ? 4 : 2) / 64);   // one K run
+    const int k_lines = k_run_lines(dt, Dp);
     const int gq = g / 4 * 4;
     for (int j0 = 0; j0 < gq; j0 += 4) {
         const char* p = j0 == 0 ? pf : nullptr;
