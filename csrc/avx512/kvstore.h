@@ -423,14 +423,14 @@ private:
         const int32_t len = s.len[C.layer];
         const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
 
-        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g] | qw [g][Dp/2] words
+        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g][L_LANES] | qw [g][Dp/2] words
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + 2 * (size_t)g + (size_t)g * Dp / 2 + 64);
+        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + (size_t)g * (1 + L_LANES) + (size_t)g * Dp / 2 + 64);
         float* acc = qf + (size_t)g * Dp;
         float* S = acc + (size_t)g * Dp;
         float* m = S + (size_t)g * PT;
         float* l = m + g;
-        uint32_t* qw = reinterpret_cast<uint32_t*>(l + g);
+        uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)g * L_LANES);
 
         // 1. queries of this group: fp32 pre-scaled so scores are in log2 units, or (bf16 q and
         //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product
@@ -448,7 +448,7 @@ private:
             }
             std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
             m[j] = -INFINITY;
-            l[j] = 0.f;
+            std::fill(l + (size_t)j * L_LANES, l + (size_t)(j + 1) * L_LANES, 0.f);
         }
 
         // 2. stream the chunk page by page
@@ -475,7 +475,7 @@ private:
                 scores_page(dt_, kr, Dp, qf, g, S, pf);
             // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
-                float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l[j]);
+                float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l + (size_t)j * L_LANES);
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
@@ -487,13 +487,13 @@ private:
         char* obase = static_cast<char*>(C.out) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * oisz;
         if (it.nc == 1) {
             for (int j = 0; j < g; ++j)
-                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l[j], D, obase + (size_t)j * D * oisz, C.odt);
+                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l_total(l + (size_t)j * L_LANES), D, obase + (size_t)j * D * oisz, C.odt);
             return;
         }
         float* slot = parts_.p + (size_t)(it.part + it.c) * part_stride_;
         std::memcpy(slot, acc, sizeof(float) * g * Dp);
         std::memcpy(slot + (size_t)g * Dp, m, sizeof(float) * g);
-        std::memcpy(slot + (size_t)g * Dp + g, l, sizeof(float) * g);
+        for (int j = 0; j < g; ++j) slot[(size_t)g * Dp + g + j] = l_total(l + (size_t)j * L_LANES);
         if (counters_[it.counter].fetch_add(1, std::memory_order_acq_rel) != it.nc - 1) return;
         merge(it, g, obase, C.odt, acc);
     }

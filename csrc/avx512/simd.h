@@ -21,7 +21,9 @@
 // 32 (16 with AVX2): the accumulators are kept in "acc" order (apos) and un-permuted on output.
 //
 //   scores_page(dt, K, Dp, q, g, S, pf)  S[j][t] = q_j . K[:, t] (q scaled, log2 units)
-//   softmax_page(S, nvalid, m, l)        online softmax step on one head's 32 tokens; S <- p
+//   softmax_page(S, nvalid, m, l)        online softmax step on one head's 32 tokens; S <- p,
+//                                        returns alpha (acc must be scaled by it). l: L_LANES
+//                                        lane sums, l_total(l) their sum (no horizontal add per page)
 //   pv_page(dt, V, nvalid, Dp, S, g, acc, pf, pf_bytes, vtile)  acc[j][apos] += sum_t p_j[t] V[t][:]
 //                                        vtile: the store's V layout (V_TILE or V_TILE_ALT)
 //                                        pf: the next page (pf_bytes) to prefetch while this one
@@ -390,21 +392,32 @@ static inline __m512 exp2v(__m512 x) {
 
 static inline float exp2_1(float x) { return _mm512_cvtss_f32(exp2v(_mm512_set1_ps(x))); }
 
-// one head's 32 tokens: mask invalid ones, update running max m and sum l, S <- p
-static inline float softmax_page(float* S, int nvalid, float& m, float& l) {
+// Online softmax over one head's 32 tokens. The running max is only reduced when some score
+// passes it (after the first pages of a sequence, rarely), and l is kept in 16 lanes: the common
+// page costs no horizontal reduction and no scalar chain. Skipping the max reduction changes no bit
+// (mn == m either way); the lane sums change the order l is added in (bench/KERNEL_NOTES.md, 11).
+constexpr int L_LANES = 16;
+static inline float l_total(const float* l) { return _mm512_reduce_add_ps(_mm512_loadu_ps(l)); }
+
+static inline float softmax_page(float* S, int nvalid, float& m, float* l) {
     const __mmask16 ka = (__mmask16)((1u << (nvalid < 16 ? nvalid : 16)) - 1u);
     const __mmask16 kb = (__mmask16)((1u << (nvalid > 16 ? nvalid - 16 : 0)) - 1u);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 x = _mm512_mask_loadu_ps(ninf, ka, S), y = _mm512_mask_loadu_ps(ninf, kb, S + 16);
-    float mn = std::fmax(m, _mm512_reduce_max_ps(_mm512_max_ps(x, y)));
-    __m512 vm = _mm512_set1_ps(mn);
+    __m512 vm = _mm512_set1_ps(m), lv = _mm512_loadu_ps(l);
+    float alpha = 1.f;
+    if (_mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ) | _mm512_cmp_ps_mask(y, vm, _CMP_GT_OQ)) {
+        const float mn = std::fmax(m, _mm512_reduce_max_ps(_mm512_max_ps(x, y)));
+        alpha = exp2_1(m - mn);
+        lv = _mm512_mul_ps(lv, _mm512_set1_ps(alpha));
+        m = mn;
+        vm = _mm512_set1_ps(mn);
+    }
     __m512 px = _mm512_maskz_mov_ps(ka, exp2v(_mm512_sub_ps(x, vm)));
     __m512 py = _mm512_maskz_mov_ps(kb, exp2v(_mm512_sub_ps(y, vm)));
     _mm512_storeu_ps(S, px);
     _mm512_storeu_ps(S + 16, py);
-    float alpha = (mn == m) ? 1.f : exp2_1(m - mn);
-    l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(px, py));
-    m = mn;
+    _mm512_storeu_ps(l, _mm512_add_ps(lv, _mm512_add_ps(px, py)));
     return alpha;
 }
 
@@ -688,7 +701,11 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-static inline float softmax_page(float* S, int nvalid, float& m, float& l) {
+// as the AVX-512 branch: the max reduced only when a score passes it, l in 8 lanes
+constexpr int L_LANES = 8;
+static inline float l_total(const float* l) { return hsum8(_mm256_loadu_ps(l)); }
+
+static inline float softmax_page(float* S, int nvalid, float& m, float* l) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 k[4], x[4];
@@ -696,16 +713,22 @@ static inline float softmax_page(float* S, int nvalid, float& m, float& l) {
         k[i] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * i), lane));
         x[i] = _mm256_blendv_ps(ninf, _mm256_loadu_ps(S + 8 * i), k[i]);
     }
-    float mn = std::fmax(m, hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3]))));
-    __m256 vm = _mm256_set1_ps(mn), sum = _mm256_setzero_ps();
+    const __m256 xmax = _mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3]));
+    __m256 vm = _mm256_set1_ps(m), lv = _mm256_loadu_ps(l);
+    float alpha = 1.f;
+    if (_mm256_movemask_ps(_mm256_cmp_ps(xmax, vm, _CMP_GT_OQ))) {
+        const float mn = std::fmax(m, hmax8(xmax));
+        alpha = exp2_1(m - mn);
+        lv = _mm256_mul_ps(lv, _mm256_set1_ps(alpha));
+        m = mn;
+        vm = _mm256_set1_ps(mn);
+    }
     for (int i = 0; i < 4; ++i) {
         __m256 p = _mm256_and_ps(k[i], exp2v(_mm256_sub_ps(x[i], vm)));
         _mm256_storeu_ps(S + 8 * i, p);
-        sum = _mm256_add_ps(sum, p);
+        lv = _mm256_add_ps(lv, p);
     }
-    float alpha = (mn == m) ? 1.f : exp2_1(m - mn);
-    l = l * alpha + hsum8(sum);
-    m = mn;
+    _mm256_storeu_ps(l, lv);
     return alpha;
 }
 
@@ -805,7 +828,10 @@ static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const floa
 
 static inline float exp2_1(float x) { return std::exp2(x); }
 
-static inline float softmax_page(float* s, int nvalid, float& m, float& l) {
+constexpr int L_LANES = 1;
+static inline float l_total(const float* l) { return l[0]; }
+
+static inline float softmax_page(float* s, int nvalid, float& m, float* l) {
     float bm = -INFINITY;
     for (int t = 0; t < nvalid; ++t) bm = std::fmax(bm, s[t]);
     float mn = std::fmax(m, bm);
@@ -815,7 +841,7 @@ static inline float softmax_page(float* s, int nvalid, float& m, float& l) {
         sum += s[t];
     }
     float alpha = (mn == m) ? 1.f : std::exp2(m - mn);
-    l = l * alpha + sum;
+    l[0] = l[0] * alpha + sum;
     m = mn;
     return alpha;
 }
