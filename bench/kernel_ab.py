@@ -172,6 +172,8 @@ def main(argv=None):
             assert len(args.v_tiles) == 2
         except (ValueError, AssertionError):
             ap.error(f"--v-tiles must be two integers OLD,NEW, got {args.v_tiles!r}")
+    if (args.kv_kb is not None and args.kv_kb < 1) or args.reps < 1:
+        ap.error(f"--kv-kb and --reps must be >= 1, got {args.kv_kb} and {args.reps}")
     args.threads = args.threads or default_threads()
     runnable = isa_mod.available_isas() + isa_mod.emulated_isas()
     if args.isa not in runnable:

@@ -431,6 +431,7 @@ private:
         float* m = S + (size_t)g * PT;
         float* l = m + g;
         uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)g * L_LANES);
+        auto l_of = [&](int j) { return l + (size_t)j * L_LANES; };   // head j's lane sums
 
         // 1. queries of this group: fp32 pre-scaled so scores are in log2 units, or (bf16 q and
         //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product
@@ -448,7 +449,7 @@ private:
             }
             std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
             m[j] = -INFINITY;
-            std::fill(l + (size_t)j * L_LANES, l + (size_t)(j + 1) * L_LANES, 0.f);
+            std::fill(l_of(j), l_of(j + 1), 0.f);
         }
 
         // 2. stream the chunk page by page
@@ -475,7 +476,7 @@ private:
                 scores_page(dt_, kr, Dp, qf, g, S, pf);
             // 2c. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < g; ++j) {
-                float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l + (size_t)j * L_LANES);
+                float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l_of(j));
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
@@ -487,13 +488,13 @@ private:
         char* obase = static_cast<char*>(C.out) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * oisz;
         if (it.nc == 1) {
             for (int j = 0; j < g; ++j)
-                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l_total(l + (size_t)j * L_LANES), D, obase + (size_t)j * D * oisz, C.odt);
+                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l_total(l_of(j)), D, obase + (size_t)j * D * oisz, C.odt);
             return;
         }
         float* slot = parts_.p + (size_t)(it.part + it.c) * part_stride_;
         std::memcpy(slot, acc, sizeof(float) * g * Dp);
         std::memcpy(slot + (size_t)g * Dp, m, sizeof(float) * g);
-        for (int j = 0; j < g; ++j) slot[(size_t)g * Dp + g + j] = l_total(l + (size_t)j * L_LANES);
+        for (int j = 0; j < g; ++j) slot[(size_t)g * Dp + g + j] = l_total(l_of(j));
         if (counters_[it.counter].fetch_add(1, std::memory_order_acq_rel) != it.nc - 1) return;
         merge(it, g, obase, C.odt, acc);
     }
