@@ -5,6 +5,9 @@ profile` with that many R-workers (same launcher, same flags as the run), one fi
 `fastdecode generate` (B requests of exactly that many prompt tokens, EOS ignored, admitted
 together) with --stats-json, and `fastdecode plan --profile ... --json` for the same setting.
 A fixed batch lives through average KV length prompt + S/2, the same average the model uses.
+With `--engine-args "... --rworker-mem 48M"` (profile and run alike) a batch larger than the
+memory holds runs in waves of what fits (every request has the same length): the capacity
+check of the model (`plan --kv-reserve`, from the engine args, default full) is then measured too.
 
 A shared host's speed drifts by 10-20% over minutes (other tenants), as much as the target, so
 by default each configuration is profiled right before its run, as a user would profile the
@@ -126,20 +129,32 @@ def main() -> None:
         decode_steps = [s["step_s"] - s["prefill_s"] for s in steps]
         # the model's decode step is the whole batch's: steps of the ramp (part of the batch still
         # prefilling) or with a prefill beside them are left out of this mean
-        full_steps = [s["step_s"] for s in steps if s["active"] == batch and s["prefill_s"] < 1e-3]
+        full_steps = [s["step_s"] for s in steps if s["active"] == max(x["active"] for x in steps)
+                      and s["prefill_s"] < 1e-3]
         depth = next((int(engine[i + 1]) for i, a in enumerate(engine) if a == "--pipeline-depth"), 2)
-        chunk = min(batch, max(1, args.prefill_chunk // prompt)) * prompt   # whole prompts, all admitted at once
-        plan = json.loads(run([sys.executable, "-m", "fastdecode", "plan", "--profile", profile_path, "--batch",
-                               str(batch), "--context", str(gen), "--prompt-len", str(prompt), "--rworkers",
-                               str(max(r, 1)), "--pipeline-depth", str(depth), "--prefill-chunk", str(chunk),
-                               "--json"], 120).stdout)
-        measured_step = summary["wall_s"] / gen          # prefill amortized over the run, as the model does
+        reserve = next((engine[i + 1] for i, a in enumerate(engine) if a == "--kv-reserve"), "full")
+        def plan_json(chunk: int) -> dict:
+            return json.loads(run([sys.executable, "-m", "fastdecode", "plan", "--profile", profile_path, "--batch",
+                                   str(batch), "--context", str(gen), "--prompt-len", str(prompt), "--rworkers",
+                                   str(max(r, 1)), "--pipeline-depth", str(depth), "--prefill-chunk", str(chunk),
+                                   "--kv-reserve", reserve, "--json"], 120).stdout)
+
+        # whole prompts, all admitted at once: the batch, or the part of it the memory holds
+        plan = plan_json(min(batch, max(1, args.prefill_chunk // prompt)) * prompt)
+        if plan["batch_run"] < batch:
+            plan = plan_json(min(plan["batch_run"], max(1, args.prefill_chunk // prompt)) * prompt)
+        # with --rworker-mem too small for the batch, the requests run in waves of what fits
+        # (equal lengths, all admitted at once): a step serves one wave
+        running = max(s["active"] for s in steps)
+        waves = -(-batch // running)
+        measured_step = summary["wall_s"] / (gen * waves)   # prefill amortized over the run, as the model does
         row = {"batch": batch, "rworkers": r, "prompt_len": prompt, "gen_len": gen, "pipeline_depth": depth,
                "measured_step_latency_s": round(measured_step, 5),
                "measured_decode_step_s_mean": round(sum(decode_steps) / len(decode_steps), 5),
                "measured_tokens_per_s": round(summary["output_tokens"] / summary["wall_s"], 3),
                "predicted_step_latency_s": round(plan["step_latency_s"], 5),
                "predicted_tokens_per_s": round(plan["tokens_per_s"], 3), "predicted_bound": plan["bound"],
+               "kv_reserve": reserve, "measured_running_max": running, "predicted_batch_run": plan["batch_run"],
                "profile": f"r{r}" if once else key,
                "speed_run_over_profile": round(run_speed / profile_speed, 3)}
         # the decode step alone (prefill taken out of both sides): the S/R/link part of the model
@@ -150,7 +165,7 @@ def main() -> None:
             row["full_batch_decode_step_error"] = round(
                 row["predicted_decode_step_s"] / row["measured_full_batch_decode_step_s"] - 1, 4)
         row["measured_prefill_s_per_token"] = round(sum(s["prefill_s"] for s in steps) / (batch * prompt), 7)
-        row["predicted_prefill_s_per_token"] = round(plan["prefill_s"] * gen / (batch * prompt), 7)
+        row["predicted_prefill_s_per_token"] = round(plan["prefill_s"] * gen / (plan["batch_run"] * prompt), 7)
         row["step_latency_error"] = round(row["predicted_step_latency_s"] / measured_step - 1, 4)
         row["tokens_per_s_error"] = round(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1, 4)
         result["runs"].append(row)

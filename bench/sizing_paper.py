@@ -25,6 +25,9 @@ EPYC_MEM_GB = 256.0               # per socket (dual-socket nodes with 512 GB)
 LINK_GBPS, LINK_US = 12.5, 10.0   # InfiniBand 100 Gb/s, MPI + GPU copy latency
 CALL_US = 20.0                    # per attention call (one layer, one mini-batch)
 DEPTH = 2                         # the paper's 2-stage pipeline
+# the paper's R-workers keep the KV a sequence has filled (no worst-case reservation), token by
+# token: fastdecode's --kv-reserve grow without page rounding
+PAPER_KV_RESERVE, PAPER_PAGE_TOKENS = "grow", 1
 SOCKETS = [1, 2, 4, 8]
 BATCHES = [256, 512, 1024]
 MAIN_BATCH = 512                  # the largest power of two whose KV fits one socket for both models at L=1024
@@ -40,7 +43,10 @@ def scaling(model: str, L: int, batch: int, reading: str, attn_GBps: float, call
     gen, prompt = READINGS[reading](L)
     prof = stated_profile(GPU, MODEL_PRESETS[model], attn_GBps, EPYC_MEM_GB, LINK_GBPS, LINK_US,
                           cpu_attn_eff=1.0, call_overhead_us=call_us)
-    preds = {p: predict(prof, batch, gen, prompt, rworkers=p, depth=DEPTH) for p in SOCKETS}
+    for w in prof.r_workers:
+        w.page_tokens = PAPER_PAGE_TOKENS
+    preds = {p: predict(prof, batch, gen, prompt, rworkers=p, depth=DEPTH, kv_reserve=PAPER_KV_RESERVE)
+             for p in SOCKETS}
     base = preds[1].tokens_per_s
     return {"model": model, "L": L, "batch": batch, "reading": reading,
             "tokens_per_s": {p: round(x.tokens_per_s, 1) for p, x in preds.items()},

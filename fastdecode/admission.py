@@ -270,11 +270,26 @@ class StabilizedAdmission:
         S, life, prompt_mean, prompt_std = self._estimates(queue)
         F = self.admit_every or max(1, math.ceil(life / 16))
         M = max(1, round(B * F / life))
+        fit = math.floor(capacity_tokens / (prompt_mean + (S + F) / 2)) if capacity_tokens is not None else B
+        if fit < B:
+            # Memory that holds fewer than B at the steady state sets the batch the schedule
+            # spreads. Micro-batches sized for a B that cannot run open slots faster than
+            # sequences finish; the projection then refuses them, and the refused ones start
+            # together later: a few groups of one age instead of evenly spread ages, and fewer
+            # running (bench/reserve_capacity_bench.py). So: M = B*F/S for the B that fits, F
+            # set so that M per F steps opens at most that many slots per lifetime, and B the
+            # count that rate sustains (a ramp that kept opening slots past it made lumps too).
+            M = max(1, round(max(fit, 1) * F / life))
+            if self.admit_every is None:
+                F = max(1, math.ceil(M * life / max(fit, 1)))
+            B = max(1, min(fit, math.floor(M * life / F)))     # the count the ramp's rate sustains
+        target = self.target_batch       # W_lim from the asked-for batch: capacity, when that binds
         w_lim = (self.w_lim if self.w_lim is not None
-                 else B * (prompt_mean + (S + F) / 2) + self.margin_sigmas * math.sqrt(B + M) * prompt_std)
+                 else target * (prompt_mean + (S + F) / 2) + self.margin_sigmas * math.sqrt(target + M) * prompt_std)
         if capacity_tokens is not None:
             w_lim = min(w_lim, capacity_tokens)
-        self._used = {"schedule": "stabilized", "target_batch": B, "max_gen": S, "mean_gen": life,
+        self._used = {"schedule": "stabilized", "target_batch": self.target_batch, "batch_spread": B,
+                      "max_gen": S, "mean_gen": life,
                       "max_gen_source": ("given" if self.max_gen else
                                          "learnt lengths" if self._learnt else "max_tokens"),
                       "admit_every": F, "micro_batch": M, "w_lim": float(w_lim),

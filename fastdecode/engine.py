@@ -193,8 +193,10 @@ class LLMEngine:
     def _log_roster(self) -> None:
         """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""
         for w in self.backend.workers:
+            kv = (f"{w.capacity_bytes / 2**30:.1f} GiB" if w.capacity_bytes >= 2**30
+                  else f"{w.capacity_bytes / 2**20:.0f} MiB")
             print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
-                  f"{w.capacity_bytes / 2**30:.1f} GiB KV", file=sys.stderr, flush=True)
+                  f"{kv} KV", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
 

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from .sizing import (DTYPE_BYTES, GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelDims, Profile,
+from .sizing import (DTYPE_BYTES, GPU_PRESETS, KV_RESERVE, MODEL_PRESETS, GpuSpec, ModelDims, Profile,
                      from_known_keys, predict, s_worker_from_spec, stated_profile)
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
@@ -45,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="prompt tokens per prefill chunk [one admitted micro-batch, B/16 prompts, "
                           "up to the profile's largest chunk]")
     tgt.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype [model dtype]")
+    tgt.add_argument("--kv-reserve", choices=KV_RESERVE, default="full",
+                     help="how the run reserves KV (generate's --kv-reserve): full holds each sequence's "
+                          "prompt + S from admission on, grow only what it has filled (about half)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -144,10 +147,14 @@ def _check(args) -> None:
 
 
 def _row(prof: Profile, batch: int, args) -> dict:
-    pred = predict(prof, batch, args.context, args.prompt_len, args.rworkers, args.pipeline_depth, args.prefill_chunk)
-    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk)
-    return {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s,
-            "tokens_per_s_depth1": flat.tokens_per_s}
+    pred = predict(prof, batch, args.context, args.prompt_len, args.rworkers, args.pipeline_depth, args.prefill_chunk,
+                   args.kv_reserve)
+    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk, args.kv_reserve)
+    row = {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s, "tokens_per_s_depth1": flat.tokens_per_s}
+    if args.kv_reserve == "full" and pred.bound == "capacity":      # what the other policy would hold
+        row["batch_run_if_grow"] = predict(prof, batch, args.context, args.prompt_len, pred.rworkers,
+                                           args.pipeline_depth, args.prefill_chunk, "grow").batch_run
+    return row
 
 
 def _header(prof: Profile, knee: int, depth: int) -> list[str]:
@@ -192,12 +199,15 @@ def run(args) -> int:
         return 0
     print("\n".join(_header(prof, knee, args.pipeline_depth)))
     print(f"target: generation S = {args.context}, prompt {args.prompt_len} -> average KV "
-          f"{args.prompt_len + args.context / 2:g} tokens/sequence; pipeline depth {args.pipeline_depth}")
+          f"{args.prompt_len + args.context / 2:g} tokens/sequence; pipeline depth {args.pipeline_depth}; "
+          f"--kv-reserve {args.kv_reserve}")
     if args.batch:
         r = pick
         print(f"batch {r['batch']}" + (f" (memory holds {r['batch_run']})" if r["batch_run"] < r["batch"] else "")
-              + f": KV {r['kv_tokens_needed']:,.0f} tokens of {r['kv_tokens_capacity']:,.0f} on "
+              + f": KV {r['kv_tokens_needed']:,.0f} tokens reserved of {r['kv_tokens_capacity']:,.0f} on "
               f"{r['rworkers']} R-workers; R-workers needed: {_fmt_p(r)}")
+        if "batch_run_if_grow" in r:
+            print(f"  (with --kv-reserve grow, sequences reserve as they grow: memory holds {r['batch_run_if_grow']})")
         print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms, R {r['r_layer_s'] * 1e3:.3f} ms, "
               f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
         if r["prefill_s"]:

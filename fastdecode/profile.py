@@ -150,26 +150,32 @@ def time_s_part_device(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple
     return per_layer, max(full - c.num_layers * per_layer, 1e-9)
 
 
+# the S-part timing's sequences: prompt + first token + a warm-up + the timed steps stay within one
+# 32-token page, so a CPU profile times as large a batch as the R-workers' memory can hold
+S_PART_PROMPT = 8               # tokens of context of the S-part timing's sequences
+S_PART_MAX_STEPS = 20           # decode steps it times at most (each appends a token to every sequence)
+
+
 @torch.inference_mode()
 def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float, float]:
     """(seconds per layer, seconds for LM head + sampling) of the S-worker in a decode step at
     `batch` rows, one mini-batch (the sizing model composes mini-batches itself).
 
     The step is the engine's own (ModelRunner.decode) on the job's real R-workers and transport,
-    over sequences of 16 tokens, so the R-part is short and the S-worker's busy time (the step
+    over sequences of 8 to 30 tokens, so the R-part is short and the S-worker's busy time (the step
     less its waits for replies) carries everything it pays per layer: RoPE, packing, staging,
     MPI calls, its progress thread, a core shared with nothing else. Per layer = (busy - head) / layers.
     """
     m, c = engine.model, engine.config
     runner = ModelRunner(m, engine.backend, engine.eos_ids, depth=1)
-    seqs = _placed(engine, batch, 16, PROFILE_SEQ_BASE)
+    seqs = _placed(engine, batch, S_PART_PROMPT, PROFILE_SEQ_BASE)
     runner.prefill(seqs)
     x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
     rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
     head_s = median_time(lambda: sample(m.logits(x), rows), m.device, repeats, MIN_TIMED_S / 4)
     runner.decode(seqs)                   # a warm-up (buffers grow)
     busy, start = [], time.perf_counter()
-    while len(busy) < repeats or time.perf_counter() - start < MIN_TIMED_S:
+    while len(busy) < repeats or (time.perf_counter() - start < MIN_TIMED_S and len(busy) < S_PART_MAX_STEPS):
         runner.decode(seqs)
         busy.append(runner.last_s_time)
     _free(engine, seqs)
@@ -202,28 +208,45 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float
 PREFILL_CHUNK_PROMPT = 128      # prompt length of the chunk-size table: the dense part dominates
 
 
+def prompts_that_fit(engine: LLMEngine, prompt_len: int) -> int:
+    """How many `prompt_len`-token prompts the R-workers' memory holds at once, spread round-robin
+    as _placed spreads them (every layer's KV, whole pages, a tenth kept free): a prefill chunk
+    the profile times must fit, as a job's chunks do (admission only prefills what fits)."""
+    c, workers = engine.config, engine.backend.workers
+    token_bytes = c.kv_bytes_per_token(KV_ITEMSIZE[engine.kv_dtype])
+    per_worker = min(int(0.9 * w.capacity_bytes // token_bytes) // (-(-prompt_len // max(w.page_tokens, 1))
+                                                                   * max(w.page_tokens, 1)) for w in workers)
+    return per_worker * len(workers)
+
+
 def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log) -> dict:
     """SWorkerProfile's prefill tables: seconds per prompt token over prompt lengths at the chunk a
     FIFO job prefills in (--max-prefill-tokens; at most 16,384 on a GPU, to bound the profile's
     time), and over chunk sizes (a quarter of that, it, four times it, capped the same way) at a
-    128-token prompt, for smaller chunks (the stabilized schedule's micro-batches).
+    128-token prompt, for smaller chunks (the stabilized schedule's micro-batches). Chunks are
+    capped at what the R-workers' memory holds (--rworker-mem), as a job's are.
     Prompt length and chunk do not separate on a CPU (dev VM: 768-token prompts cost 2.1 ms per
     token one at a time and 1.7 ten at a time, 512-token ones 1.2 and 1.5 sixteen at a time;
     bench/prefill_chunk_probe.py), so the prompt table is measured at the chunk FIFO uses rather
     than shifted to it."""
     c, cap = engine.config, engine.args.max_prefill_tokens
     max_prompt = min(c.max_position, cap)
-    prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt] or [max_prompt]
-    base = min(cap, 16384) if engine.device.type == "cuda" else cap
     cp = min(PREFILL_CHUNK_PROMPT, max_prompt)
-    chunk_grid = sorted({max(cp, min(cap, x)) // cp * cp for x in (base // 4, base, base * 4)})
+    prompt_grid = [p for p in prompt_lens or PROMPT_GRID if p <= max_prompt and prompts_that_fit(engine, p)]
+    if not prompt_grid or not prompts_that_fit(engine, cp):
+        raise ValueError(f"the R-workers' memory ({min(w.capacity_bytes for w in engine.backend.workers):,} bytes "
+                         f"of KV on the smallest) cannot hold the profile's prompts (--rworker-mem too small)")
+    base = min(cap, 16384) if engine.device.type == "cuda" else cap
+    chunk_grid = sorted({max(cp, min(cap, x, prompts_that_fit(engine, cp) * cp)) // cp * cp
+                         for x in (base // 4, base, base * 4)})
     seen = {}
 
     def timed(prompt: int, chunk: int) -> float:
-        key = (prompt, max(1, chunk // prompt))
+        key = (prompt, max(1, min(chunk // prompt, prompts_that_fit(engine, prompt))))
         if key not in seen:
-            seen[key] = time_prefill(engine, prompt, chunk)
-            log(f"prefill prompt={prompt:>5} chunk={key[0] * key[1]:>6}: {seen[key] * 1e6:8.2f} us per prompt token")
+            seen[key] = time_prefill(engine, prompt, key[0] * key[1])
+            log(f"prefill prompt={prompt:>5} chunk={key[0] * key[1]:>6}: {seen[key] * 1e6:8.2f} us per prompt token"
+                + (" (capped: what the R-workers' memory holds)" if key[1] < chunk // prompt else ""))
         return seen[key]
 
     return {"prefill_prompt_len": prompt_grid, "prefill_token_s": [timed(p, max(base, p)) for p in prompt_grid],
@@ -349,6 +372,15 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
     c = engine.config
     cuda = engine.device.type == "cuda"
     grid = sorted(batches or (GPU_GRID if cuda else CPU_GRID))
+    if not cuda:            # the CPU S-part is timed on the job's R-workers: its sequences must fit there
+        fit = prompts_that_fit(engine, S_PART_PROMPT + 2 + S_PART_MAX_STEPS)
+        if grid[0] > fit:
+            raise ValueError(f"the R-workers' memory holds {fit} sequences of the S-part timing, fewer than "
+                             f"B={grid[0]} (--rworker-mem too small for --batches)")
+        if grid[-1] > fit:
+            log(f"S-part  B={','.join(str(b) for b in grid if b > fit)} left out: the R-workers' memory "
+                f"holds {fit} sequences (--rworker-mem)")
+            grid = [b for b in grid if b <= fit]
     layer_s, head_s = [], []
     for b in grid:
         ls, hs = time_s_part_device(engine, b, repeats) if cuda else time_s_part(engine, b, repeats)
@@ -372,7 +404,8 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
         r_workers.append(RWorkerProfile(name=f"rank{r['rank']}@{r['host']}", seconds_per_kv_byte=per_byte,
                                         call_overhead_s=per_call,
                                         capacity_bytes=float(r["capacity_bytes"] or 0), threads=r["threads"],
-                                        kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"]))
+                                        kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"],
+                                        page_tokens=int(engine.backend.workers[i].page_tokens)))
     sizes = link_sizes or LINK_SIZES
     one_way = np.array(engine.backend.ping(sizes, repeats=max(repeats, 5)))     # [workers, sizes]
     times = np.median(one_way, axis=0)

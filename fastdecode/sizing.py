@@ -158,6 +158,7 @@ class RWorkerProfile:
     capacity_bytes: float           # KV bytes it may hold
     threads: int = 0
     kernel_seconds_per_kv_byte: float = 0.0   # the attention kernel timed alone (reference; 0: not measured)
+    page_tokens: int = 1            # KV pages of this many tokens per (sequence, layer): reservations round up
 
     def bandwidth(self) -> float:
         return 1.0 / self.seconds_per_kv_byte
@@ -327,7 +328,7 @@ def stated_profile(gpu: GpuSpec, model: ModelDims, cpu_bw_GBps: float, cpu_mem_G
     rw = RWorkerProfile(name=f"cpu-socket-{cpu_bw_GBps:g}GBps",
                         seconds_per_kv_byte=1.0 / (cpu_bw_GBps * 1e9 * cpu_attn_eff),
                         call_overhead_s=call_overhead_us * 1e-6,
-                        capacity_bytes=cpu_mem_GB * 1e9 * (1 - mem_reserve))
+                        capacity_bytes=cpu_mem_GB * 1e9 * (1 - mem_reserve), page_tokens=STORE_PAGE_TOKENS)
     link = LinkProfile(latency_s=link_latency_us * 1e-6, bandwidth_Bps=link_bw_GBps * 1e9)
     return Profile(model=model, s_worker=s_worker_from_spec(gpu, model), r_workers=[rw], link=link,
                    kv_dtype_bytes=kv_dtype_bytes or model.dtype_bytes, source="stated",
@@ -338,6 +339,32 @@ def stated_profile(gpu: GpuSpec, model: ModelDims, cpu_bw_GBps: float, cpu_mem_G
 
 # ---------------------------------------------------------------- predictions
 
+STORE_PAGE_TOKENS = 32          # the AVX-512/AVX2 KV store's page (csrc/avx512/simd.h PT)
+KV_RESERVE = ("full", "grow")   # generate's --kv-reserve (fastdecode/placement.py)
+
+
+def held_tokens(worker: RWorkerProfile, gen_len: int, prompt_len: int, kv_reserve: str) -> float:
+    """KV tokens one running sequence keeps from other sequences on `worker`, on average over its
+    life, as fastdecode/placement.py reserves them:
+    - full: its worst case, prompt + S rounded up to whole pages, from admission to the end;
+    - grow: the pages it has filled plus the one its next token goes to (on average half a page
+      past its length, +1/2 for that token), and one page of admission headroom per resident
+      sequence; at the stabilized schedule's steady state its length averages prompt + S/2."""
+    page = max(int(worker.page_tokens), 1)
+    if kv_reserve == "full":
+        return math.ceil((prompt_len + gen_len) / page) * page
+    if kv_reserve == "grow":
+        return _avg_kv_len(gen_len, prompt_len) + (3 * page + 1) / 2
+    raise ValueError(f"kv_reserve must be one of {KV_RESERVE}, got {kv_reserve!r}")
+
+
+def sequences_fitting(profile: Profile, workers: list[RWorkerProfile], gen_len: int, prompt_len: int,
+                      kv_reserve: str) -> int:
+    """How many sequences the workers' memory holds at once: whole sequences per worker."""
+    per_token = profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    return sum(int((w.capacity_bytes // per_token) // held_tokens(w, gen_len, prompt_len, kv_reserve))
+               for w in workers)
+
 @dataclass(slots=True)
 class Prediction:
     batch: int                      # asked for
@@ -347,7 +374,8 @@ class Prediction:
     rworkers: int
     rworkers_needed: int | None     # None: no P balances (R-worker call overhead >= S-part time)
     pipeline_depth: int
-    kv_tokens_needed: float         # batch * (prompt + S/2)
+    kv_reserve: str                 # "full" | "grow": how a sequence reserves KV (generate's --kv-reserve)
+    kv_tokens_needed: float         # batch * what a sequence holds (held_tokens): full ~ prompt + S, grow ~ prompt + S/2
     kv_tokens_capacity: float       # of these rworkers
     s_layer_s: float                # per layer, summed over the mini-batches
     r_layer_s: float
@@ -413,9 +441,9 @@ def kv_tokens_capacity(profile: Profile, rworkers: int) -> float:
 
 
 def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
-                    depth: int = 2, max_workers: int = 1 << 14) -> int | None:
+                    depth: int = 2, max_workers: int = 1 << 14, kv_reserve: str = "full") -> int | None:
     """Fewest R-workers whose R-part per mini-batch is no slower than the S-part (balance) and
-    whose memory holds batch*(prompt + S/2) tokens (capacity). None if no count up to
+    whose memory holds the batch as `kv_reserve` reserves it (capacity). None if no count up to
     max_workers does (e.g. the R-worker call overhead alone exceeds the S-part)."""
     mini = batch / depth
     t_s = profile.s_worker.layer_time(mini)
@@ -430,11 +458,10 @@ def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int 
         return q * prefix[-1] + prefix[r]
 
     bw = total([w.bandwidth() for w in ws])
-    held = total([w.capacity_bytes for w in ws]) / (
-        profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes))
+    held = total([sequences_fitting(profile, [w], gen_len, prompt_len, kv_reserve) for w in ws])
     first_max = np.maximum.accumulate([w.call_overhead_s for w in ws])
     overhead = first_max[np.minimum(np.arange(max_workers), len(ws) - 1)]
-    ok = (overhead + kv_bytes / bw <= t_s * (1 + 1e-9)) & (held >= batch * _avg_kv_len(gen_len, prompt_len))
+    ok = (overhead + kv_bytes / bw <= t_s * (1 + 1e-9)) & (held >= batch)
     return int(np.argmax(ok)) + 1 if ok.any() else None
 
 
@@ -442,25 +469,28 @@ ADMIT_FRACTION = 16     # the stabilized schedule's default micro-batch: B/16 se
 
 
 def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
-            rworkers: int | None = None, depth: int = 2, prefill_chunk: int | None = None) -> Prediction:
-    """Steady-state prediction with the stabilized schedule. If the KV does not fit, the batch
-    that fits runs instead and bound = "capacity". Prompts are prefilled in chunks of
+            rworkers: int | None = None, depth: int = 2, prefill_chunk: int | None = None,
+            kv_reserve: str = "full") -> Prediction:
+    """Steady-state prediction with the stabilized schedule. If the batch does not fit in the
+    R-workers' memory as `kv_reserve` reserves it (generate's --kv-reserve: full, the default,
+    holds every sequence's worst case; grow what it has filled), the batch that fits runs
+    instead and bound = "capacity". Prompts are prefilled in chunks of
     `prefill_chunk` tokens; by default one admitted micro-batch's prompts (B/16 of them) up to
     the largest chunk the profile measured (the engine's --max-prefill-tokens)."""
     if batch < 1 or gen_len < 1 or prompt_len < 0 or depth < 1:
         raise ValueError("need batch >= 1, gen_len >= 1, prompt_len >= 0, depth >= 1")
-    needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth)
+    needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth, kv_reserve=kv_reserve)
     if rworkers is None:
         rworkers = needed if needed is not None else len(profile.r_workers)
     if rworkers < 1:
         raise ValueError("need at least one R-worker")
-    avg = _avg_kv_len(gen_len, prompt_len)
+    workers = profile.workers(rworkers)
     cap = kv_tokens_capacity(profile, rworkers)
-    need = batch * avg
-    batch_run = batch if need <= cap else int(cap // avg)
+    need = batch * sum(held_tokens(w, gen_len, prompt_len, kv_reserve) for w in workers) / len(workers)
+    batch_run = min(batch, sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve))
     common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, rworkers=rworkers,
-                  rworkers_needed=needed, pipeline_depth=depth, kv_tokens_needed=need,
-                  kv_tokens_capacity=cap)
+                  rworkers_needed=needed, pipeline_depth=depth, kv_reserve=kv_reserve,
+                  kv_tokens_needed=need, kv_tokens_capacity=cap)
     if batch_run < 1:
         return Prediction(**common, batch_run=0, s_layer_s=0.0, r_layer_s=0.0, link_layer_s=0.0,
                           layer_s=math.inf, prefill_s=0.0, step_latency_s=math.inf, tokens_per_s=0.0,

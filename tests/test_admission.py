@@ -1,5 +1,6 @@
 """Admission controllers: workload limit, fairness, refill, ramp, FIFO vs stabilized."""
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -188,6 +189,26 @@ def test_capacity_caps_w_lim_and_the_workload():
     r = simulate(ctl, [(10, 100)] * 200, capacity_tokens=2000)
     assert ctl.describe()["w_lim"] == 2000
     assert r.workload.max() <= 2000
+
+
+@pytest.mark.parametrize("capacity,prompt,gen", [(2184, 32, 512), (4369, 32, 512), (8000, 200, 256),
+                                                   (12000, 32, 512), (16000, 200, 256)])
+def test_memory_smaller_than_the_target_batch_keeps_ages_spread(capacity, prompt, gen):
+    """A target batch that memory cannot hold: the schedule spreads the batch that fits (one
+    micro-batch of it every F steps) instead of sizing micro-batches for the target. Sized for
+    the target (B = 64), the refused micro-batches started together later and the run fell
+    into a few groups of one age: at least 4, 8, 17, 22 and 35 running for these settings,
+    against a fit of capacity / (prompt + (S + F)/2) = 6.7, 14.3, 24, 39.8 and 47.5. Now 6, 13,
+    21, 37 and 45 (less than the fit only by the rounding of the micro-batch rate), steadily,
+    and never over capacity."""
+    ctl = StabilizedAdmission(64)
+    r = simulate(ctl, [(prompt, gen)] * 200, capacity_tokens=capacity)
+    saturated = (r.waiting > 0) & (np.arange(len(r.running)) >= gen)   # past the ramp, queue not empty
+    d = ctl.describe()
+    fit = capacity / (prompt + (gen + d["admit_every"]) / 2)
+    assert d["batch_spread"] <= fit < 64
+    assert r.running[saturated].min() >= 0.9 * math.floor(fit) - 1
+    assert r.workload.max() <= capacity
 
 
 def test_defaults_estimate_s_from_max_tokens_and_include_prompts_in_w_lim():

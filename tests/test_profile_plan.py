@@ -60,3 +60,26 @@ def test_local_profile_has_no_link_table_and_plans(tmp_path):
     plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "32", "--batch", "8", "--json"], timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["bound"] in ("S", "R")
+
+
+def test_profile_keeps_to_the_rworker_memory(tmp_path):
+    """A profile run with the job's small --rworker-mem times only what that memory holds, as the
+    job would run it, instead of failing on a refused append. fp32 KV of smollm2-135m is
+    46,080 bytes per token, so 12 MiB less a tenth holds 245 tokens: 7 one-page (32-token)
+    sequences of the S-part timing (B = 8 and 64 are left out), 3 prompts of 64 tokens (the
+    256-token chunk is capped at 192) and one 128-token prompt (the chunk table's prompt)."""
+    prof = tmp_path / "small.json"
+    proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,8,64", "--r-bytes", "4M", "--r-seqs", "4",
+                           "--repeats", "1", "--prompt-lens", "16,64", "--max-prefill-tokens", "256",
+                           "--kv-dtype", "fp32", "--rworker-mem", "12M"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(prof.read_text())
+    assert data["s_worker"]["batch_grid"] == [1]
+    assert "B=8,64 left out" in proc.stdout + proc.stderr
+    assert data["s_worker"]["prefill_chunk_grid"] == [128]
+    assert "chunk=   192" in proc.stdout + proc.stderr
+    assert data["r_workers"][0]["page_tokens"] == 32 and data["r_workers"][0]["capacity_bytes"] == 12 << 20
+    too_small = run_fastdecode(["profile", "-o", str(tmp_path / "none.json"), "--batches", "1",
+                                "--kv-dtype", "fp32", "--rworker-mem", "1M"], timeout=300)
+    assert too_small.returncode == 1 and "--rworker-mem too small" in too_small.stderr
+    assert not (tmp_path / "none.json").exists()

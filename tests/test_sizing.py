@@ -7,7 +7,7 @@ import pytest
 
 from fastdecode import plan
 from fastdecode.sizing import (GPU_PRESETS, MODEL_PRESETS, LinkProfile, Profile, RWorkerProfile,
-                               SWorkerProfile, kv_tokens_capacity, predict, rworkers_needed,
+                               SWorkerProfile, held_tokens, kv_tokens_capacity, predict, rworkers_needed,
                                stated_profile)
 
 LLAMA7B = MODEL_PRESETS["llama-7b"]
@@ -62,10 +62,25 @@ def test_prompt_adds_to_the_average_kv_length():
 
 
 def test_capacity_sets_the_count_when_memory_is_short():
-    # 1024 * 512 tokens * 524288 B = 274.9 GB; 10 GB per worker -> 28 workers (27.5 rounded up)
+    # 10 GB per worker = 10e9 / 524288 = 19,073 tokens (page of 1 token in hand_profile).
+    # full: a sequence reserves prompt + S = 1024 tokens -> 18 per worker -> 1024 / 18 = 56.9 -> 57
+    # grow: its average S/2 = 512, + 1 for the next token and 1 of headroom = 514 -> 37 per worker
+    #       -> 1024 / 37 = 27.7 -> 28 workers
     prof = hand_profile(cpu_GBps=1e4, cpu_mem_GB=10.0)
-    assert 1024 * 512 * TOKEN_BYTES / 10e9 == pytest.approx(27.49, abs=0.01)
-    assert rworkers_needed(prof, 1024, 1024, depth=1) == 28
+    assert 10e9 // TOKEN_BYTES == 19073
+    assert rworkers_needed(prof, 1024, 1024, depth=1) == 57
+    assert rworkers_needed(prof, 1024, 1024, depth=1, kv_reserve="full") == 57
+    assert rworkers_needed(prof, 1024, 1024, depth=1, kv_reserve="grow") == 28
+
+
+def test_reservation_rounds_to_pages():
+    # pages of 32 tokens: full reserves ceil((100 + 50) / 32) * 32 = 160 tokens; grow holds on
+    # average 100 + 25 + 16 (half a page past its length) + 1/2 (the next token) + 32 (headroom)
+    w = dataclasses.replace(hand_profile().r_workers[0], page_tokens=32)
+    assert held_tokens(w, 50, 100, "full") == 160
+    assert held_tokens(w, 50, 100, "grow") == pytest.approx(173.5)
+    with pytest.raises(ValueError, match="kv_reserve"):
+        held_tokens(w, 50, 100, "lazy")
 
 
 def test_no_count_balances_when_call_overhead_exceeds_the_s_part():
@@ -141,19 +156,30 @@ def test_chain_hand_offs_count_only_where_the_chain_binds():
 
 
 def test_capacity_bound_runs_the_batch_that_fits():
-    # 8 workers x 10 GB = 80 GB -> 80e9 / 524288 = 152,588 tokens; 512 per sequence -> 298 fit
+    # 8 workers x 10 GB, 19,073 tokens each (152,587.89 in all).
+    # full: 1024 tokens per sequence -> 18 per worker -> 144 fit; grow: 514 -> 37 per worker -> 296
     prof = hand_profile(cpu_mem_GB=10.0)
-    p = predict(prof, 1024, 1024, rworkers=8, depth=2)
     assert kv_tokens_capacity(prof, 8) == pytest.approx(80e9 / TOKEN_BYTES)
-    assert p.kv_tokens_capacity == pytest.approx(152_587.89, abs=0.01)
-    assert p.batch_run == 298
-    assert p.bound == "capacity"
-    assert p.tokens_per_s == pytest.approx(298 / p.step_latency_s)
+    for policy, fit, per_seq in (("full", 144, 1024), ("grow", 296, 514)):
+        p = predict(prof, 1024, 1024, rworkers=8, depth=2, kv_reserve=policy)
+        assert p.kv_tokens_capacity == pytest.approx(152_587.89, abs=0.01)
+        assert p.kv_tokens_needed == pytest.approx(1024 * per_seq)
+        assert p.batch_run == fit
+        assert p.bound == "capacity"
+        assert p.tokens_per_s == pytest.approx(fit / p.step_latency_s)
+    assert predict(prof, 1024, 1024, rworkers=8, depth=2).batch_run == 144      # generate's default: full
+
+
+def test_capacity_counts_whole_sequences_per_worker():
+    # two workers of 1.5 sequences each hold 2 sequences, not 3
+    prof = hand_profile()
+    prof.r_workers[0].capacity_bytes = 1.5 * 1024 * TOKEN_BYTES
+    assert predict(prof, 8, 1024, rworkers=2, kv_reserve="full").batch_run == 2
 
 
 def test_mixed_r_workers_share_by_bandwidth():
-    # one 100 GB/s and one 300 GB/s worker attend like one 400 GB/s worker
-    prof = hand_profile()
+    # one 100 GB/s and one 300 GB/s worker attend like one 400 GB/s worker (memory for the whole batch)
+    prof = hand_profile(cpu_mem_GB=1000.0)
     prof.r_workers = [prof.r_workers[0], dataclasses.replace(prof.r_workers[0], seconds_per_kv_byte=1 / 300e9)]
     p = predict(prof, 1024, 1024, rworkers=2, depth=1)
     assert p.r_layer_s == pytest.approx(1024 * 512 * KVB / 400e9)
@@ -251,6 +277,22 @@ def test_plan_reads_a_profile_file(tmp_path, capsys):
     code, out, _ = run_plan(capsys, "--profile", str(path), "--batch", "1024", "--cpu-bw", "1000",
                             "--cpu-eff", "1", "--json")
     assert json.loads(out)["rworkers_needed"] == rworkers_needed(hand_profile(cpu_GBps=1000), 1024, 1024)
+
+
+def test_plan_prices_the_kv_reservation(tmp_path, capsys):
+    # 8 workers x 10 GB: full reservation holds 144 sequences of prompt + S = 1024, grow 296
+    path = tmp_path / "profile.json"
+    path.write_text(hand_profile(cpu_mem_GB=10.0).to_json())
+    args = ["--profile", str(path), "--batch", "1024", "--context", "1024", "--rworkers", "8"]
+    code, out, _ = run_plan(capsys, *args, "--json")
+    d = json.loads(out)
+    assert code == 0 and d["kv_reserve"] == "full" and d["bound"] == "capacity"
+    assert (d["batch_run"], d["batch_run_if_grow"]) == (144, 296)
+    code, out, _ = run_plan(capsys, *args, "--kv-reserve", "grow", "--json")
+    d = json.loads(out)
+    assert d["kv_reserve"] == "grow" and d["batch_run"] == 296 and "batch_run_if_grow" not in d
+    code, text, _ = run_plan(capsys, *args)
+    assert code == 0 and "memory holds 144" in text and "--kv-reserve grow" in text and "memory holds 296" in text
 
 
 @pytest.mark.parametrize("argv", [
