@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from fastdecode import LLM, SamplingParams
-from fastdecode.sizing import RWorkerProfile, held_tokens
+from fastdecode.sizing import RWorkerProfile, sequences_on_worker
 from rworker.capacity import parse_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def run(policy: str, args, mem: int) -> dict:
               "preemptions": eng.scheduler.num_preemptions, "recomputed_tokens": eng.num_recomputed_tokens,
               "running_per_step": running}
     worker = RWorkerProfile("local", 1.0, 0.0, float(mem), page_tokens=page)
-    result["predicted_batch_run"] = int(result["capacity_tokens"] // held_tokens(worker, args.gen, args.prompt, policy))
+    result["predicted_batch_run"] = sequences_on_worker(result["capacity_tokens"], worker, args.gen, args.prompt, policy)
     llm.close()
     return result
 

@@ -358,12 +358,22 @@ def held_tokens(worker: RWorkerProfile, gen_len: int, prompt_len: int, kv_reserv
     raise ValueError(f"kv_reserve must be one of {KV_RESERVE}, got {kv_reserve!r}")
 
 
+def sequences_on_worker(capacity_tokens: float, worker: RWorkerProfile, gen_len: int, prompt_len: int,
+                        kv_reserve: str) -> int:
+    """How many sequences `capacity_tokens` of one worker hold at once. full: whole worst cases
+    (a hard bound); grow: the count fluctuates as sequences grow, are admitted and finish, so
+    its steady-state mean, rounded."""
+    fit = math.floor if kv_reserve == "full" else round
+    return int(fit(capacity_tokens / held_tokens(worker, gen_len, prompt_len, kv_reserve)))
+
+
 def sequences_fitting(profile: Profile, workers: list[RWorkerProfile], gen_len: int, prompt_len: int,
                       kv_reserve: str) -> int:
-    """How many sequences the workers' memory holds at once: whole sequences per worker."""
+    """How many sequences the workers' memory holds at once (sequences_on_worker, summed)."""
     per_token = profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
-    return sum(int((w.capacity_bytes // per_token) // held_tokens(w, gen_len, prompt_len, kv_reserve))
+    return sum(sequences_on_worker(w.capacity_bytes // per_token, w, gen_len, prompt_len, kv_reserve)
                for w in workers)
+
 
 @dataclass(slots=True)
 class Prediction:

@@ -8,7 +8,7 @@ import pytest
 from fastdecode import plan
 from fastdecode.sizing import (GPU_PRESETS, MODEL_PRESETS, LinkProfile, Profile, RWorkerProfile,
                                SWorkerProfile, held_tokens, kv_tokens_capacity, predict, rworkers_needed,
-                               stated_profile)
+                               sequences_on_worker, stated_profile)
 
 LLAMA7B = MODEL_PRESETS["llama-7b"]
 KVB = 2 * 32 * 128 * 2                     # KV bytes per token and layer, bf16: 16384
@@ -81,6 +81,10 @@ def test_reservation_rounds_to_pages():
     assert held_tokens(w, 50, 100, "grow") == pytest.approx(173.5)
     with pytest.raises(ValueError, match="kv_reserve"):
         held_tokens(w, 50, 100, "lazy")
+    # 4,369 tokens, prompt 32, S = 512: full holds 4369 // 544 = 8 whole worst cases; grow's count
+    # is a steady-state mean, 4369 / (32 + 256 + 48.5) = 12.98 -> 13 (bench/reserve_capacity_bench.py)
+    assert sequences_on_worker(4369, w, 512, 32, "full") == 8
+    assert sequences_on_worker(4369, w, 512, 32, "grow") == 13
 
 
 def test_no_count_balances_when_call_overhead_exceeds_the_s_part():
