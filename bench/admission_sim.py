@@ -1,8 +1,9 @@
 """Admission controllers in the simulator (fastdecode.admission.simulate): FIFO, the stabilized
-schedule (lengths learnt from finished sequences), the stabilized schedule that projects every
-sequence to its max_tokens bound (the rule before learnt lengths), and that rule with W_lim at
-the bare mean projected peak (the rule before the prompt-spread margin), over request sets that
-differ in how lengths vary.
+schedule (lengths learnt from finished sequences), the same without W_lim's micro-batch of
+slack for ages that slip when S/F is not whole (the rule before it), the stabilized schedule
+that projects every sequence to its max_tokens bound (the rule before learnt lengths), and that
+rule with W_lim at the bare mean projected peak and no slack (the rule before the prompt-spread
+margin), over request sets that differ in how lengths vary.
 
 Per case and controller: decode steps to finish; over the saturated steps after the ramp
 (queue not empty, step >= 2*S) the workload's coefficient of variation and the running count;
@@ -33,6 +34,7 @@ def cases(seed: int) -> dict:
     rng = np.random.default_rng(seed)
     return {
         "gen 512, prompts 16-64": ([(int(p), 512) for p in rng.integers(16, 65, 1500)], None),
+        "gen 1000, prompts 16-64": ([(int(p), 1000) for p in rng.integers(16, 65, 1500)], None),
         "gen 512, prompts log-normal (median 200)":
             ([(int(min(4000, p)), 512) for p in rng.lognormal(np.log(200), 1.0, 1500)], None),
         "gen log-normal (median 512), prompts 16-64":
@@ -94,9 +96,10 @@ def main():
         for name, (reqs, eos) in cases(seed).items():
             w_fifo = None
             for ctl_name, ctl in (("fifo", FifoAdmission(B)), ("stabilized", StabilizedAdmission(B)),
+                                  ("stabilized, no slip slack", StabilizedAdmission(B, slip_slack=False)),
                                   ("stabilized, bound projection", StabilizedAdmission(B, learn_lengths=False)),
                                   ("stabilized, bound projection, W_lim at the mean peak",
-                                   StabilizedAdmission(B, margin_sigmas=0, learn_lengths=False))):
+                                   StabilizedAdmission(B, margin_sigmas=0, learn_lengths=False, slip_slack=False))):
                 row = {"case": name, "seed": seed, "controller": ctl_name, **measure(ctl, reqs, eos, w_fifo)}
                 w_fifo = w_fifo or row["workload_mean"]
                 rows.append(row)

@@ -162,6 +162,35 @@ class FifoAdmission:
     def describe(self) -> dict:
         return {"schedule": "fifo", "max_batch": self.max_batch, "w_lim": self._capacity}
 
+def spread_batch(target: int, max_gen: int, lifetime: int, prompt_mean: float,
+                 capacity_tokens: float | None = None, seq_overhead: float = 0.0,
+                 admit_every: int | None = None) -> tuple[int, int, int]:
+    """(B, M, F): the batch the stabilized schedule spreads, its micro-batch and admission period.
+
+    M = B*F/lifetime sequences every F steps (F defaults to lifetime/16) keeps B running with
+    ages spread evenly; the workload then peaks at B*(prompt + (S+F)/2), plus `seq_overhead`
+    per sequence in memory. When `capacity_tokens` holds fewer than `target` at that peak, the
+    count that fits is spread instead. Micro-batches sized for a B that cannot run open slots
+    faster than sequences finish; the projection then refuses them, and the refused ones start
+    together later: a few groups of one age instead of evenly spread ages, and fewer running
+    (bench/reserve_capacity_bench.py). So: M for the B that fits, F set so that M per F steps
+    opens at least B slots per lifetime, and B no more than that rate sustains (a ramp that
+    kept opening slots past it made lumps too). `fastdecode plan` prices grow with this."""
+    B, S, life = target, max_gen, lifetime
+    F = admit_every or max(1, math.ceil(life / 16))
+    M = max(1, round(B * F / life))
+    if capacity_tokens is None:
+        return B, M, F
+    fit = math.floor(capacity_tokens / (prompt_mean + (S + F) / 2 + seq_overhead))
+    if fit >= B:
+        return B, M, F
+    B = max(1, fit)
+    M = max(1, round(B * F / life))
+    if admit_every is None:
+        F = max(1, math.floor(M * life / B))            # M per F steps: at least B per lifetime
+    fit = math.floor(capacity_tokens / (prompt_mean + (S + F) / 2 + seq_overhead))   # F moved the ripple
+    return max(1, min(B, fit, math.floor(M * life / F))), M, F
+
 
 class StabilizedAdmission:
     """Load-stabilizing schedule (FastDecode §3, DESIGN.md §3).
@@ -181,9 +210,15 @@ class StabilizedAdmission:
       candidates, each assumed to run to max_tokens (an upper bound; but see learnt lengths), must stay <= W_lim at every
       future step; its peak comes just before a running sequence finishes. A micro-batch that
       does not fit is retried at every step, i.e. it starts at its earliest step.
-    - W_lim = B*(prompt_mean + (S+F)/2) + margin_sigmas*sqrt(B+M)*prompt_std (default 3):
-      the steady state of the schedule plus the prompts' KV, never above capacity_tokens
-      (total KV tokens the R-workers can hold). The margin: the projected peak moves with the prompts of the B
+    - W_lim = B*(prompt_mean + (S+F)/2) + M*(prompt_mean + S) + margin_sigmas*sqrt(B+M)*prompt_std
+      (default 3): the steady state of the schedule plus the prompts' KV, never above capacity_tokens
+      (total KV tokens the R-workers can hold). One micro-batch at full length of slack: S/F is
+      rarely whole, so a lifetime holds B/M groups with one gap shorter or longer than F, ages
+      slip against the even spread the first term assumes, and its projected peak passes that
+      term by up to a group. Without the slack the refused group started with the next one, and
+      equal lengths kept such lumps (bench/admission_sim.py style, B = 128, S = 1000: 88 of 128
+      running on average, workload CV 0.43; with it 128, CV 0.03). Slots still cap the count at B.
+      The margin: the projected peak moves with the prompts of the B
       running sequences and the M candidates (std ~ sqrt(B+M)*prompt_std). At the bare mean
       about half the micro-batches were refused; the freed slots then refill together, equal
       lengths keep such a group together, and the schedule degenerated into fixed batches of
@@ -210,7 +245,7 @@ class StabilizedAdmission:
 
     def __init__(self, target_batch: int, admit_every: int | None = None, max_gen: int | None = None,
                  w_lim: float | None = None, ramp: bool = True, margin_sigmas: float = 3.0,
-                 learn_lengths: bool = True):
+                 learn_lengths: bool = True, seq_overhead_tokens: float = 0.0, slip_slack: bool = True):
         if target_batch < 1:
             raise ValueError("target_batch must be >= 1")
         if admit_every is not None and admit_every < 1:
@@ -228,6 +263,10 @@ class StabilizedAdmission:
         self._seen = np.zeros(5)            # admitted requests: count, sum m, sum m^2, sum prompt, sum prompt^2
         self._used: dict = {}
         self.lengths = LengthModel() if learn_lengths else None
+        # memory a running sequence holds beyond its KV tokens (--kv-reserve grow: page rounding
+        # and admission headroom), counted against capacity_tokens but not in the R-load W_lim
+        self.seq_overhead = seq_overhead_tokens
+        self.slip_slack = slip_slack        # W_lim's micro-batch of slack (False: the rule before it, for ablations)
 
     def observe_finished(self, generated: int, stopped: bool) -> None:
         if self.lengths is not None:
@@ -268,33 +307,21 @@ class StabilizedAdmission:
         if self.lengths is not None and run.shape[1] >= 3:
             self.lengths.set_running(run[:, 2])
         S, life, prompt_mean, prompt_std = self._estimates(queue)
-        F = self.admit_every or max(1, math.ceil(life / 16))
-        M = max(1, round(B * F / life))
-        fit = math.floor(capacity_tokens / (prompt_mean + (S + F) / 2)) if capacity_tokens is not None else B
-        if fit < B:
-            # Memory that holds fewer than B at the steady state sets the batch the schedule
-            # spreads. Micro-batches sized for a B that cannot run open slots faster than
-            # sequences finish; the projection then refuses them, and the refused ones start
-            # together later: a few groups of one age instead of evenly spread ages, and fewer
-            # running (bench/reserve_capacity_bench.py). So: M = B*F/S for the B that fits, F
-            # set so that M per F steps opens at most that many slots per lifetime, and B the
-            # count that rate sustains (a ramp that kept opening slots past it made lumps too).
-            M = max(1, round(max(fit, 1) * F / life))
-            if self.admit_every is None:
-                F = max(1, math.ceil(M * life / max(fit, 1)))
-            B = max(1, min(fit, math.floor(M * life / F)))     # the count the ramp's rate sustains
+        o = self.seq_overhead
+        B, M, F = spread_batch(B, S, life, prompt_mean, capacity_tokens, o, self.admit_every)
         target = self.target_batch       # W_lim from the asked-for batch: capacity, when that binds
         w_lim = (self.w_lim if self.w_lim is not None
-                 else target * (prompt_mean + (S + F) / 2) + self.margin_sigmas * math.sqrt(target + M) * prompt_std)
+                 else target * (prompt_mean + (S + F) / 2) + self.slip_slack * M * (prompt_mean + S)
+                 + self.margin_sigmas * math.sqrt(target + M) * prompt_std)
         if capacity_tokens is not None:
-            w_lim = min(w_lim, capacity_tokens)
+            w_lim = min(w_lim, capacity_tokens - o * B)      # <= B running, each o beyond its tokens
         self._used = {"schedule": "stabilized", "target_batch": self.target_batch, "batch_spread": B,
                       "max_gen": S, "mean_gen": life,
                       "max_gen_source": ("given" if self.max_gen else
                                          "learnt lengths" if self._learnt else "max_tokens"),
                       "admit_every": F, "micro_batch": M, "w_lim": float(w_lim),
                       "prompt_mean": float(prompt_mean), "prompt_std": float(prompt_std), "ramp": self.ramp,
-                      "capacity_tokens": capacity_tokens}
+                      "capacity_tokens": capacity_tokens, "seq_overhead_tokens": o}
         due = self._last_open is None or step - self._last_open >= F
         if not self.ramp:
             slots = B

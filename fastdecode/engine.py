@@ -169,7 +169,8 @@ class LLMEngine:
             return FifoAdmission(a.max_batch, worst_case=a.kv_reserve == "full")
         if a.schedule == "stabilized":
             return StabilizedAdmission(min(a.target_batch or a.max_batch, a.max_batch), a.admit_every, a.max_gen,
-                                       learn_lengths=a.learn_lengths)
+                                       learn_lengths=a.learn_lengths,
+                                       seq_overhead_tokens=self.placement.seq_overhead_tokens())
         raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {a.schedule!r}")
 
     def _make_backend(self, comm) -> RBackend:

@@ -17,6 +17,7 @@ import math
 
 from .rpart.base import WorkerInfo
 from .sequence import Sequence
+from .sizing import grow_overhead_tokens
 
 RESERVE_POLICIES = ("full", "grow")
 
@@ -98,6 +99,12 @@ class Placement:
         self.reserved[w] -= self._held.pop(seq.seq_id)
         self.resident[w] -= 1
         self.load[w] -= self._projected(seq)
+
+    def seq_overhead_tokens(self) -> float:
+        """KV tokens a growing sequence holds beyond its length, on average (grow: its last page
+        half full, the next token's slot, a page of admission headroom); 0 under full, whose
+        reservation placement itself bounds."""
+        return grow_overhead_tokens(max(self.page)) if self.policy == "grow" else 0.0
 
     def total_capacity_tokens(self) -> int:
         return sum(self.capacity_tokens)

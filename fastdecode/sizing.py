@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
+from .admission import spread_batch
+
 SCHEMA = "fastdecode-profile/1"
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
                "fp8": 1, "int8": 1}
@@ -349,22 +351,36 @@ def held_tokens(worker: RWorkerProfile, gen_len: int, prompt_len: int, kv_reserv
     - full: its worst case, prompt + S rounded up to whole pages, from admission to the end;
     - grow: the pages it has filled plus the one its next token goes to (on average half a page
       past its length, +1/2 for that token), and one page of admission headroom per resident
-      sequence; at the stabilized schedule's steady state its length averages prompt + S/2."""
-    page = max(int(worker.page_tokens), 1)
+      sequence (grow_overhead_tokens); at the stabilized schedule's steady state its length
+      averages prompt + S/2."""
     if kv_reserve == "full":
+        page = max(int(worker.page_tokens), 1)
         return math.ceil((prompt_len + gen_len) / page) * page
     if kv_reserve == "grow":
-        return _avg_kv_len(gen_len, prompt_len) + (3 * page + 1) / 2
+        return _avg_kv_len(gen_len, prompt_len) + grow_overhead_tokens(worker.page_tokens)
     raise ValueError(f"kv_reserve must be one of {KV_RESERVE}, got {kv_reserve!r}")
+
+
+def grow_overhead_tokens(page_tokens: int) -> float:
+    """What a growing sequence holds beyond its length: its last page half full, the next
+    token's slot, a page of admission headroom (fastdecode/placement.py)."""
+    return (3 * max(int(page_tokens), 1) + 1) / 2
 
 
 def sequences_on_worker(capacity_tokens: float, worker: RWorkerProfile, gen_len: int, prompt_len: int,
                         kv_reserve: str) -> int:
     """How many sequences `capacity_tokens` of one worker hold at once. full: whole worst cases
-    (a hard bound); grow: the count fluctuates as sequences grow, are admitted and finish, so
-    its steady-state mean, rounded."""
-    fit = math.floor if kv_reserve == "full" else round
-    return int(fit(capacity_tokens / held_tokens(worker, gen_len, prompt_len, kv_reserve)))
+    (placement's hard bound). grow: the count the stabilized schedule admits
+    (fastdecode/admission.py spread_batch), which keeps the workload's peak, B*(prompt +
+    (S+F)/2) plus the page overhead, within capacity: what it runs unless growth preempts."""
+    if kv_reserve == "full":
+        return int(capacity_tokens // held_tokens(worker, gen_len, prompt_len, kv_reserve))
+    if kv_reserve == "grow":
+        most = int(capacity_tokens // max(prompt_len + 1, 1)) + 1      # a target no memory reaches
+        batch, _, _ = spread_batch(most, gen_len, gen_len, prompt_len, capacity_tokens,
+                                   grow_overhead_tokens(worker.page_tokens))
+        return batch
+    raise ValueError(f"kv_reserve must be one of {KV_RESERVE}, got {kv_reserve!r}")
 
 
 def sequences_fitting(profile: Profile, workers: list[RWorkerProfile], gen_len: int, prompt_len: int,

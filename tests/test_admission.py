@@ -198,17 +198,52 @@ def test_memory_smaller_than_the_target_batch_keeps_ages_spread(capacity, prompt
     micro-batch of it every F steps) instead of sizing micro-batches for the target. Sized for
     the target (B = 64), the refused micro-batches started together later and the run fell
     into a few groups of one age: at least 4, 8, 17, 22 and 35 running for these settings,
-    against a fit of capacity / (prompt + (S + F)/2) = 6.7, 14.3, 24, 39.8 and 47.5. Now 6, 13,
-    21, 37 and 45 (less than the fit only by the rounding of the micro-batch rate), steadily,
-    and never over capacity."""
+    against a fit of capacity / (prompt + (S + F)/2) = 6.7, 14.3, 24, 39.9 and 47.6. Now 6, 14,
+    23, 39 and 47, the fit rounded down, steadily, and never over capacity."""
     ctl = StabilizedAdmission(64)
     r = simulate(ctl, [(prompt, gen)] * 200, capacity_tokens=capacity)
     saturated = (r.waiting > 0) & (np.arange(len(r.running)) >= gen)   # past the ramp, queue not empty
     d = ctl.describe()
     fit = capacity / (prompt + (gen + d["admit_every"]) / 2)
     assert d["batch_spread"] <= fit < 64
-    assert r.running[saturated].min() >= 0.9 * math.floor(fit) - 1
+    assert r.running[saturated].min() >= math.floor(fit) - 1
     assert r.workload.max() <= capacity
+
+
+def test_grow_page_overhead_counts_against_capacity_not_w_lim():
+    """Under --kv-reserve grow a sequence holds its last page half full, the next token's slot and
+    a page of admission headroom beyond its tokens: 48.5 tokens at 32-token pages. Capacity
+    holds fewer sequences by that, and the tokens the projection may reach leave room for it."""
+    from fastdecode.placement import Placement
+    from fastdecode.rpart.base import WorkerInfo
+
+    workers = [WorkerInfo(1, "h", 1, "avx2", 10 ** 6, page_tokens=32)]
+    assert Placement(workers, 8, policy="grow").seq_overhead_tokens() == 48.5
+    assert Placement(workers, 8, policy="full").seq_overhead_tokens() == 0.0
+    ctl = StabilizedAdmission(64, seq_overhead_tokens=48.5)
+    r = simulate(ctl, [(16, 384)] * 200, capacity_tokens=2912)
+    d = ctl.describe()
+    B, F = d["batch_spread"], d["admit_every"]
+    assert B == math.floor(2912 / (16 + (384 + F) / 2 + 48.5)) == 10      # 13 without the overhead
+    assert d["w_lim"] == 2912 - 48.5 * B
+    saturated = (r.waiting > 0) & (np.arange(len(r.running)) >= 384)
+    assert r.running[saturated].min() == B
+    assert (r.workload + 48.5 * r.running).max() <= 2912
+
+
+@pytest.mark.parametrize("B, S", [(64, 100), (100, 333), (16, 50), (8, 30), (48, 200)])
+def test_equal_lengths_keep_the_target_batch_running(B, S):
+    """S/F is rarely whole (F = ceil(S/16)), so the ramp's groups slip against the even ages that
+    W_lim's steady-state term assumes. Without W_lim's micro-batch of slack the projection refused
+    the slipped group, it started with the next, and equal lengths kept the lump: 48, 69, 13, 7
+    and 35 running on average for these settings, workload CV 0.11-0.40."""
+    ctl = StabilizedAdmission(B)
+    r = simulate(ctl, [(32, S)] * (8 * B))
+    saturated = (r.waiting > 0) & (np.arange(len(r.running)) >= S)
+    w = r.workload[saturated]
+    assert r.running[saturated].mean() >= 0.95 * B
+    assert w.std() / w.mean() < 0.1
+    assert (r.workload <= r.w_lim).all()
 
 
 def test_defaults_estimate_s_from_max_tokens_and_include_prompts_in_w_lim():
@@ -220,7 +255,7 @@ def test_defaults_estimate_s_from_max_tokens_and_include_prompts_in_w_lim():
     # ramp's rate): 20, so F = ceil(20 / 16) = 2 and M = round(8 * 2 / 20) = 1
     assert d["max_gen"] == 25 and d["mean_gen"] == 20 and d["admit_every"] == 2
     assert d["micro_batch"] == 1
-    assert d["w_lim"] == 8 * (100 + (25 + 2) / 2)
+    assert d["w_lim"] == 8 * (100 + (25 + 2) / 2) + 1 * (100 + 25)      # + one micro-batch at full length
     assert k == 1                                        # one micro-batch of slots at start-up
 
 
@@ -258,7 +293,7 @@ def test_equal_lengths_with_varied_prompts_stay_stabilized(seed):
     assert w.size > 10 * S
     assert (stab.running[saturated & after_ramp] == B).all()
     w_fifo = fifo.workload[fifo.waiting > 0]
-    assert w.std() / w.mean() < 0.06 < 0.4 < w_fifo.std() / w_fifo.mean()
+    assert w.std() / w.mean() < 0.1 < 0.4 < w_fifo.std() / w_fifo.mean()
     assert len(stab.running) <= 1.05 * len(fifo.running)          # the ramp is all it costs
 
 
@@ -266,7 +301,8 @@ def test_equal_lengths_with_varied_prompts_stay_stabilized(seed):
 def test_early_eos_learnt_lengths_keep_the_batch_full(seed):
     """max_tokens 256 but EOS anywhere in 20-256 tokens: projecting every sequence to its bound
     refuses slots the real load has room for; lengths learnt from finished sequences fill
-    them, and the load stays at least as flat as FIFO's."""
+    them, and the load stays as flat as FIFO's. (Before W_lim's micro-batch of slack the bound
+    projection ran 30 of 32 here; the slack takes most of that gap, the rest is learnt's.)"""
     B, S = 32, 256
     rng = np.random.default_rng(seed)
     n = 40 * B
@@ -284,8 +320,8 @@ def test_early_eos_learnt_lengths_keep_the_batch_full(seed):
     run_b, _ = saturated(runs["bound"])
     _, w_f = saturated(runs["fifo"])
     assert run_l.size > 4 * S
-    assert run_b.mean() < 0.95 * B <= 0.97 * B <= run_l.mean()
-    assert w_l.std() / w_l.mean() <= w_f.std() / w_f.mean()
+    assert run_b.mean() < 0.995 * B <= run_l.mean()
+    assert w_l.std() / w_l.mean() <= 1.05 * w_f.std() / w_f.mean()
     assert len(runs["learnt"].running) < len(runs["bound"].running)
 
 
@@ -336,5 +372,5 @@ def test_stabilize_lengths_flag_reaches_the_controller(flag, learns):
                                  "--max-batch", "64"] + flag)
     ea = engine_args(args)
     assert ea.learn_lengths is learns
-    ctl = LLMEngine._make_admission(SimpleNamespace(args=ea))
+    ctl = LLMEngine._make_admission(SimpleNamespace(args=ea, placement=SimpleNamespace(seq_overhead_tokens=lambda: 0.0)))
     assert (ctl.lengths is not None) is learns

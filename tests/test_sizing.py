@@ -64,13 +64,16 @@ def test_prompt_adds_to_the_average_kv_length():
 def test_capacity_sets_the_count_when_memory_is_short():
     # 10 GB per worker = 10e9 / 524288 = 19,073 tokens (page of 1 token in hand_profile).
     # full: a sequence reserves prompt + S = 1024 tokens -> 18 per worker -> 1024 / 18 = 56.9 -> 57
-    # grow: its average S/2 = 512, + 1 for the next token and 1 of headroom = 514 -> 37 per worker
-    #       -> 1024 / 37 = 27.7 -> 28 workers
+    # grow: the count the stabilized schedule admits (admission.spread_batch), its peak within
+    #       memory: F = 1024/16 = 64, each S/2 + F/2 = 544 tokens + 2 of page overhead (pages of 1:
+    #       the next token's slot and one of headroom) -> 19073 // 546 = 34; M = round(34*64/1024)
+    #       = 2 per F = 2*1024 // 34 = 60 steps, which sustains 2*1024 // 60 = 34 and leaves
+    #       19073 // (542 + 2) = 35 room: 34 per worker -> 1024 / 34 = 30.1 -> 31 workers
     prof = hand_profile(cpu_GBps=1e4, cpu_mem_GB=10.0)
     assert 10e9 // TOKEN_BYTES == 19073
     assert rworkers_needed(prof, 1024, 1024, depth=1) == 57
     assert rworkers_needed(prof, 1024, 1024, depth=1, kv_reserve="full") == 57
-    assert rworkers_needed(prof, 1024, 1024, depth=1, kv_reserve="grow") == 28
+    assert rworkers_needed(prof, 1024, 1024, depth=1, kv_reserve="grow") == 31
 
 
 def test_reservation_rounds_to_pages():
@@ -81,10 +84,11 @@ def test_reservation_rounds_to_pages():
     assert held_tokens(w, 50, 100, "grow") == pytest.approx(173.5)
     with pytest.raises(ValueError, match="kv_reserve"):
         held_tokens(w, 50, 100, "lazy")
-    # 4,369 tokens, prompt 32, S = 512: full holds 4369 // 544 = 8 whole worst cases; grow's count
-    # is a steady-state mean, 4369 / (32 + 256 + 48.5) = 12.98 -> 13 (bench/reserve_capacity_bench.py)
+    # 4,369 tokens, prompt 32, S = 512: full holds 4369 // 544 = 8 whole worst cases; grow what the
+    # stabilized schedule admits: F = 32, 4369 // (32 + (512 + 32)/2 + 48.5) = 12; M = round(12*32/512)
+    # = 1 per 512 // 12 = 42 steps, 4369 // (32 + 277 + 48.5) = 12 (bench/reserve_capacity_bench.py)
     assert sequences_on_worker(4369, w, 512, 32, "full") == 8
-    assert sequences_on_worker(4369, w, 512, 32, "grow") == 13
+    assert sequences_on_worker(4369, w, 512, 32, "grow") == 12
 
 
 def test_no_count_balances_when_call_overhead_exceeds_the_s_part():
@@ -161,10 +165,11 @@ def test_chain_hand_offs_count_only_where_the_chain_binds():
 
 def test_capacity_bound_runs_the_batch_that_fits():
     # 8 workers x 10 GB, 19,073 tokens each (152,587.89 in all).
-    # full: 1024 tokens per sequence -> 18 per worker -> 144 fit; grow: 514 -> 37 per worker -> 296
+    # full: 1024 tokens per sequence -> 18 per worker -> 144 fit; grow: 34 per worker (see
+    # test_capacity_sets_the_count_when_memory_is_short) -> 272, holding 514 tokens on average
     prof = hand_profile(cpu_mem_GB=10.0)
     assert kv_tokens_capacity(prof, 8) == pytest.approx(80e9 / TOKEN_BYTES)
-    for policy, fit, per_seq in (("full", 144, 1024), ("grow", 296, 514)):
+    for policy, fit, per_seq in (("full", 144, 1024), ("grow", 272, 514)):
         p = predict(prof, 1024, 1024, rworkers=8, depth=2, kv_reserve=policy)
         assert p.kv_tokens_capacity == pytest.approx(152_587.89, abs=0.01)
         assert p.kv_tokens_needed == pytest.approx(1024 * per_seq)
@@ -284,19 +289,19 @@ def test_plan_reads_a_profile_file(tmp_path, capsys):
 
 
 def test_plan_prices_the_kv_reservation(tmp_path, capsys):
-    # 8 workers x 10 GB: full reservation holds 144 sequences of prompt + S = 1024, grow 296
+    # 8 workers x 10 GB: full reservation holds 144 sequences of prompt + S = 1024, grow 272
     path = tmp_path / "profile.json"
     path.write_text(hand_profile(cpu_mem_GB=10.0).to_json())
     args = ["--profile", str(path), "--batch", "1024", "--context", "1024", "--rworkers", "8"]
     code, out, _ = run_plan(capsys, *args, "--json")
     d = json.loads(out)
     assert code == 0 and d["kv_reserve"] == "full" and d["bound"] == "capacity"
-    assert (d["batch_run"], d["batch_run_if_grow"]) == (144, 296)
+    assert (d["batch_run"], d["batch_run_if_grow"]) == (144, 272)
     code, out, _ = run_plan(capsys, *args, "--kv-reserve", "grow", "--json")
     d = json.loads(out)
-    assert d["kv_reserve"] == "grow" and d["batch_run"] == 296 and "batch_run_if_grow" not in d
+    assert d["kv_reserve"] == "grow" and d["batch_run"] == 272 and "batch_run_if_grow" not in d
     code, text, _ = run_plan(capsys, *args)
-    assert code == 0 and "memory holds 144" in text and "--kv-reserve grow" in text and "memory holds 296" in text
+    assert code == 0 and "memory holds 144" in text and "--kv-reserve grow" in text and "memory holds 272" in text
 
 
 @pytest.mark.parametrize("argv", [
