@@ -170,26 +170,35 @@ def spread_batch(target: int, max_gen: int, lifetime: int, prompt_mean: float,
     M = B*F/lifetime sequences every F steps (F defaults to lifetime/16) keeps B running with
     ages spread evenly; the workload then peaks at B*(prompt + (S+F)/2), plus `seq_overhead`
     per sequence in memory. When `capacity_tokens` holds fewer than `target` at that peak, the
-    count that fits is spread instead. Micro-batches sized for a B that cannot run open slots
-    faster than sequences finish; the projection then refuses them, and the refused ones start
-    together later: a few groups of one age instead of evenly spread ages, and fewer running
-    (bench/reserve_capacity_bench.py). So: M for the B that fits, F set so that M per F steps
-    opens at least B slots per lifetime, and B no more than that rate sustains (a ramp that
-    kept opening slots past it made lumps too). `fastdecode plan` prices grow with this."""
-    B, S, life = target, max_gen, lifetime
+    count that fits is spread instead (memory_batch)."""
+    F = admit_every or max(1, math.ceil(lifetime / 16))
+    if capacity_tokens is not None and _fit(capacity_tokens, max_gen, F, prompt_mean, seq_overhead) < target:
+        return memory_batch(capacity_tokens, max_gen, lifetime, prompt_mean, seq_overhead, admit_every)
+    return target, max(1, round(target * F / lifetime)), F
+
+
+def memory_batch(capacity_tokens: float, max_gen: int, lifetime: int, prompt_mean: float,
+                 seq_overhead: float = 0.0, admit_every: int | None = None) -> tuple[int, int, int]:
+    """(B, M, F) for memory that holds fewer than the asked-for batch. Micro-batches sized for a
+    B that cannot run open slots faster than sequences finish; the projection then refuses
+    them, and the refused ones start together later: a few groups of one age instead of evenly
+    spread ages, and fewer running (bench/reserve_capacity_bench.py). So: M for the B that fits,
+    F set so that M per F steps opens at least B slots per lifetime, and B no more than that rate
+    sustains (a ramp that kept opening slots past it made lumps too). `fastdecode plan` prices
+    --kv-reserve grow with this."""
+    life = lifetime
     F = admit_every or max(1, math.ceil(life / 16))
-    M = max(1, round(B * F / life))
-    if capacity_tokens is None:
-        return B, M, F
-    fit = math.floor(capacity_tokens / (prompt_mean + (S + F) / 2 + seq_overhead))
-    if fit >= B:
-        return B, M, F
-    B = max(1, fit)
+    B = max(1, _fit(capacity_tokens, max_gen, F, prompt_mean, seq_overhead))
     M = max(1, round(B * F / life))
     if admit_every is None:
         F = max(1, math.floor(M * life / B))            # M per F steps: at least B per lifetime
-    fit = math.floor(capacity_tokens / (prompt_mean + (S + F) / 2 + seq_overhead))   # F moved the ripple
+    fit = _fit(capacity_tokens, max_gen, F, prompt_mean, seq_overhead)   # F moved the ripple
     return max(1, min(B, fit, math.floor(M * life / F))), M, F
+
+
+def _fit(capacity_tokens: float, max_gen: int, admit_every: int, prompt_mean: float, seq_overhead: float) -> int:
+    """Sequences whose schedule peak, prompt + (S+F)/2 tokens each plus the overhead, fits."""
+    return math.floor(capacity_tokens / (prompt_mean + (max_gen + admit_every) / 2 + seq_overhead))
 
 
 class StabilizedAdmission:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from .admission import spread_batch
+from .admission import memory_batch
 
 SCHEMA = "fastdecode-profile/1"
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
@@ -371,15 +371,13 @@ def sequences_on_worker(capacity_tokens: float, worker: RWorkerProfile, gen_len:
                         kv_reserve: str) -> int:
     """How many sequences `capacity_tokens` of one worker hold at once. full: whole worst cases
     (placement's hard bound). grow: the count the stabilized schedule admits
-    (fastdecode/admission.py spread_batch), which keeps the workload's peak, B*(prompt +
+    (fastdecode/admission.py memory_batch), which keeps the workload's peak, B*(prompt +
     (S+F)/2) plus the page overhead, within capacity: what it runs unless growth preempts."""
     if kv_reserve == "full":
         return int(capacity_tokens // held_tokens(worker, gen_len, prompt_len, kv_reserve))
     if kv_reserve == "grow":
-        most = int(capacity_tokens // max(prompt_len + 1, 1)) + 1      # a target no memory reaches
-        batch, _, _ = spread_batch(most, gen_len, gen_len, prompt_len, capacity_tokens,
-                                   grow_overhead_tokens(worker.page_tokens))
-        return batch
+        return memory_batch(capacity_tokens, gen_len, gen_len, prompt_len,
+                            grow_overhead_tokens(worker.page_tokens))[0]
     raise ValueError(f"kv_reserve must be one of {KV_RESERVE}, got {kv_reserve!r}")
 
 

@@ -64,7 +64,7 @@ def test_prompt_adds_to_the_average_kv_length():
 def test_capacity_sets_the_count_when_memory_is_short():
     # 10 GB per worker = 10e9 / 524288 = 19,073 tokens (page of 1 token in hand_profile).
     # full: a sequence reserves prompt + S = 1024 tokens -> 18 per worker -> 1024 / 18 = 56.9 -> 57
-    # grow: the count the stabilized schedule admits (admission.spread_batch), its peak within
+    # grow: the count the stabilized schedule admits (admission.memory_batch), its peak within
     #       memory: F = 1024/16 = 64, each S/2 + F/2 = 544 tokens + 2 of page overhead (pages of 1:
     #       the next token's slot and one of headroom) -> 19073 // 546 = 34; M = round(34*64/1024)
     #       = 2 per F = 2*1024 // 34 = 60 steps, which sustains 2*1024 // 60 = 34 and leaves
