@@ -127,6 +127,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
+        self.runner.reserve_tokens = self.placement.held_tokens     # workers take those pages at prefill
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no = 0

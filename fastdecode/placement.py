@@ -100,6 +100,10 @@ class Placement:
         self.resident[w] -= 1
         self.load[w] -= self._projected(seq)
 
+    def held_tokens(self, seq: Sequence) -> int:
+        """KV tokens the sequence reserves on its worker now (whole pages; 0 if not placed)."""
+        return self._held.get(seq.seq_id, 0)
+
     def seq_overhead_tokens(self) -> float:
         """KV tokens a growing sequence holds beyond its length, on average (grow: its last page
         half full, the next token's slot, a page of admission headroom); 0 under full, whose

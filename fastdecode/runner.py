@@ -5,6 +5,7 @@ Rows of a batch are ordered by R-worker so each worker's rows are one contiguous
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,6 +43,10 @@ class ModelRunner:
         self.last_r_wait = 0.0          # S-worker time blocked on R-worker replies
         self.decode_rows = 0            # sequence-steps decoded (rows that crossed to the R-part)
         self.prefill_rows = 0           # prompt tokens whose K/V were shipped
+        # KV tokens a new sequence reserves on its worker (the engine's placement), sent with its
+        # prefill so the worker takes those pages at once: one run per (layer, head), not a page
+        # wherever the free list has one every 32 decode steps (bench/KERNEL_NOTES.md, "Page runs")
+        self.reserve_tokens: Callable[[Sequence], int] | None = None
 
     def _static_sampling(self, s: Sequence) -> tuple:
         """What a sequence's sampling needs besides its position; fixed for its life, so cached."""
@@ -109,7 +114,11 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         row_ids = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), lengths)
         worker_rows = [sum(n for s, n in zip(seqs, lengths) if s.worker == w) for w in range(be.num_workers)]
-        be.prefill_begin(row_ids, worker_rows, m.config.num_layers)
+        reserve = None
+        if self.reserve_tokens is not None:
+            held = np.array([self.reserve_tokens(s) for s in seqs], dtype=np.int64)
+            reserve = (np.array([s.seq_id for s in seqs], dtype=np.int64), held, counts)
+        be.prefill_begin(row_ids, worker_rows, m.config.num_layers, reserve=reserve)
         x = m.embed_tokens(tokens)                                   # [T, h]
         cos, sin = m.rope.cos_sin(positions)
         for layer in range(m.config.num_layers):

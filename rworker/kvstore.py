@@ -4,6 +4,7 @@ Thin Python over the C++ extension (csrc/avx512/): all shape/dtype checks and al
 in C++, with the GIL released. Arrays cross as numpy buffers; bf16 travels as raw uint16 bits.
 
     store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype="bf16")
+    store.reserve(seq_ids, tokens)                 # optional: pages for each sequence's whole life
     store.append(layer, seq_ids, k, v)             # k, v [n, Hkv, D] float32 | uint16 (bf16 bits)
     o = store.attend(layer, seq_ids, q)            # q [n, Hq, D] -> o [n, Hq, D] float32
     o = store.append_attend(layer, seq_ids, q, k, v, out=np.empty(..., np.uint16))  # bf16 out
@@ -95,6 +96,18 @@ class KVStore:
         if not self._st.append_attend(layer, ids, q, k, v, out):
             raise self._capacity_error(len(ids))
         return out
+
+    def reserve(self, seq_ids, tokens) -> bool:
+        """Take now the pages for tokens[i] tokens of sequence seq_ids[i] (created if new) at every
+        layer, so that its later appends land in one run of pages per (layer, kv head) instead of
+        a page wherever the free list has one: decode then streams runs, not scattered 8-16 KB
+        pages (bench/KERNEL_NOTES.md, "Page runs"). Pages already held count. False (and nothing
+        taken) if that would pass capacity_bytes: the appends then take pages as they go."""
+        ids = _ids(seq_ids)
+        tok = np.ascontiguousarray(np.asarray(tokens).reshape(-1), dtype=np.int64)
+        if tok.shape != ids.shape:
+            raise ValueError(f"reserve: {ids.size} seq_ids but {tok.size} token counts")
+        return self._st.reserve(ids, tok)
 
     def free(self, seq_id: int) -> bool:
         """Release the sequence's pages (all layers) for reuse; False if the id is unknown."""

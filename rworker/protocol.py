@@ -38,7 +38,8 @@ KV_CODES = {v: k for k, v in KV_DTYPES.items()}
 HEADER_WORDS = 8
 # header words: [magic, kind, step, a, b, c, d, e] with per-kind meaning:
 #   HELLO:    a=num_layers b=num_kv_heads c=head_dim d=kv_dtype code e=num_heads; body: [scale_bits, threads, capacity_bytes, S-worker cores on its node]
-#   PREFILL:  a=rows b=act dtype code c=layers in this step (0: all); body: seq_ids[rows] (a prompt's rows consecutive)
+#   PREFILL:  a=rows b=act dtype code c=layers in this step (0: all) d=reservations;
+#             body: seq_ids[rows] (a prompt's rows consecutive), then d seq ids and d token counts to reserve
 #   DECODE:   a=num_minibatches b=act dtype code c=layers in this step (0: all); body: counts[num_mb], seq_ids[sum counts]
 #             (fewer layers than the model's: `fastdecode profile` times the R-part on the first few)
 #   FREE:     a=n; body: seq_ids[n]

@@ -129,6 +129,9 @@ class RWorker:
         """Append the prompt K/V of each layer; the next layer's message is received meanwhile."""
         rows, act, layers = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])], self._layers(hdr)
         ids = body[:rows].copy()
+        nres = int(hdr[3])
+        if nres:    # pages for each sequence's whole reservation now: one run per (layer, head)
+            self.store.reserve(body[rows:rows + nres], body[rows + nres:rows + 2 * nres])
         kv = self.num_kv_heads * self.head_dim
         bufs = [np.empty(2 * rows * kv, dtype=act) for _ in range(2)]
         tickets = [self.progress.track([self.comm.Irecv(bufs[0], source=0, tag=P.TAG_KV)], self.s_name), None]

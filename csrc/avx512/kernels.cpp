@@ -275,6 +275,15 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
         .def("append", &PyStore::append, "append rows; False if the capacity would be passed (nothing stored)")
         .def("attend", &PyStore::attend)
         .def("append_attend", &PyStore::append_attend)
+        .def("reserve",
+             [](PyStore& s, py::array_t<int64_t, py::array::c_style | py::array::forcecast> ids,
+                py::array_t<int64_t, py::array::c_style | py::array::forcecast> tokens) {
+                 if (ids.ndim() != 1 || tokens.ndim() != 1 || ids.shape(0) != tokens.shape(0))
+                     throw std::invalid_argument("reserve: ids and tokens must be 1-D of equal length");
+                 py::gil_scoped_release nogil;
+                 return s.st.reserve(ids.shape(0), ids.data(), tokens.data());
+             },
+             "take the pages for tokens[i] tokens of sequence ids[i] at every layer now; False past the capacity")
         .def("free", [](PyStore& s, int64_t id) { return s.st.free_seq(id); })
         .def("num_tokens", [](PyStore& s, int64_t id, int layer) { return s.st.num_tokens(id, layer); })
         .def("num_seqs", [](PyStore& s) { return s.st.num_seqs(); })

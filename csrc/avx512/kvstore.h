@@ -197,6 +197,33 @@ public:
         seqs_.erase(it);
         return true;
     }
+    // ---- reserve ------------------------------------------------------------
+    // Pages for tokens[i] tokens of sequence ids[i] at every layer, taken now (creating the
+    // sequence if new; pages already held count). A decode step's appends then land in pages
+    // taken with the prompt's, so each (layer, head) stays one run in memory instead of a page
+    // per 32 steps wherever the free list has one: scattered 8 KB pages stream at 0.5-0.7x a run
+    // (bench/KERNEL_NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
+    bool reserve(int64_t n, const int64_t* ids, const int64_t* tokens) {
+        std::lock_guard<std::mutex> lk(mu_);
+        size_t new_pages = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            if (tokens[i] < 0) throw std::invalid_argument("reserve: negative token count for sequence " + std::to_string(ids[i]));
+            const size_t need = ((size_t)tokens[i] + P - 1) / P;
+            auto it = seqs_.find(ids[i]);
+            for (int l = 0; l < L_; ++l) {
+                const size_t have = it == seqs_.end() ? 0 : it->second.pages[l].size() / Hkv_;
+                if (need > have) new_pages += (need - have) * Hkv_;
+            }
+        }
+        if (capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_) return false;
+        std::vector<int64_t> created;
+        for (int64_t i = 0; i < n; ++i) {
+            Seq& s = get_or_create(ids[i], created);
+            for (int l = 0; l < L_; ++l) grow_pages(s.pages[l], ((size_t)tokens[i] + P - 1) / P);
+        }
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+        return true;
+    }
 
     // ---- append -------------------------------------------------------------
     // rows i = 0..n-1 in order: token (k[i], v[i]) [Hkv][D] goes to the end of sequence ids[i].
@@ -247,6 +274,16 @@ private:
         return s;
     }
 
+    // pages[l] of one sequence up to `need` pages per head, head by head: the new pages of one
+    // head are consecutive in memory when the arena hands out consecutive pages
+    void grow_pages(std::vector<char*>& pl, size_t need) {
+        const size_t have = pl.size() / Hkv_;
+        if (need <= have) return;
+        pl.resize(need * Hkv_);
+        for (int h = 0; h < Hkv_; ++h)
+            for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
+    }
+
     bool append_locked(int layer, int64_t n, const int64_t* ids, const void* k, const void* v, int sdt) {
         check_layer(layer);
         if (n == 0) return true;
@@ -264,11 +301,12 @@ private:
         }
 
         // 2. capacity: count the new pages (one per head per 32 tokens) before touching anything
+        //    (a reserved sequence may already hold them)
         size_t new_pages = 0;
         for (Seq* s : touched_) {
             size_t have = s->pages[layer].size() / Hkv_;
             size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
-            new_pages += (need - have) * Hkv_;
+            if (need > have) new_pages += (need - have) * Hkv_;
         }
         if (capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_) {
             for (Seq* s : touched_) s->pending = 0;
@@ -280,11 +318,7 @@ private:
         //    then give each row its page index and slot (serial, cheap)
         for (Seq* s : touched_) {
             auto& pl = s->pages[layer];
-            const size_t have = pl.size() / Hkv_;
-            const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
-            pl.resize(need * Hkv_);
-            for (int h = 0; h < Hkv_; ++h)
-                for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
+            grow_pages(pl, ((size_t)s->len[layer] + s->pending + P - 1) / P);
             s->pending = 0;
         }
         for (int64_t i = 0; i < n; ++i) {

@@ -34,8 +34,12 @@ class RBackend:
     workers: list[WorkerInfo]
 
     # prefill: rows are prompt tokens; row_ids[r] = seq id of row r (a prompt's rows consecutive).
-    # `layers`: the step covers the model's first `layers` layers (0: all; profiling uses fewer)
-    def prefill_begin(self, row_ids: np.ndarray, counts: list[int], layers: int = 0) -> None: ...
+    # `layers`: the step covers the model's first `layers` layers (0: all; profiling uses fewer).
+    # `reserve`: (seq_ids [n], tokens [n], counts per worker), grouped like the rows: the KV tokens
+    # each new sequence reserves (placement's count), which its worker takes as pages now so that
+    # the sequence's KV stays one run of pages per (layer, head) as it grows (a layout hint only).
+    def prefill_begin(self, row_ids: np.ndarray, counts: list[int], layers: int = 0,
+                      reserve: tuple[np.ndarray, np.ndarray, list[int]] | None = None) -> None: ...
     def prefill_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def prefill_end(self) -> None: ...
 

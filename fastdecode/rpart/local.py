@@ -34,8 +34,10 @@ class LocalBackend(RBackend):
         # thread computes the next mini-batch's S-part; one thread keeps calls in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rpart") if asynchronous else None
 
-    def prefill_begin(self, row_ids, counts, layers=0):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
         self._row_ids = row_ids
+        if reserve is not None and len(reserve[0]):
+            self.store.reserve(reserve[0], reserve[1])
 
     def prefill_layer(self, layer, k, v):
         self.store.append(layer, self._row_ids, as_numpy(k), as_numpy(v))

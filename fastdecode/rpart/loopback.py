@@ -30,7 +30,7 @@ class LoopbackBackend(RBackend):
         self.prefill_buf = HostBuffer(dtype, self.pinned)
 
     # prefill: the prompt K/V are staged to host as the MPI transport would send them
-    def prefill_begin(self, row_ids, counts, layers=0):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
         pass
 
     def prefill_layer(self, layer, k, v):

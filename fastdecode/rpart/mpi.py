@@ -107,15 +107,19 @@ class MPIBackend(RBackend):
 
     # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
-    def prefill_begin(self, row_ids, counts, layers=0):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
         self._flush_frees()
         self._pf_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._pf_counts = list(counts)
         code = ACT_CODE[self.act_dtype]
+        res_ids, res_tokens, res_counts = reserve if reserve is not None else ([], [], [0] * len(counts))
+        res_bounds = np.concatenate([[0], np.cumsum(res_counts)]).astype(np.int64)
         for w, n in enumerate(counts):
             if n:
                 s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
-                self._send_control(w, P.control(P.PREFILL, self.step, n, code, layers, body=[row_ids[s:e]]))
+                rs, re = res_bounds[w], res_bounds[w + 1]
+                body = [row_ids[s:e], np.asarray(res_ids[rs:re]), np.asarray(res_tokens[rs:re])]
+                self._send_control(w, P.control(P.PREFILL, self.step, n, code, layers, re - rs, body=body))
 
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
