@@ -15,7 +15,8 @@ Calls on one store from several threads are serialized (a mutex in C++); every c
 KV data releases the GIL.
 
 Environment: FASTDECODE_ISA (rworker.isa), FASTDECODE_THREADS / FASTDECODE_PIN=0 (rworker._threads),
-FASTDECODE_SPIN_US (how long idle workers spin before sleeping, default 50).
+FASTDECODE_SPIN_US (how long idle workers spin before sleeping, default 50), FASTDECODE_RESERVE_PAGES=0
+(`reserve` takes nothing: decode pages come one at a time, for measurements).
 """
 from __future__ import annotations
 
@@ -102,7 +103,10 @@ class KVStore:
         layer, so that its later appends land in one run of pages per (layer, kv head) instead of
         a page wherever the free list has one: decode then streams runs, not scattered 8-16 KB
         pages (bench/KERNEL_NOTES.md, "Page runs"). Pages already held count. False (and nothing
-        taken) if that would pass capacity_bytes: the appends then take pages as they go."""
+        taken) if that would pass capacity_bytes, or with FASTDECODE_RESERVE_PAGES=0 (a measurement
+        knob): the appends then take pages as they go."""
+        if os.environ.get("FASTDECODE_RESERVE_PAGES", "").strip() == "0":
+            return False
         ids = _ids(seq_ids)
         tok = np.ascontiguousarray(np.asarray(tokens).reshape(-1), dtype=np.int64)
         if tok.shape != ids.shape:

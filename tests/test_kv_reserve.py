@@ -107,3 +107,13 @@ def test_rworker_holds_what_placement_reserves(tmp_path, ranks, kv_reserve):
         held = pages(prompt + max_tokens) if kv_reserve == "full" else pages(s["kv_tokens"][0])
         assert s["kv_bytes"] == [held], s
     assert pages(prompt + max_tokens) > pages(prompt + 1)     # the case tells the two apart
+
+
+def test_reserve_pages_knob_turns_reservation_off(monkeypatch):
+    """FASTDECODE_RESERVE_PAGES=0 (a measurement knob): reserve takes nothing, appends still work."""
+    monkeypatch.setenv("FASTDECODE_RESERVE_PAGES", "0")
+    st = KVStore(1, 2, 64, "bf16", threads=1)
+    assert not st.reserve([1], [10 * st.page_tokens])
+    assert st.bytes_used() == 0 and st.num_seqs() == 0
+    st.append(0, [1], np.zeros((1, 2, 64), np.float32), np.zeros((1, 2, 64), np.float32))
+    assert st.bytes_used() == 2 * 2 * st.page_tokens * 64 * 2

@@ -11,7 +11,8 @@
 // append are taken head by head, so a prompt's pages of one head are consecutive in memory (one
 // long stream for the hardware prefetcher), and a freed sequence returns its pages so that the
 // next prompt gets them back in the same order. Appending a token writes one K column and one V
-// row per head; nothing is ever copied to grow a sequence.
+// row per head; nothing is ever copied to grow a sequence. `reserve` takes a sequence's pages for
+// its whole reservation up front, so decode appends land in the same runs as its prompt.
 //
 // Attention. Work items are (sequence, kv-head, chunk of CH = 512 tokens). One item streams its
 // K/V runs once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax
