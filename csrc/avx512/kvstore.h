@@ -198,12 +198,13 @@ public:
         seqs_.erase(it);
         return true;
     }
+
     // ---- reserve ------------------------------------------------------------
     // Pages for tokens[i] tokens of sequence ids[i] at every layer, taken now (creating the
     // sequence if new; pages already held count). A decode step's appends then land in pages
     // taken with the prompt's, so each (layer, head) stays one run in memory instead of a page
-    // per 32 steps wherever the free list has one: scattered 8 KB pages stream at 0.5-0.7x a run
-    // (bench/KERNEL_NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
+    // per 32 steps wherever the free list has one: scattered 8-16 KB pages streamed at 0.62-0.88x
+    // the runs (bench/KERNEL_NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
     bool reserve(int64_t n, const int64_t* ids, const int64_t* tokens) {
         std::lock_guard<std::mutex> lk(mu_);
         size_t new_pages = 0;
