@@ -171,7 +171,7 @@ def spread_batch(target: int, max_gen: int, lifetime: int, prompt_mean: float,
     ages spread evenly; the workload then peaks at B*(prompt + (S+F)/2), plus `seq_overhead`
     per sequence in memory. When `capacity_tokens` holds fewer than `target` at that peak, the
     count that fits is spread instead (memory_batch)."""
-    F = admit_every or max(1, math.ceil(lifetime / 16))
+    F = admit_every or _default_period(lifetime)
     if capacity_tokens is not None and _fit(capacity_tokens, max_gen, F, prompt_mean, seq_overhead) < target:
         return memory_batch(capacity_tokens, max_gen, lifetime, prompt_mean, seq_overhead, admit_every)
     return target, max(1, round(target * F / lifetime)), F
@@ -186,14 +186,18 @@ def memory_batch(capacity_tokens: float, max_gen: int, lifetime: int, prompt_mea
     F set so that M per F steps opens at least B slots per lifetime, and B no more than that rate
     sustains (a ramp that kept opening slots past it made lumps too). `fastdecode plan` prices
     --kv-reserve grow with this."""
-    life = lifetime
-    F = admit_every or max(1, math.ceil(life / 16))
+    F = admit_every or _default_period(lifetime)
     B = max(1, _fit(capacity_tokens, max_gen, F, prompt_mean, seq_overhead))
-    M = max(1, round(B * F / life))
+    M = max(1, round(B * F / lifetime))
     if admit_every is None:
-        F = max(1, math.floor(M * life / B))            # M per F steps: at least B per lifetime
+        F = max(1, math.floor(M * lifetime / B))        # M per F steps: at least B per lifetime
     fit = _fit(capacity_tokens, max_gen, F, prompt_mean, seq_overhead)   # F moved the ripple
-    return max(1, min(B, fit, math.floor(M * life / F))), M, F
+    return max(1, min(B, fit, math.floor(M * lifetime / F))), M, F
+
+
+def _default_period(lifetime: int) -> int:
+    """F when not given: 16 micro-batches per lifetime."""
+    return max(1, math.ceil(lifetime / 16))
 
 
 def _fit(capacity_tokens: float, max_gen: int, admit_every: int, prompt_mean: float, seq_overhead: float) -> int:

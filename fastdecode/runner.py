@@ -112,12 +112,13 @@ class ModelRunner:
         tokens = torch.tensor([t for s in seqs for t in s.request.prompt_ids + s.output_ids[:-1]],
                               device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        row_ids = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), lengths)
+        seq_ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
+        row_ids = np.repeat(seq_ids, lengths)
         worker_rows = [sum(n for s, n in zip(seqs, lengths) if s.worker == w) for w in range(be.num_workers)]
         reserve = None
         if self.reserve_tokens is not None:
             held = np.array([self.reserve_tokens(s) for s in seqs], dtype=np.int64)
-            reserve = (np.array([s.seq_id for s in seqs], dtype=np.int64), held, counts)
+            reserve = (seq_ids, held, counts)
         be.prefill_begin(row_ids, worker_rows, m.config.num_layers, reserve=reserve)
         x = m.embed_tokens(tokens)                                   # [T, h]
         cos, sin = m.rope.cos_sin(positions)

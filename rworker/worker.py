@@ -130,6 +130,9 @@ class RWorker:
         rows, act, layers = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])], self._layers(hdr)
         ids = body[:rows].copy()
         nres = int(hdr[3])
+        if nres < 0 or body.size < rows + 2 * nres:
+            raise ValueError(f"protocol error: PREFILL announces {rows} rows and {nres} reservations, "
+                             f"its body has {body.size} words")
         if nres:    # pages for each sequence's whole reservation now: one run per (layer, head)
             self.store.reserve(body[rows:rows + nres], body[rows + nres:rows + 2 * nres])
         kv = self.num_kv_heads * self.head_dim

@@ -117,9 +117,9 @@ class MPIBackend(RBackend):
         for w, n in enumerate(counts):
             if n:
                 s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
-                rs, re = res_bounds[w], res_bounds[w + 1]
-                body = [row_ids[s:e], np.asarray(res_ids[rs:re]), np.asarray(res_tokens[rs:re])]
-                self._send_control(w, P.control(P.PREFILL, self.step, n, code, layers, re - rs, body=body))
+                r0, r1 = res_bounds[w], res_bounds[w + 1]
+                body = [row_ids[s:e], np.asarray(res_ids[r0:r1]), np.asarray(res_tokens[r0:r1])]
+                self._send_control(w, P.control(P.PREFILL, self.step, n, code, layers, r1 - r0, body=body))
 
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
