@@ -15,6 +15,10 @@ Or two V layouts of the current build (a store option, simd.h V_TILE_ALT), no se
 
     python bench/kernel_ab.py --v-tiles 0,32 --isa avx512 --label h100-box-avx512-vtile32
 
+and/or with and without the software prefetch (FASTDECODE_PREFETCH, read by each store):
+
+    python bench/kernel_ab.py --v-tiles 0,32 --prefetch 0,1 --isa avx512 --label NAME
+
 With --kv-kb (e.g. 700 and --threads 1: one core's L2) the working set stays in the caches and
 the A/B times the kernel's compute alone: the regime of a host whose cores, not its DRAM, bound
 attention, as on the GPU box's Xeon. Its "% of read" can pass 100 and says nothing there.
@@ -77,13 +81,20 @@ def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
     nbytes = B * ctx * Hkv * D * 2 * isz
 
     stores = {}
+    saved_prefetch = os.environ.get("FASTDECODE_PREFETCH")
     for name in ("old", "new"):
         v_tile = args.v_tiles[name == "new"] if args.v_tiles else None
+        if args.prefetch:                          # each store reads FASTDECODE_PREFETCH when built
+            os.environ["FASTDECODE_PREFETCH"] = str(args.prefetch[name == "new"])
         st = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=args.isa, v_tile=v_tile)
-        if name == "old" and not args.v_tiles:     # same wrapper, the other build's store underneath
+        if name == "old" and not args.same_build:  # same wrapper, the other build's store underneath
             st._st = old_mod.Store(1, Hkv, D, kv_dtype, st.scale, 0, args.threads, pin_cpus(args.threads), 50)
         fill_store(st, blk, B, ctx, kv_dtype)
         stores[name] = st
+    if saved_prefetch is None:
+        os.environ.pop("FASTDECODE_PREFETCH", None)
+    else:
+        os.environ["FASTDECODE_PREFETCH"] = saved_prefetch
     out_old, out_new = np.empty((B, Hq, D), np.float32), np.empty((B, Hq, D), np.float32)
     stores["old"].attend(0, ids, q, out_old)
     stores["new"].attend(0, ids, q, out_new)
@@ -109,6 +120,12 @@ def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
           f"  ({row['old_pct_of_read']:3.0f}% -> {row['new_pct_of_read']:3.0f}% of read)  new/old {row['ratio_median']:.3f}"
           f"  wins {row['new_wins']}/{args.rounds}{'' if identical else '  OUTPUTS DIFFER'}", flush=True)
     return row
+
+
+def side(args, i: int) -> str:
+    """What one side of a same-build A/B sets: its V layout and/or software prefetch."""
+    return ((f", v_tile={args.v_tiles[i]}" if args.v_tiles else "")
+            + (f", prefetch={args.prefetch[i]}" if args.prefetch else ""))
 
 
 def plot(rows, path_png: str, title: str) -> None:
@@ -139,6 +156,8 @@ def main(argv=None):
     ap.add_argument("--isa", default="avx2", help="which module to compare (avx512, avx2, portable)")
     ap.add_argument("--v-tiles", metavar="OLD,NEW", help="compare two V layouts of the current build instead "
                     "(e.g. 0,32: token-major vs tiles of 32 dims); no --old")
+    ap.add_argument("--prefetch", metavar="OLD,NEW", help="software prefetch off (0) or on (1) for each side, "
+                    "current build (alone or with --v-tiles); no --old")
     ap.add_argument("--label", help="result name (required unless --replot)")
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores of the CPU set")
     ap.add_argument("--models", default=",".join(MODELS))
@@ -161,9 +180,10 @@ def main(argv=None):
         plot(res["rows"], args.replot[:-5] + ".png", f"{m['isa']}, {m['threads']} threads: old vs new build, "
              f"interleaved in one run (label {m['label']}); text: median per-round ratio new/old")
         return
-    if not args.label or not (args.old or args.v_tiles) or (args.old and args.v_tiles):
-        ap.error("--label and one of --old (a checkout of the earlier code with its extension built) "
-                 "or --v-tiles OLD,NEW are required")
+    args.same_build = bool(args.v_tiles or args.prefetch)
+    if not args.label or not (args.old or args.same_build) or (args.old and args.same_build):
+        ap.error("--label and either --old (a checkout of the earlier code with its extension built) "
+                 "or --v-tiles OLD,NEW and/or --prefetch OLD,NEW are required")
     if args.old and os.path.realpath(args.old) == os.path.realpath(ROOT):
         ap.error("--old must be another checkout: one extension file cannot be loaded twice in a process")
     if args.v_tiles:
@@ -172,16 +192,20 @@ def main(argv=None):
             assert len(args.v_tiles) == 2
         except (ValueError, AssertionError):
             ap.error(f"--v-tiles must be two integers OLD,NEW, got {args.v_tiles!r}")
+    if args.prefetch:
+        if args.prefetch not in ("0,1", "1,0", "0,0", "1,1"):
+            ap.error(f"--prefetch must be OLD,NEW with each 0 or 1, got {args.prefetch!r}")
+        args.prefetch = tuple(int(x) for x in args.prefetch.split(","))
     if (args.kv_kb is not None and args.kv_kb < 1) or args.reps < 1:
         ap.error(f"--kv-kb and --reps must be >= 1, got {args.kv_kb} and {args.reps}")
     args.threads = args.threads or default_threads()
     runnable = isa_mod.available_isas() + isa_mod.emulated_isas()
     if args.isa not in runnable:
         sys.exit(f"kernel_ab: this CPU cannot run the {args.isa} path (it has {runnable})")
-    if args.v_tiles:
+    if args.same_build:
         old_mod = isa_mod.load(args.isa)
         have = {old_mod.V_TILE, old_mod.V_TILE_ALT}
-        if not set(args.v_tiles) <= have:
+        if args.v_tiles and not set(args.v_tiles) <= have:
             sys.exit(f"kernel_ab: the {args.isa} build has V layouts {sorted(have)}, not {list(args.v_tiles)}")
     else:
         old_mod = load_old(args.old, args.isa)
@@ -191,8 +215,8 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"kernel_ab_{args.label}")
     meta = dict(label=args.label, isa=args.isa, threads=args.threads,
-                old=os.path.abspath(args.old) if args.old else f"this build, v_tile={args.v_tiles[0]}",
-                new="this build" + (f", v_tile={args.v_tiles[1]}" if args.v_tiles else ""),
+                old=os.path.abspath(args.old) if args.old else "this build" + side(args, 0),
+                new="this build" + side(args, 1),
                 old_rev=git_rev(args.old or ROOT), new_rev=git_rev(ROOT), new_tree_dirty=bool(subprocess.run(
                     ["git", "-C", ROOT, "status", "--porcelain", "csrc"], capture_output=True, text=True).stdout),
                 cpu=platform.processor() or platform.machine(), cpu_features=sorted(old_mod.cpu_features()),
