@@ -1,4 +1,4 @@
-"""Decode attention over three page layouts of the same KV data, in one process.
+"""Decode attention over four page layouts of the same KV data, in one process.
 
 kernel_bench fills each sequence by appending 1,024-row blocks: a prompt's layout, where a
 (layer, kv head)'s pages are consecutive in memory. A decoding R-worker grows every sequence by
@@ -6,7 +6,10 @@ one token per step, so each new page (every 32 steps) comes from wherever the ar
 has one, and a sequence's pages end up scattered. This bench times the kernel on
 
   prompt      1,024-row appends (kernel_bench's layout)
-  decode      32-row appends, sequences round-robin: each page lands apart from the previous one
+  decode      32-row appends, sequences round-robin, one page at a time (extent_pages = 1, the
+              layout before extents): each page lands apart from the previous one
+  extents     the same appends with the store's extents (--extent pages per head taken when a
+              sequence outgrows its pages, what an unreserved sequence gets under --kv-reserve grow)
   reserved    the same appends after `KVStore.reserve` of each sequence's whole length (what the
               engine sends with a prefill under --kv-reserve full): one run per (layer, head)
 
@@ -35,10 +38,11 @@ from kernel_bench import MODELS, best_time, fill_store, random_block  # noqa: E4
 from rworker import KVStore  # noqa: E402
 from rworker._threads import default_threads, pin_cpus  # noqa: E402
 
-LAYOUTS = ("prompt", "decode", "reserved")
+LAYOUTS = ("prompt", "decode", "extents", "reserved")
 
 
-def fill(store: KVStore, layout: str, blk: np.ndarray, B: int, ctx: int) -> None:
+def fill(store: KVStore, layout: str, blk: np.ndarray, B: int, ctx: int, extent: int) -> None:
+    store.extent_pages = 1 if layout == "decode" else extent
     if layout == "prompt":
         return fill_store(store, blk, B, ctx, "bf16")
     if layout == "reserved":
@@ -60,7 +64,7 @@ def bench_shape(args, model: str, ctx: int, rng) -> dict:
     stores, outs = {}, {}
     for layout in LAYOUTS:
         st = KVStore(1, Hkv, D, "bf16", threads=args.threads)
-        fill(st, layout, blk, B, ctx)
+        fill(st, layout, blk, B, ctx, args.extent)
         stores[layout] = st
         outs[layout] = st.attend(0, ids, q, np.empty((B, Hq, D), np.float32))
     identical = all(np.array_equal(outs["prompt"], outs[k]) for k in LAYOUTS)
@@ -80,7 +84,8 @@ def bench_shape(args, model: str, ctx: int, rng) -> dict:
     for k in LAYOUTS:
         a = np.array(gbps[k])
         row[k] = dict(best_gbps=float(a.max()), pct_of_read=100 * float(a.max()) / max(reads),
-                      ratio_to_prompt_median=float(np.median(a / base)), gbps=a.tolist())
+                      ratio_to_prompt_median=float(np.median(a / base)), gbps=a.tolist(),
+                      runs_per_head_seq0=stores[k].page_runs(0, 0) / Hkv)
     print(f"  {model:13s} ctx {ctx:5d}: read {max(reads):5.1f}  " + "  ".join(
         f"{k} {row[k]['best_gbps']:5.1f} ({row[k]['pct_of_read']:3.0f}%, x{row[k]['ratio_to_prompt_median']:.2f})"
         for k in LAYOUTS) + ("" if identical else "  OUTPUTS DIFFER"), flush=True)
@@ -95,7 +100,7 @@ def plot(rows, path_png: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.2))
     x = np.arange(len(rows))
     for i, k in enumerate(LAYOUTS):
-        ax.bar(x + (i - 1) * 0.27, [r[k]["pct_of_read"] for r in rows], 0.27, label=k)
+        ax.bar(x + (i - 1.5) * 0.2, [r[k]["pct_of_read"] for r in rows], 0.2, label=k)
     ax.axhline(90, color="gray", ls="--", lw=1)
     ax.set_xticks(x, [f"{r['model'].split('-')[0]} ctx {r['context']}" for r in rows], fontsize=8)
     ax.set_ylabel("% of read bandwidth (best, same run)")
@@ -114,14 +119,16 @@ def main(argv=None):
     ap.add_argument("--min-mb", type=int, default=384, help="KV megabytes per layout (past the caches)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--extent", type=int, default=None, help="pages per extent (default: the store's)")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
     args.threads = args.threads or default_threads()
+    args.extent = args.extent or KVStore(1, 1, 64, threads=1).extent_pages
     rng = np.random.default_rng(0)
     rows = [bench_shape(args, m, int(c), rng) for m in args.models.split(",") for c in args.contexts.split(",")]
     meta = dict(label=args.label, host=platform.node(), cpu=platform.processor() or platform.machine(),
                 threads=args.threads, kv_dtype="bf16", q_dtype="bf16", rounds=args.rounds, reps=args.reps,
-                min_mb=args.min_mb, isa=KVStore(1, 1, 64, threads=1).isa, results=rows)
+                min_mb=args.min_mb, isa=KVStore(1, 1, 64, threads=1).isa, extent_pages=args.extent, results=rows)
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"page_runs_{args.label}")
     with open(base + ".json", "w") as f:

@@ -198,7 +198,7 @@ class LLMEngine:
             kv = (f"{w.capacity_bytes / 2**30:.1f} GiB" if w.capacity_bytes >= 2**30
                   else f"{w.capacity_bytes / 2**20:.0f} MiB")
             print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
-                  f"{kv} KV", file=sys.stderr, flush=True)
+                  f"{kv} KV" + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
 

@@ -19,6 +19,10 @@ def collect() -> dict:
         info["cpu_features"] = " ".join(sorted(feats))
         if os.environ.get("FASTDECODE_ISA"):
             info["kernel_isa_forced_by"] = f"FASTDECODE_ISA={os.environ['FASTDECODE_ISA']}"
+        from rworker import tune
+        info["kernel_candidates"] = " ".join(tune.label(*c) for c in tune.candidates())
+        info["kernel_tune"] = ("at R-worker start (FASTDECODE_KERNEL_TUNE=0: off)" if tune.tune_enabled()
+                               else "off (FASTDECODE_KERNEL_TUNE=0): the first candidate runs")
     except Exception as e:  # a broken build must still let info report the rest
         info["kernel_isa"] = f"unavailable ({type(e).__name__}: {e})"
     info["cpu_cores_physical"] = psutil.cpu_count(logical=False)

@@ -53,7 +53,7 @@ def rworker_load(workers, recorder) -> list[dict]:
     out = []
     for info, w in zip(workers, load):
         out.append({"rank": info.rank, "host": info.host, "threads": info.threads, "isa": info.isa,
-                    "kv_capacity_bytes": info.capacity_bytes, **w,
+                    "kernel": info.kernel, "kv_capacity_bytes": info.capacity_bytes, **w,
                     "kv_peak_fraction": round(w["kv_bytes_peak"] / info.capacity_bytes, 6)
                     if info.capacity_bytes else None,
                     "attend_share": round(w["attend_s"] / total_attend, 4) if total_attend else None})

@@ -56,16 +56,19 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None,
-                      seqs: int = 64, target_bytes: int = 0, repeats: int = 5, seed: int = 0) -> dict:
+                      seqs: int = 64, target_bytes: int = 0, repeats: int = 5, seed: int = 0,
+                      v_tile: int | None = None, prefetch: bool | None = None) -> dict:
     """Seconds per KV byte and fixed seconds per call of `attend` on this machine
-    (target_bytes 0: default_target_bytes())."""
+    (target_bytes 0: default_target_bytes()), with the kernel choice the worker's store runs
+    (v_tile, prefetch: rworker.tune)."""
     rng = np.random.default_rng(seed)
     target_bytes = target_bytes or default_target_bytes()
     token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZE[kv_dtype]          # K and V of one token, one layer
     long_len = max(64, int(target_bytes // (seqs * token_bytes)))
     points = []
     for length in (32, long_len):
-        store = KVStore(1, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads)
+        store = KVStore(1, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, v_tile=v_tile,
+                        prefetch=prefetch)
         ids = np.repeat(np.arange(seqs, dtype=np.int64), length)
         chunk = 1 << 16                                                    # append in bounded slabs
         for s in range(0, ids.size, chunk):

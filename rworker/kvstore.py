@@ -16,7 +16,8 @@ KV data releases the GIL.
 
 Environment: FASTDECODE_ISA (rworker.isa), FASTDECODE_THREADS / FASTDECODE_PIN=0 (rworker._threads),
 FASTDECODE_SPIN_US (how long idle workers spin before sleeping, default 50), FASTDECODE_RESERVE_PAGES=0
-(`reserve` takes nothing: decode pages come one at a time, for measurements).
+(`reserve` takes nothing: decode pages come by extents, for measurements), FASTDECODE_EXTENT_PAGES
+(pages per head an unreserved sequence takes when it outgrows its pages, default 8; 1: one at a time).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class KVCapacityError(MemoryError):
 class KVStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bf16",
                  threads: int | None = None, scale: float | None = None, capacity_bytes: int | None = None,
-                 isa: str | None = None, v_tile: int | None = None):
+                 isa: str | None = None, v_tile: int | None = None, prefetch: bool | None = None):
         kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
         if kv_dtype not in _ITEMSIZE:
             raise ValueError(f"kv_dtype must be 'bf16', 'fp16' or 'fp32', got {kv_dtype!r}")
@@ -60,6 +61,8 @@ class KVStore:
         spin_us = int(os.environ.get("FASTDECODE_SPIN_US", "50"))
         self._st = self._mod.Store(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, self.scale,
                                    int(capacity_bytes or 0), n, pin_cpus(n), spin_us, self._layout(v_tile))
+        if prefetch is not None:
+            self.prefetch = prefetch
 
     def _layout(self, v_tile: int | None) -> int:
         """The V run layout: v_tile if given (must be one this ISA build has), else
@@ -125,8 +128,33 @@ class KVStore:
         return self._st.num_seqs()
 
     def bytes_used(self) -> int:
-        """Bytes of pages in use (whole pages: a page holds 64 tokens of one sequence and layer)."""
+        """Bytes of pages in use (whole pages: a page holds page_tokens tokens of one sequence, layer
+        and kv head), extent slack included."""
         return self._st.bytes_used()
+
+    def bytes_committed(self) -> int:
+        """Bytes of the pages that hold tokens or a reservation: bytes_used less the extents' slack,
+        which the store gives back when a call needs the room. What a caller counting tokens in
+        whole pages (the engine's placement) should see held."""
+        return self._st.bytes_committed()
+
+    def page_runs(self, seq_id: int, layer: int = 0) -> int:
+        """Runs of consecutive pages over the kv heads of one (sequence, layer): num_kv_heads when
+        each head's pages are one run in memory (a probe of the layout, for tests and benches)."""
+        return self._st.page_runs(int(seq_id), layer)
+
+    @property
+    def extent_pages(self) -> int:
+        """Pages per kv head a sequence takes at once when it outgrows its pages unreserved (default
+        8, FASTDECODE_EXTENT_PAGES), while 1/8 of the capacity stays free: decode growth then lands in
+        runs of this many pages instead of one page per 32 steps wherever the free list has one."""
+        return self._st.extent_pages
+
+    @extent_pages.setter
+    def extent_pages(self, n: int) -> None:
+        if int(n) != n or n < 1:
+            raise ValueError(f"extent_pages must be a positive integer, got {n!r}")
+        self._st.extent_pages = int(n)
 
     def bytes_reserved(self) -> int:
         """Bytes of arena allocated (virtual; grows in chunks of >= 64 MiB, never shrinks)."""
@@ -143,6 +171,16 @@ class KVStore:
     def v_tile(self) -> int:
         """V run layout: 0 token-major, else tiles of this many dims (FASTDECODE_VTILE, simd.h)."""
         return self._st.v_tile
+
+    @property
+    def prefetch(self) -> bool:
+        """Software prefetch of the next page in attend: on unless FASTDECODE_PREFETCH=0 or set here
+        (rworker.tune picks it per host and model shape; outputs are the same either way)."""
+        return bool(self._st.prefetch)
+
+    @prefetch.setter
+    def prefetch(self, on: bool) -> None:
+        self._st.prefetch = bool(on)
 
     @property
     def threads(self) -> int:
@@ -163,7 +201,7 @@ class KVStore:
 
     def __repr__(self) -> str:
         return (f"KVStore(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"kv_dtype={self.kv_dtype}, isa={self.isa}, v_tile={self.v_tile}, threads={self.threads}, "
+                f"kv_dtype={self.kv_dtype}, isa={self.isa}, v_tile={self.v_tile}, prefetch={self.prefetch}, threads={self.threads}, "
                 f"seqs={self.num_seqs()}, bytes_used={self.bytes_used()})")
 
 

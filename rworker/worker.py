@@ -24,6 +24,7 @@ from ._threads import physical_cpus
 from .cores import bind, rworker_cpus
 from .kvstore import KVStore
 from .progress import Progressor
+from .tune import choose_kernel
 from .wait import PeerTimeout, abort_job, choose_policy, node_layout, wait_message
 
 
@@ -86,14 +87,18 @@ class RWorker:
         bind(cpus)
         threads = self.threads_arg or (int(body[1]) or None) or len(physical_cpus(cpus))
         capacity = self.capacity_arg or int(body[2]) or default_capacity_bytes(share=max(r_here, 1))
-        self.store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=P.KV_DTYPES[kv_code],
-                             threads=threads, scale=scale, capacity_bytes=capacity)
+        kv_dtype = P.KV_DTYPES[kv_code]
+        # the V layout and prefetch that stream fastest on these cores (a few seconds; rworker.tune)
+        kernel = choose_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, capacity_bytes=capacity)
+        self.store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, scale=scale,
+                             capacity_bytes=capacity, v_tile=kernel.v_tile, prefetch=kernel.prefetch)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_layers = num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)
         self.send_json({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpus": cpus,
                         "threads": self.store.threads, "isa": self.store.isa, "capacity_bytes": capacity,
-                        "page_tokens": int(self.store.page_tokens), "wait_policy": self.policy})
+                        "page_tokens": int(self.store.page_tokens), "wait_policy": self.policy,
+                        "kernel": kernel.describe(), "kernel_choice": kernel.as_dict()})
 
     def send_json(self, obj: dict) -> None:
         payload = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
@@ -104,7 +109,8 @@ class RWorker:
     def profile(self, hdr: np.ndarray) -> None:
         from .bench import measure_attention
         result = measure_attention(self.num_heads, self.num_kv_heads, self.head_dim, self.store.kv_dtype,
-                                   self.store.threads, seqs=int(hdr[0]), target_bytes=int(hdr[1]))
+                                   self.store.threads, seqs=int(hdr[0]), target_bytes=int(hdr[1]),
+                                   v_tile=self.store.v_tile, prefetch=self.store.prefetch)
         result.update(rank=self.rank, host=socket.gethostname(), capacity_bytes=self.store.capacity_bytes)
         self.send_json(result)
 
@@ -188,7 +194,7 @@ class RWorker:
         for t in sends.values():
             prog.wait(t, self.timeout)
         busy_s = time.perf_counter() - t_step - idle_s
-        self.stats[:] = (attend_s, busy_s, self.store.bytes_used(), step)
+        self.stats[:] = (attend_s, busy_s, self.store.bytes_committed(), step)
         self.comm.Send(self.stats, dest=0, tag=P.TAG_INFO)
 
 

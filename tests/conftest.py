@@ -20,6 +20,9 @@ MPIEXEC = _BESIDE if os.access(_BESIDE, os.X_OK) else (shutil.which("mpiexec") o
 def pytest_configure(config):
     # Keep the test machine's cache separate from the user's, but shared by all tests of a run.
     os.environ.setdefault("FASTDECODE_CACHE", os.path.join(REPO, ".pytest_cache", "fastdecode-cache"))
+    # Engines and R-workers start without the kernel tune (seconds each, a ~1 GB probe): every
+    # layout gives the same bits (test_kvstore); tests/test_kernel_tune.py turns it on.
+    os.environ.setdefault("FASTDECODE_KERNEL_TUNE", "0")
 
 
 @pytest.fixture(scope="module")

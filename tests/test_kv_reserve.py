@@ -47,7 +47,7 @@ def test_reserved_sequences_give_bitwise_the_outputs_of_unreserved_ones(isa):
             assert np.array_equal(a, b), f"step {step} layer {layer}"
             if step in (0, gen - 1, gen + 9):
                 check(held, mirror, layer, ids, q, b, "bf16")
-    assert held.bytes_used() == plain.bytes_used()            # past the reservation both hold the same pages
+    assert held.bytes_committed() == plain.bytes_committed()  # past the reservation both count the same pages
     for s in ids:
         assert held.free(s)
     assert held.bytes_used() == 0 and held.num_seqs() == 0
@@ -58,6 +58,7 @@ def test_reserve_counts_pages_held_and_refuses_past_capacity():
     P = KVStore(1, Hkv, D, "bf16", threads=1).page_tokens
     page = 2 * P * D * 2                                      # one head's K and V run
     st = KVStore(L, Hkv, D, "bf16", threads=1, capacity_bytes=10 * L * Hkv * page)
+    st.extent_pages = 1                                       # page-exact accounting (extents: test_kv_extents)
     z = np.zeros((3 * P, Hkv, D), np.float32)
     st.append(0, [7] * (2 * P), z[: 2 * P], z[: 2 * P])        # 2 pages per head at layer 0
     assert st.bytes_used() == 2 * Hkv * page
@@ -116,4 +117,4 @@ def test_reserve_pages_knob_turns_reservation_off(monkeypatch):
     assert not st.reserve([1], [10 * st.page_tokens])
     assert st.bytes_used() == 0 and st.num_seqs() == 0
     st.append(0, [1], np.zeros((1, 2, 64), np.float32), np.zeros((1, 2, 64), np.float32))
-    assert st.bytes_used() == 2 * 2 * st.page_tokens * 64 * 2
+    assert st.bytes_committed() == 2 * 2 * st.page_tokens * 64 * 2

@@ -388,7 +388,9 @@ def test_accounting():
     z = np.zeros((1, 8, 128), np.uint16)
     st.append(3, [42], z, z)
     assert st.num_tokens(42, layer=3) == 1 and st.num_tokens(42, layer=0) == 0
-    assert st.bytes_used() == 8 * 2 * st.page_tokens * 128 * 2     # one page of one layer
+    page = 8 * 2 * st.page_tokens * 128 * 2                          # one page per head of one layer
+    assert st.bytes_committed() == page                              # what the token needs
+    assert st.bytes_used() == st.extent_pages * page                 # an extent: no capacity, so room
     assert st.bytes_reserved() >= st.bytes_used()
     assert st.scale == pytest.approx(1 / math.sqrt(128))
     assert st.isa in ISAS and "KVStore(" in repr(st)

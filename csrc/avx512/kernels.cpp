@@ -289,8 +289,19 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
         .def("num_seqs", [](PyStore& s) { return s.st.num_seqs(); })
         .def("bytes_used", [](PyStore& s) { return s.st.bytes_used(); })
         .def("bytes_reserved", [](PyStore& s) { return s.st.bytes_reserved(); })
+        .def("bytes_committed", [](PyStore& s) { return s.st.bytes_committed(); })
+        .def("page_runs", [](PyStore& s, int64_t id, int layer) { return s.st.page_runs(id, layer); })
+        .def_property(
+            "extent_pages", [](PyStore& s) { return s.st.extent_pages(); },
+            [](PyStore& s, int e) { s.st.set_extent_pages(e); })
         .def_property_readonly("page_bytes", [](PyStore& s) { return s.st.page_bytes(); })
         .def_property_readonly("v_tile", [](PyStore& s) { return s.st.v_tile(); })
+        .def_property(
+            "prefetch", [](PyStore& s) { return s.st.prefetch(); },
+            [](PyStore& s, bool on) {
+                py::gil_scoped_release nogil;
+                s.st.set_prefetch(on);
+            })
         .def_property(
             "threads", [](PyStore& s) { return s.st.threads(); },
             [](PyStore& s, int n) {

@@ -12,7 +12,12 @@
 // long stream for the hardware prefetcher), and a freed sequence returns its pages so that the
 // next prompt gets them back in the same order. Appending a token writes one K column and one V
 // row per head; nothing is ever copied to grow a sequence. `reserve` takes a sequence's pages for
-// its whole reservation up front, so decode appends land in the same runs as its prompt.
+// its whole reservation up front, so decode appends land in the same runs as its prompt. A
+// sequence that outgrows its pages unreserved takes an extent (up to E pages per head, while the
+// store keeps 1/8 of its capacity free): one run per E pages instead of one page per 32 decode
+// steps from wherever the free list has one. Pages past a sequence's tokens and reservation are
+// slack, given back (trimmed) when a call needs their room, so the capacity a caller counts in
+// tokens (bytes_committed) is never short.
 //
 // Attention. Work items are (sequence, kv-head, chunk of CH = 512 tokens). One item streams its
 // K/V runs once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax
@@ -130,6 +135,7 @@ struct Seq {
     std::vector<int32_t> len;                // [L] tokens per layer
     std::vector<std::vector<char*>> pages;   // [L][npages * Hkv]: page p of head h at p * Hkv + h
     int32_t pending = 0;                     // rows of the append call in progress
+    size_t reserved = 0;                     // pages per (layer, head) `reserve` asked for
 };
 
 class Store {
@@ -161,6 +167,11 @@ public:
     }
 
     int v_tile() const { return vtile_; }
+    bool prefetch() const { return prefetch_.load(std::memory_order_relaxed); }
+    void set_prefetch(bool on) {
+        std::lock_guard<std::mutex> lk(mu_);     // not while an attend reads it
+        prefetch_.store(on, std::memory_order_relaxed);
+    }
 
     // ---- geometry / accounting ------------------------------------------------
     int threads() const { return pool_->size(); }
@@ -170,6 +181,35 @@ public:
     }
     size_t page_bytes() const { return page_bytes_; }
     size_t bytes_used() const { return used_pages_.load(std::memory_order_relaxed) * page_bytes_; }
+    // pages holding tokens or reserved: bytes_used less the extents' slack (what a caller counts)
+    size_t bytes_committed() {
+        std::lock_guard<std::mutex> lk(mu_);
+        size_t pages = 0;
+        for (auto& kv : seqs_)
+            for (int l = 0; l < L_; ++l) pages += keep_pages(kv.second, l, 0) * Hkv_;
+        return pages * page_bytes_;
+    }
+    int extent_pages() const { return extent_; }
+    void set_extent_pages(int e) {
+        if (e < 1) throw std::invalid_argument("extent_pages must be >= 1");
+        std::lock_guard<std::mutex> lk(mu_);
+        extent_ = e;
+    }
+    // runs of consecutive pages over the kv heads of one (sequence, layer): Hkv when each head's
+    // pages are one run (a test and bench probe of the layout)
+    int64_t page_runs(int64_t id, int layer) {
+        std::lock_guard<std::mutex> lk(mu_);
+        check_layer(layer);
+        auto it = seqs_.find(id);
+        if (it == seqs_.end()) return 0;
+        const auto& pl = it->second.pages[layer];
+        const size_t np = pl.size() / Hkv_;
+        int64_t runs = 0;
+        for (int h = 0; h < Hkv_; ++h)
+            for (size_t p = 0; p < np; ++p)
+                runs += p == 0 || pl[p * Hkv_ + h] != pl[(p - 1) * Hkv_ + h] + page_bytes_;
+        return runs;
+    }
     size_t bytes_reserved() const { return arena_.bytes_reserved(); }
     int64_t num_seqs() {
         std::lock_guard<std::mutex> lk(mu_);
@@ -217,11 +257,14 @@ public:
                 if (need > have) new_pages += (need - have) * Hkv_;
             }
         }
-        if (capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_) return false;
+        if (over_capacity(new_pages)) trim_slack(-1);
+        if (over_capacity(new_pages)) return false;
         std::vector<int64_t> created;
         for (int64_t i = 0; i < n; ++i) {
             Seq& s = get_or_create(ids[i], created);
-            for (int l = 0; l < L_; ++l) grow_pages(s.pages[l], ((size_t)tokens[i] + P - 1) / P);
+            const size_t need = ((size_t)tokens[i] + P - 1) / P;
+            s.reserved = std::max(s.reserved, need);
+            for (int l = 0; l < L_; ++l) grow_pages(s.pages[l], need);
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
         return true;
@@ -286,6 +329,35 @@ private:
             for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
     }
 
+    bool over_capacity(size_t new_pages) const {
+        return capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_;
+    }
+
+    // pages per head one (sequence, layer) must keep: its tokens (with `extra` rows about to
+    // land) or its reservation, whichever is more; what it holds beyond is extent slack
+    size_t keep_pages(const Seq& s, int l, int32_t extra) const {
+        const size_t have = s.pages[l].size() / Hkv_;
+        return std::min(have, std::max(s.reserved, ((size_t)s.len[l] + extra + P - 1) / P));
+    }
+
+    // give back every sequence's extent slack (the pending rows of `layer` are kept), each
+    // (layer, head) tail pushed so that the free list hands it out again in order
+    void trim_slack(int layer) {
+        for (auto& kv : seqs_) {
+            Seq& s = kv.second;
+            for (int l = L_ - 1; l >= 0; --l) {
+                auto& pl = s.pages[l];
+                const size_t have = pl.size() / Hkv_;
+                const size_t keep = keep_pages(s, l, l == layer ? s.pending : 0);
+                if (keep == have) continue;
+                for (int h = Hkv_ - 1; h >= 0; --h)
+                    for (size_t p = have; p-- > keep;) arena_.put(pl[p * Hkv_ + h]);
+                pl.resize(keep * Hkv_);
+            }
+        }
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+    }
+
     bool append_locked(int layer, int64_t n, const int64_t* ids, const void* k, const void* v, int sdt) {
         check_layer(layer);
         if (n == 0) return true;
@@ -310,17 +382,28 @@ private:
             size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
             if (need > have) new_pages += (need - have) * Hkv_;
         }
-        if (capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_) {
+        if (over_capacity(new_pages)) trim_slack(layer);     // other sequences' extents make room
+        if (over_capacity(new_pages)) {
             for (Seq* s : touched_) s->pending = 0;
             for (int64_t id : created) seqs_.erase(id);
             return false;
         }
 
-        // 3. allocate pages head by head (a prompt's pages of one head end up consecutive),
-        //    then give each row its page index and slot (serial, cheap)
+        // 3. allocate pages head by head (a prompt's pages of one head end up consecutive), a
+        //    whole extent for a sequence that outgrows its pages while 1/8 of the capacity stays
+        //    free after it; then give each row its page index and slot (serial, cheap)
+        size_t hard_left = new_pages;
         for (Seq* s : touched_) {
             auto& pl = s->pages[layer];
-            grow_pages(pl, ((size_t)s->len[layer] + s->pending + P - 1) / P);
+            const size_t have = pl.size() / Hkv_;
+            const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            if (need > have) {
+                hard_left -= (need - have) * Hkv_;
+                const size_t ext = (size_t)extent_ - 1;
+                const size_t room = capacity_ > 0 ? (size_t)capacity_ / page_bytes_ * 7 / 8 : SIZE_MAX;
+                const bool fits = arena_.pages_in_use() + (need - have + ext) * Hkv_ + hard_left <= room;
+                grow_pages(pl, need + (fits ? ext : 0));
+            }
             s->pending = 0;
         }
         for (int64_t i = 0; i < n; ++i) {
@@ -566,11 +649,14 @@ private:
     const int spin_us_;
     const size_t page_bytes_;   // one head's K run + V run
 
-    // FASTDECODE_PREFETCH=0 turns software prefetch off (for measurements)
-    const bool prefetch_ = !(getenv("FASTDECODE_PREFETCH") && std::string(getenv("FASTDECODE_PREFETCH")) == "0");
+    // software prefetch of the next page: on unless FASTDECODE_PREFETCH=0; set_prefetch (the
+    // R-worker's start-up tune, rworker/tune.py) picks per host, since it pays on some and not others
+    std::atomic<bool> prefetch_{!(getenv("FASTDECODE_PREFETCH") && std::string(getenv("FASTDECODE_PREFETCH")) == "0")};
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
     int vtile_ = V_TILE;      // V run layout: token-major (0) or tiles of this many dims (simd.h)
+    // pages per head a sequence takes when it outgrows its pages unreserved (FASTDECODE_EXTENT_PAGES)
+    int extent_ = getenv("FASTDECODE_EXTENT_PAGES") ? std::max(1, atoi(getenv("FASTDECODE_EXTENT_PAGES"))) : 8;
     // state (guarded by mu_)
     std::mutex mu_;
     Arena arena_;

@@ -20,6 +20,7 @@ class WorkerInfo:
     capacity_bytes: int
     page_tokens: int = 1      # KV is allocated in pages of this many tokens per (seq, layer)
     pid: int = 0
+    kernel: str = ""          # the attention kernel's V layout and prefetch, and how they were chosen
 
 
 @dataclass(slots=True)
@@ -27,7 +28,8 @@ class StepStats:
     """One decode step as the R-workers saw it (per worker, seconds and bytes)."""
     attend_s: list[float] = field(default_factory=list)   # time inside the kernel
     busy_s: list[float] = field(default_factory=list)     # step time not spent waiting for the S-worker
-    kv_bytes: list[int] = field(default_factory=list)     # KV bytes held after the step
+    kv_bytes: list[int] = field(default_factory=list)     # KV bytes held after the step (pages with
+                                                          # tokens or reserved; extent slack not counted)
 
 
 class RBackend:

@@ -10,6 +10,7 @@ import torch
 
 from rworker import KVStore
 from rworker.capacity import default_capacity_bytes
+from rworker.tune import choose_kernel
 
 from ..config import ModelConfig
 from .base import RBackend, StepStats, WorkerInfo, as_numpy
@@ -20,11 +21,14 @@ class LocalBackend(RBackend):
     def __init__(self, config: ModelConfig, kv_dtype: str, threads: int | None = None,
                  capacity_bytes: int | None = None, asynchronous: bool = False):
         capacity = capacity_bytes or default_capacity_bytes()
-        self.store = KVStore(config.num_layers, config.num_kv_heads, config.head_dim,
-                             kv_dtype=kv_dtype, threads=threads, capacity_bytes=capacity)
+        # the V layout and prefetch that stream fastest here, as an R-worker picks them (rworker.tune)
+        kernel = choose_kernel(config.num_heads, config.num_kv_heads, config.head_dim, kv_dtype, threads,
+                               capacity_bytes=capacity)
+        self.store = KVStore(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype=kv_dtype,
+                             threads=threads, capacity_bytes=capacity, v_tile=kernel.v_tile, prefetch=kernel.prefetch)
         self.workers = [WorkerInfo(rank=0, host=socket.gethostname(), threads=self.store.threads,
                                    isa=self.store.isa, capacity_bytes=capacity,
-                                   page_tokens=getattr(self.store, "page_tokens", 1))]
+                                   page_tokens=getattr(self.store, "page_tokens", 1), kernel=kernel.describe())]
         self.num_heads = config.num_heads
         self._row_ids = None
         self._mb_ids: list[np.ndarray] = []
@@ -73,7 +77,7 @@ class LocalBackend(RBackend):
         return torch.from_numpy(o).to(device)
 
     def decode_end(self):
-        return StepStats(attend_s=[self._attend_s], busy_s=[self._attend_s], kv_bytes=[self.store.bytes_used()])
+        return StepStats(attend_s=[self._attend_s], busy_s=[self._attend_s], kv_bytes=[self.store.bytes_committed()])
 
     def free(self, seq_ids_by_worker):
         for sid in seq_ids_by_worker[0]:
@@ -83,7 +87,7 @@ class LocalBackend(RBackend):
         from rworker.bench import measure_attention
         s = self.store
         result = measure_attention(self.num_heads, s.num_kv_heads, s.head_dim, s.kv_dtype, s.threads,
-                                   seqs=seqs, target_bytes=target_bytes)
+                                   seqs=seqs, target_bytes=target_bytes, v_tile=s.v_tile, prefetch=s.prefetch)
         result.update(rank=0, host=self.workers[0].host, capacity_bytes=self.workers[0].capacity_bytes)
         return [result]
 

@@ -90,7 +90,7 @@ class MPIBackend(RBackend):
         info = self._recv_json(r, self.timeout)
         return WorkerInfo(rank=r, host=info["host"], threads=info["threads"], isa=info["isa"],
                           capacity_bytes=info["capacity_bytes"], page_tokens=info.get("page_tokens", 1),
-                          pid=info.get("pid", 0))
+                          pid=info.get("pid", 0), kernel=info.get("kernel", ""))
 
     def _send_control(self, w: int, msg: np.ndarray) -> None:
         self.comm.Send([msg, MPI.INT64_T], dest=self.ranks[w], tag=P.TAG_CTRL)

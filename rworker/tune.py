@@ -1,0 +1,166 @@
+"""Start-up tune of the attention kernel: the V layout and software prefetch that stream this
+host's KV fastest for this model shape.
+
+Neither choice changes a bit of the output (tests/test_kvstore.py runs every layout with and
+without prefetch against the same reference), only the speed, and the best one depends on the
+host and the shape. On 2 Zen 5 cores token-major V without software prefetch beat the build's
+default (32-dim V tiles, spread prefetch) 1.01-1.19x on 20 of 24 shapes and lost 0.90-0.94x on
+Llama-3 fp32 (bench/results/kernel_ab_dev-2core-zen5-avx512-tokmajor-noprefetch.json); on the GPU
+box's Xeon the prefetch was worth 1.12-1.19x (bench/KERNEL_NOTES.md, "Prefetch"). So each R-worker
+times the candidates on its own cores before it builds its store: one probe store per V layout,
+a working set past the caches, the candidates interleaved over several rounds, and it keeps the
+fastest unless that is within `margin` of the default (noise must not move it).
+
+FASTDECODE_KERNEL_TUNE=0 skips the tune (the build's default, or FASTDECODE_VTILE /
+FASTDECODE_PREFETCH where set). numpy only, no torch.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import isa as _isa
+from .bench import default_target_bytes
+from .kvstore import KVStore
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+CONTEXT = 1024                # tokens per probe sequence: the contexts the issue's targets name
+MAX_WORKING_SET = 256 << 20   # bytes per probe store: the issue's ">= 256 MB", past this VM's 32 MiB L3
+                              # (the GPU box's 300 MB L3 holds part of it: a compute-leaning test, as there)
+
+
+@dataclass
+class KernelChoice:
+    v_tile: int                       # V run layout (0: token-major; else tiles of this many dims)
+    prefetch: bool                    # software prefetch of the next page
+    tuned: bool                       # False: the untimed default (tune off, or one candidate)
+    gbps: dict[str, float] = field(default_factory=dict)   # candidate -> median GB/s over the rounds
+    working_set_bytes: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        what = f"v_tile {self.v_tile}, prefetch {'on' if self.prefetch else 'off'}"
+        if not self.tuned:
+            return what + " (untuned)"
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in self.gbps.items())
+        return f"{what} (tuned in {self.seconds:.1f} s on {self.working_set_bytes >> 20} MiB: {rates} GB/s)"
+
+    def as_dict(self) -> dict:
+        return {"v_tile": self.v_tile, "prefetch": self.prefetch, "tuned": self.tuned, "gbps": self.gbps,
+                "working_set_bytes": self.working_set_bytes, "seconds": round(self.seconds, 3)}
+
+
+def label(v_tile: int, prefetch: bool) -> str:
+    return f"{'token-major' if v_tile == 0 else f'tiles{v_tile}'}/{'pf' if prefetch else 'nopf'}"
+
+
+def candidates(isa: str | None = None) -> list[tuple[int, bool]]:
+    """(v_tile, prefetch) pairs worth timing on this build; the first is its default. Tiles
+    without prefetch ran at 0.5-0.6x the others on every bf16 shape here, so with a second V
+    layout to try they are left out."""
+    mod = _isa.load(isa)
+    if mod.V_TILE == mod.V_TILE_ALT:
+        return [(mod.V_TILE, True), (mod.V_TILE, False)]
+    return [(mod.V_TILE, True), (mod.V_TILE_ALT, False), (mod.V_TILE_ALT, True)]
+
+
+def tune_enabled() -> bool:
+    return os.environ.get("FASTDECODE_KERNEL_TUNE", "1").strip() != "0"
+
+
+def default_choice(isa: str | None = None) -> KernelChoice:
+    """What a KVStore built with no v_tile/prefetch arguments runs (env knobs included)."""
+    probe = KVStore(1, 1, 16, "fp32", threads=1, isa=isa)
+    return KernelChoice(probe.v_tile, probe.prefetch, tuned=False)
+
+
+def _fill(store: KVStore, num_kv_heads: int, head_dim: int, kv_dtype: str, seqs: int, rng) -> None:
+    """Every probe sequence gets the same CONTEXT random tokens (values don't change the speed)."""
+    blk = rng.standard_normal((CONTEXT, num_kv_heads, head_dim), dtype=np.float32)    # [T, Hkv, D]
+    if kv_dtype == "bf16":
+        blk = (blk.view(np.uint32) >> 16).astype(np.uint16)                             # bf16 bits
+    per_call = max(1, (64 << 20) // blk.nbytes)                                         # <= 64 MiB a call
+    slab = np.tile(blk, (per_call, 1, 1))                                               # [per_call*T, Hkv, D]
+    for s0 in range(0, seqs, per_call):
+        n = min(per_call, seqs - s0)
+        ids = np.repeat(np.arange(s0, s0 + n, dtype=np.int64), CONTEXT)
+        store.append(0, ids, slab[: n * CONTEXT], slab[: n * CONTEXT])
+
+
+def pick(rates: dict[tuple[int, bool], float], cands: list[tuple[int, bool]], margin: float) -> tuple[int, bool]:
+    """The fastest candidate by rate (GB/s), or cands[0] (the default) unless the fastest beats it
+    by more than `margin` (a fraction): a near-tie on a noisy host keeps the default."""
+    best = max(cands, key=lambda c: rates[c])
+    return best if rates[best] > rates[cands[0]] * (1 + margin) else cands[0]
+
+
+def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None = None,
+                isa: str | None = None, working_set_bytes: int = 0, rounds: int = 3, margin: float = 0.02,
+                seed: int = 0) -> KernelChoice:
+    """Time every candidate of candidates(isa) on a decode batch of this shape and return the
+    fastest (median over `rounds` interleaved rounds of each candidate's best of 2 calls), or the
+    default unless the fastest beats it by more than `margin`. working_set_bytes 0: 3x the largest
+    cache (rworker.bench.default_target_bytes), at most MAX_WORKING_SET, per probe store."""
+    if num_heads % num_kv_heads or rounds < 1:
+        raise ValueError(f"tune_kernel: num_heads {num_heads} must be a multiple of num_kv_heads "
+                         f"{num_kv_heads}, rounds {rounds} >= 1")
+    cands = candidates(isa)
+    if len(cands) == 1:
+        return KernelChoice(cands[0][0], cands[0][1], tuned=False)
+    t_start = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZE[kv_dtype]        # K and V, one layer
+    want = working_set_bytes or min(default_target_bytes(), MAX_WORKING_SET)
+    seqs = max(2 * (threads or 1), -(-want // (CONTEXT * token_bytes)))
+    nbytes = seqs * CONTEXT * token_bytes
+
+    stores = {}
+    for v_tile in dict.fromkeys(v for v, _ in cands):                    # one probe store per V layout
+        st = KVStore(1, num_kv_heads, head_dim, kv_dtype, threads=threads, isa=isa, v_tile=v_tile)
+        _fill(st, num_kv_heads, head_dim, kv_dtype, seqs, rng)
+        stores[v_tile] = st
+    q = rng.standard_normal((seqs, num_heads, head_dim), dtype=np.float32)          # [B, Hq, D]
+    if kv_dtype == "bf16":                                                # what a bf16 S-worker ships
+        q = (q.view(np.uint32) >> 16).astype(np.uint16)
+    out = np.empty((seqs, num_heads, head_dim), np.float32)
+    ids = np.arange(seqs, dtype=np.int64)
+
+    def timed(c: tuple[int, bool]) -> float:
+        st = stores[c[0]]
+        st.prefetch = c[1]
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            st.attend(0, ids, q, out)
+            best = min(best, time.perf_counter() - t)
+        return nbytes / max(best, 1e-12) / 1e9
+
+    for c in cands:                                                       # warm pages, threads, caches
+        timed(c)
+    rates: dict[tuple[int, bool], list[float]] = {c: [] for c in cands}
+    for r in range(rounds):
+        for j in range(len(cands)):                                       # rotate the order each round
+            c = cands[(j + r) % len(cands)]
+            rates[c].append(timed(c))
+    del stores
+    med = {c: float(np.median(v)) for c, v in rates.items()}
+    best = pick(med, cands, margin)
+    return KernelChoice(best[0], best[1], tuned=True, gbps={label(*c): med[c] for c in cands},
+                        working_set_bytes=int(nbytes), seconds=time.perf_counter() - t_start)
+
+
+def choose_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None = None,
+                  isa: str | None = None, capacity_bytes: int | None = None) -> KernelChoice:
+    """The R-worker's choice at start-up: tuned unless FASTDECODE_KERNEL_TUNE=0 (or an explicit
+    FASTDECODE_VTILE / FASTDECODE_PREFETCH, which a user set to measure one layout); the probe
+    stores take at most a quarter of the KV capacity."""
+    pinned = any(os.environ.get(k, "").strip() for k in ("FASTDECODE_VTILE", "FASTDECODE_PREFETCH"))
+    if not tune_enabled() or pinned:
+        return default_choice(isa)
+    ws = min(default_target_bytes(), MAX_WORKING_SET)
+    if capacity_bytes:
+        ws = min(ws, capacity_bytes // (4 * len({v for v, _ in candidates(isa)})))
+    return tune_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, isa, working_set_bytes=ws)

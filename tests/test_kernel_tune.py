@@ -1,0 +1,130 @@
+"""The start-up kernel tune (rworker.tune): every candidate it may pick gives the same bits, it
+picks by measured rate with a margin for noise, it can be turned off, and R-workers and the local
+backend run (and report) what it picked."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import batch_line, read_output, run_fastdecode  # noqa: E402
+from test_kvstore import DTYPES, _BASE, rand  # noqa: E402
+
+from rworker import KVStore  # noqa: E402
+from rworker import isa as isa_mod  # noqa: E402
+from rworker import tune  # noqa: E402
+
+
+@pytest.mark.parametrize("isa", _BASE)
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_every_candidate_gives_bitwise_the_same_outputs(isa, kv_dtype):
+    """What the tune may pick (V layout x software prefetch) changes speed, never a bit: lengths
+    over many pages and split-KV chunks (where the prefetch target moves to the next item)."""
+    rng = np.random.default_rng(7)
+    Hkv, g, D = 2, 3, 64
+    lens = [1, 33, 95, 700, 1100]
+    cands = tune.candidates(isa)
+    assert len(cands) >= 2 and any(not pf for _, pf in cands)
+    stores = [KVStore(1, Hkv, D, kv_dtype, threads=2, isa=isa, v_tile=vt, prefetch=pf) for vt, pf in cands]
+    assert [(st.v_tile, st.prefetch) for st in stores] == cands
+    for sid, L in enumerate(lens):
+        k, v = rand(rng, (L, Hkv, D)), rand(rng, (L, Hkv, D))
+        for st in stores:
+            st.append(0, [sid] * L, k, v)
+    q = rand(rng, (len(lens), Hkv * g, D))
+    ids = list(range(len(lens)))
+    outs = [st.attend(0, ids, q).view(np.uint32) for st in stores]
+    for o in outs[1:]:
+        assert np.array_equal(outs[0], o)
+    stores[0].prefetch = not stores[0].prefetch                 # toggled on a live store
+    assert np.array_equal(stores[0].attend(0, ids, q).view(np.uint32), outs[0])
+
+
+def test_candidates_start_with_the_build_default():
+    for isa in _BASE:
+        mod = isa_mod.load(isa)
+        cands = tune.candidates(isa)
+        plain = KVStore(1, 1, 64, isa=isa)
+        assert cands[0] == (mod.V_TILE, True) == (plain.v_tile, plain.prefetch)
+        assert len(set(cands)) == len(cands)
+        assert {vt for vt, _ in cands} == {mod.V_TILE, mod.V_TILE_ALT}
+
+
+def test_pick_takes_the_fastest_only_past_the_margin():
+    a, b, c = (32, True), (0, False), (0, True)
+    cands = [a, b, c]
+    assert tune.pick({a: 30.0, b: 34.0, c: 31.0}, cands, 0.02) == b
+    assert tune.pick({a: 30.0, b: 30.5, c: 29.0}, cands, 0.02) == a        # 1.7%: noise, keep the default
+    assert tune.pick({a: 30.0, b: 30.7, c: 29.0}, cands, 0.02) == b        # 2.3%
+    assert tune.pick({a: 40.0, b: 34.0, c: 39.0}, cands, 0.0) == a
+    assert tune.pick({a: 30.0, b: 31.0, c: 33.0}, cands, 0.05) == c
+
+
+def test_tune_times_every_candidate_and_returns_one():
+    """A small working set keeps this quick; the figures only need to be real measurements."""
+    ch = tune.tune_kernel(8, 2, 128, "bf16", threads=2, working_set_bytes=8 << 20, rounds=2)
+    cands = tune.candidates()
+    assert ch.tuned and (ch.v_tile, ch.prefetch) in cands
+    assert set(ch.gbps) == {tune.label(*c) for c in cands}
+    assert all(r > 0 and np.isfinite(r) for r in ch.gbps.values())
+    assert 8 << 20 <= ch.working_set_bytes < (8 << 20) + 1024 * 2 * 2 * 128 * 2
+    assert ch.seconds > 0 and "tuned" in ch.describe()
+    rates = {c: ch.gbps[tune.label(*c)] for c in cands}
+    assert (ch.v_tile, ch.prefetch) == tune.pick(rates, cands, 0.02)
+    with pytest.raises(ValueError):
+        tune.tune_kernel(9, 2, 64, "bf16", working_set_bytes=1 << 20)
+
+
+def test_tune_off_or_pinned_layout_keeps_the_default(monkeypatch):
+    mod = isa_mod.load(None)
+    monkeypatch.setenv("FASTDECODE_KERNEL_TUNE", "0")
+    ch = tune.choose_kernel(9, 3, 64, "bf16", threads=1)
+    assert not ch.tuned and (ch.v_tile, ch.prefetch) == (mod.V_TILE, True)
+    monkeypatch.setenv("FASTDECODE_KERNEL_TUNE", "1")
+    monkeypatch.setenv("FASTDECODE_PREFETCH", "0")                  # a user measuring one variant
+    ch = tune.choose_kernel(9, 3, 64, "bf16", threads=1)
+    assert not ch.tuned and not ch.prefetch and "untuned" in ch.describe()
+    monkeypatch.delenv("FASTDECODE_PREFETCH")
+    monkeypatch.setenv("FASTDECODE_VTILE", str(mod.V_TILE_ALT))
+    ch = tune.choose_kernel(9, 3, 64, "bf16", threads=1)
+    assert not ch.tuned and ch.v_tile == mod.V_TILE_ALT and ch.prefetch
+
+
+def test_probe_working_set_is_bounded_by_capacity(monkeypatch):
+    monkeypatch.setenv("FASTDECODE_KERNEL_TUNE", "1")
+    seen = {}
+    monkeypatch.setattr(tune, "tune_kernel", lambda *a, **kw: seen.update(kw) or tune.default_choice())
+    tune.choose_kernel(9, 3, 64, "bf16", threads=1, capacity_bytes=96 << 20)
+    n_layouts = len({vt for vt, _ in tune.candidates()})
+    assert seen["working_set_bytes"] == (96 << 20) // (4 * n_layouts)
+    tune.choose_kernel(9, 3, 64, "bf16", threads=1, capacity_bytes=1 << 40)
+    assert seen["working_set_bytes"] <= tune.MAX_WORKING_SET
+
+
+@pytest.mark.parametrize("ranks", [None, 2], ids=["local", "mpiexec-n2"])
+def test_workers_run_and_report_the_tuned_kernel(tmp_path, ranks):
+    """With the tune on, the R-worker (or the local backend) tunes at start-up, says what it picked
+    in the run summary (and the roster on stderr under MPI), and the tokens match a run without it."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(batch_line(f"r{i}", {"prompt": p, "max_tokens": 12, "temperature": 0}) + "\n"
+                           for i, p in enumerate(["The sky is", "One, two, three,"])))
+    outs = {}
+    for flag in ("1", "0"):
+        out = tmp_path / f"out{flag}.jsonl"
+        proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet", "--kv-dtype", "bf16",
+                               "--rworker-mem", "200MB"], ranks=ranks, timeout=300,
+                              env={"FASTDECODE_KERNEL_TUNE": flag})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        kernel = json.loads((tmp_path / f"out{flag}.jsonl.summary.json").read_text())["rworkers"][0]["kernel"]
+        if flag == "1":
+            assert "tuned in" in kernel and "MiB" in kernel, kernel
+            if ranks:
+                assert "; kernel v_tile" in proc.stderr
+        else:
+            assert kernel.endswith("(untuned)"), kernel
+        outs[flag] = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in read_output(str(out))}
+    assert outs["1"] == outs["0"] and len(outs["1"]) == 2
