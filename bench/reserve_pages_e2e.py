@@ -11,9 +11,10 @@ bench/results/reserve_pages_e2e_<label>.json.
 
     python bench/reserve_pages_e2e.py --label devbox-2core-zen5 [--prompts 128 --new-tokens 1024 --rounds 2]
 
-`--knob NAME` A/Bs another 0/1 environment knob the same way (NAME=1 against NAME=0), e.g.
-FASTDECODE_KERNEL_TUNE (rworker.tune), into bench/results/knob_e2e_<name>_<label>.json; the keys
-then say "on" where the reservation's file says "reserved".
+`--knob NAME` A/Bs another environment knob the same way (NAME=1 against NAME=0, or `--values
+OFF,ON`), e.g. FASTDECODE_KERNEL_TUNE (rworker.tune), or `--knob FASTDECODE_EXTENT_PAGES --values
+1,8 --kv-reserve grow` (extents), into bench/results/knob_e2e_<name>_<label>.json; the keys then
+say "on" where the reservation's file says "reserved".
 """
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ from rworker._threads import pin_cpus  # noqa: E402
 SMOLLM_KV_BYTES_PER_TOKEN = KVStore(30, 3, 64, "bf16", threads=1).kv_bytes_per_token()   # all 30 layers
 
 
-def run(inp: str, knob: str, reserve: bool, batch: int, min_layer_mb: float) -> dict:
+def run(inp: str, knob: str, reserve: bool, batch: int, min_layer_mb: float, values=("0", "1"),
+        kv_reserve: str = "full") -> dict:
     out, stats = tempfile.mktemp(suffix=".jsonl"), tempfile.mktemp(suffix=".json")
     cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "fastdecode", "generate", "-i", inp, "-o", out,
-           "--quiet", "--overwrite", "--kv-dtype", "bf16", "--max-batch", str(batch), "--stats-json", stats]
-    env = dict(os.environ, **{knob: "1" if reserve else "0"})
+           "--quiet", "--overwrite", "--kv-dtype", "bf16", "--max-batch", str(batch), "--stats-json", stats,
+           "--kv-reserve", kv_reserve]
+    env = dict(os.environ, **{knob: values[1] if reserve else values[0]})
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-2000:])
@@ -75,8 +78,13 @@ def main() -> None:
     ap.add_argument("--min-layer-mb", type=float, default=48.0,
                     help="steps counted: one layer's KV past this (1.5x the dev box's 32 MB L3)")
     ap.add_argument("--rworker-threads", type=int, default=1, help="what the R-worker runs with here (for the read)")
-    ap.add_argument("--knob", default="FASTDECODE_RESERVE_PAGES", help="the 0/1 environment knob to A/B")
+    ap.add_argument("--knob", default="FASTDECODE_RESERVE_PAGES", help="the environment knob to A/B")
+    ap.add_argument("--values", default="0,1", help="OFF,ON values of the knob")
+    ap.add_argument("--kv-reserve", default="full", choices=["full", "grow"])
     args = ap.parse_args()
+    values = tuple(args.values.split(","))
+    if len(values) != 2:
+        ap.error(f"--values must be OFF,ON, got {args.values!r}")
     word = "reserved" if args.knob == "FASTDECODE_RESERVE_PAGES" else "on"
     other = "unreserved" if word == "reserved" else "off"
     inp = tempfile.mktemp(suffix=".jsonl")
@@ -85,10 +93,10 @@ def main() -> None:
     for r in range(args.rounds):
         for reserve in ((True, False) if r % 2 == 0 else (False, True)):
             reads.append(round(read_gbps(args.rworker_threads), 2))
-            row = run(inp, args.knob, reserve, args.prompts, args.min_layer_mb)
+            row = run(inp, args.knob, reserve, args.prompts, args.min_layer_mb, values, args.kv_reserve)
             row.update(round=r, read_gbps_before=reads[-1])
             runs.append(row)
-            print(f"  round {r} {args.knob}={int(reserve)}: kernel {row['kernel_gbps_median']:5.1f} GB/s (median of "
+            print(f"  round {r} {args.knob}={values[int(reserve)]}: kernel {row['kernel_gbps_median']:5.1f} GB/s (median of "
                   f"{row['full_batch_steps']} full steps, read {reads[-1]:.1f}), "
                   f"{row['output_tokens_per_s']:.1f} tokens/s", flush=True)
     key = "reserve" if word == "reserved" else "on"
@@ -96,7 +104,8 @@ def main() -> None:
     off = [x for x in runs if not x[key]]
     ratio = [a["kernel_gbps_median"] / b["kernel_gbps_median"] for a, b in zip(on, off)]
     tps = [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in zip(on, off)]
-    result = dict(label=args.label, knob=args.knob, host=platform.node(), model="smollm2-135m", kv_dtype="bf16",
+    result = dict(label=args.label, knob=args.knob, values=list(values), kv_reserve=args.kv_reserve,
+                  host=platform.node(), model="smollm2-135m", kv_dtype="bf16",
                   ranks=2, min_layer_mb=args.min_layer_mb, prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds,
                   rworker_threads=args.rworker_threads, read_best_gbps=max(reads),
                   **{f"kernel_ratio_{word}_per_round": [round(x, 3) for x in ratio],
