@@ -77,11 +77,15 @@ def default_choice(isa: str | None = None) -> KernelChoice:
     return KernelChoice(probe.v_tile, probe.prefetch, tuned=False)
 
 
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    return (x.view(np.uint32) >> 16).astype(np.uint16)          # truncation: values don't matter here
+
+
 def _fill(store: KVStore, num_kv_heads: int, head_dim: int, kv_dtype: str, seqs: int, rng) -> None:
     """Every probe sequence gets the same CONTEXT random tokens (values don't change the speed)."""
     blk = rng.standard_normal((CONTEXT, num_kv_heads, head_dim), dtype=np.float32)    # [T, Hkv, D]
     if kv_dtype == "bf16":
-        blk = (blk.view(np.uint32) >> 16).astype(np.uint16)                             # bf16 bits
+        blk = _bf16_bits(blk)
     per_call = max(1, (64 << 20) // blk.nbytes)                                         # <= 64 MiB a call
     slab = np.tile(blk, (per_call, 1, 1))                                               # [per_call*T, Hkv, D]
     for s0 in range(0, seqs, per_call):
@@ -124,7 +128,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
         stores[v_tile] = st
     q = rng.standard_normal((seqs, num_heads, head_dim), dtype=np.float32)          # [B, Hq, D]
     if kv_dtype == "bf16":                                                # what a bf16 S-worker ships
-        q = (q.view(np.uint32) >> 16).astype(np.uint16)
+        q = _bf16_bits(q)
     out = np.empty((seqs, num_heads, head_dim), np.float32)
     ids = np.arange(seqs, dtype=np.int64)
 
@@ -163,4 +167,17 @@ def choose_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: st
     ws = min(default_target_bytes(), MAX_WORKING_SET)
     if capacity_bytes:
         ws = min(ws, capacity_bytes // (4 * len({v for v, _ in candidates(isa)})))
-    return tune_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, isa, working_set_bytes=ws)
+    try:
+        return tune_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, isa, working_set_bytes=ws)
+    except MemoryError:                       # a node short of memory still serves, untuned
+        return default_choice(isa)
+
+
+def open_tuned_store(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
+                     threads: int | None, capacity_bytes: int, scale: float | None = None
+                     ) -> tuple[KVStore, KernelChoice]:
+    """The KV store an R-worker (or the local backend) serves from, built with choose_kernel's pick."""
+    kernel = choose_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, capacity_bytes=capacity_bytes)
+    store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, scale=scale,
+                    capacity_bytes=capacity_bytes, v_tile=kernel.v_tile, prefetch=kernel.prefetch)
+    return store, kernel

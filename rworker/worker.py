@@ -24,7 +24,7 @@ from ._threads import physical_cpus
 from .cores import bind, rworker_cpus
 from .kvstore import KVStore
 from .progress import Progressor
-from .tune import choose_kernel
+from .tune import open_tuned_store
 from .wait import PeerTimeout, abort_job, choose_policy, node_layout, wait_message
 
 
@@ -87,11 +87,9 @@ class RWorker:
         bind(cpus)
         threads = self.threads_arg or (int(body[1]) or None) or len(physical_cpus(cpus))
         capacity = self.capacity_arg or int(body[2]) or default_capacity_bytes(share=max(r_here, 1))
-        kv_dtype = P.KV_DTYPES[kv_code]
         # the V layout and prefetch that stream fastest on these cores (a few seconds; rworker.tune)
-        kernel = choose_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, capacity_bytes=capacity)
-        self.store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, scale=scale,
-                             capacity_bytes=capacity, v_tile=kernel.v_tile, prefetch=kernel.prefetch)
+        self.store, kernel = open_tuned_store(num_layers, num_heads, num_kv_heads, head_dim, P.KV_DTYPES[kv_code],
+                                              threads, capacity, scale=scale)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_layers = num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)

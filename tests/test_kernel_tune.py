@@ -128,3 +128,15 @@ def test_workers_run_and_report_the_tuned_kernel(tmp_path, ranks):
             assert kernel.endswith("(untuned)"), kernel
         outs[flag] = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in read_output(str(out))}
     assert outs["1"] == outs["0"] and len(outs["1"]) == 2
+
+
+def test_a_probe_short_of_memory_leaves_the_default(monkeypatch):
+    """A node that cannot hold the probe still serves: untuned, with the build's default."""
+    monkeypatch.setenv("FASTDECODE_KERNEL_TUNE", "1")
+
+    def no_memory(*a, **kw):
+        raise MemoryError("probe")
+    monkeypatch.setattr(tune, "tune_kernel", no_memory)
+    store, ch = tune.open_tuned_store(2, 9, 3, 64, "bf16", 1, 64 << 20)
+    assert not ch.tuned and (store.v_tile, store.prefetch) == tune.candidates()[0]
+    assert store.num_layers == 2 and store.capacity_bytes == 64 << 20

@@ -393,14 +393,14 @@ private:
         //    whole extent for a sequence that outgrows its pages while 1/8 of the capacity stays
         //    free after it; then give each row its page index and slot (serial, cheap)
         size_t hard_left = new_pages;
+        const size_t ext = (size_t)extent_ - 1;
+        const size_t room = capacity_ > 0 ? (size_t)capacity_ / page_bytes_ * 7 / 8 : SIZE_MAX;
         for (Seq* s : touched_) {
             auto& pl = s->pages[layer];
             const size_t have = pl.size() / Hkv_;
             const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
             if (need > have) {
                 hard_left -= (need - have) * Hkv_;
-                const size_t ext = (size_t)extent_ - 1;
-                const size_t room = capacity_ > 0 ? (size_t)capacity_ / page_bytes_ * 7 / 8 : SIZE_MAX;
                 const bool fits = arena_.pages_in_use() + (need - have + ext) * Hkv_ + hard_left <= room;
                 grow_pages(pl, need + (fits ? ext : 0));
             }

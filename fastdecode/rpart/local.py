@@ -8,9 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from rworker import KVStore
 from rworker.capacity import default_capacity_bytes
-from rworker.tune import choose_kernel
+from rworker.tune import open_tuned_store
 
 from ..config import ModelConfig
 from .base import RBackend, StepStats, WorkerInfo, as_numpy
@@ -22,10 +21,8 @@ class LocalBackend(RBackend):
                  capacity_bytes: int | None = None, asynchronous: bool = False):
         capacity = capacity_bytes or default_capacity_bytes()
         # the V layout and prefetch that stream fastest here, as an R-worker picks them (rworker.tune)
-        kernel = choose_kernel(config.num_heads, config.num_kv_heads, config.head_dim, kv_dtype, threads,
-                               capacity_bytes=capacity)
-        self.store = KVStore(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype=kv_dtype,
-                             threads=threads, capacity_bytes=capacity, v_tile=kernel.v_tile, prefetch=kernel.prefetch)
+        self.store, kernel = open_tuned_store(config.num_layers, config.num_heads, config.num_kv_heads,
+                                              config.head_dim, kv_dtype, threads, capacity)
         self.workers = [WorkerInfo(rank=0, host=socket.gethostname(), threads=self.store.threads,
                                    isa=self.store.isa, capacity_bytes=capacity,
                                    page_tokens=getattr(self.store, "page_tokens", 1), kernel=kernel.describe())]
