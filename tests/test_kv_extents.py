@@ -128,3 +128,45 @@ def test_extent_pages_setting(monkeypatch):
         st.extent_pages = 0
     monkeypatch.setenv("FASTDECODE_EXTENT_PAGES", "1")
     assert KVStore(1, 1, 64, threads=1).extent_pages == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_committed_counter_equals_a_walk_after_every_call(seed):
+    """bytes_committed is a counter moved by each call's own difference; after any mix of
+    reserves, prompt and decode appends of either layer, frees, refusals past the capacity (which
+    trim every sequence's slack) and extent changes it must equal the count by walking every
+    (sequence, layer)."""
+    rng = np.random.default_rng(seed)
+    P = KVStore(1, HKV, D, "bf16", threads=1).page_tokens
+    page = 2 * P * D * 2
+    st = KVStore(L, HKV, D, "bf16", threads=1, capacity_bytes=int(rng.integers(60, 200)) * page)
+    live: set[int] = set()
+    refused = trimmed = 0
+    for call in range(400):
+        op = rng.choice(["append", "append", "append", "reserve", "free", "extent"])
+        if op == "free" and live:
+            sid = int(rng.choice(sorted(live)))
+            assert st.free(sid)
+            live.discard(sid)
+        elif op == "reserve":
+            ids = rng.choice(12, size=int(rng.integers(1, 4)), replace=False)
+            if st.reserve(ids, rng.integers(0, 5 * P, size=len(ids))):
+                live.update(int(i) for i in ids)
+            else:
+                refused += 1
+        elif op == "extent":
+            st.extent_pages = int(rng.integers(1, 10))
+        else:
+            ids = np.repeat(rng.choice(12, size=int(rng.integers(1, 5)), replace=False),
+                            rng.integers(1, 2 * P, size=1))          # a prompt block or one token each
+            rows = len(ids)
+            slack_before = st.bytes_used() - st.bytes_committed()
+            try:
+                st.append(int(rng.integers(0, L)), ids, rand(rng, (rows, HKV, D)), rand(rng, (rows, HKV, D)))
+                live.update(int(i) for i in ids)
+            except KVCapacityError:
+                refused += 1
+            trimmed += slack_before > 0 and st.bytes_used() - st.bytes_committed() < slack_before
+        assert st.bytes_committed() == st._st.bytes_committed_walk(), f"call {call} ({op})"
+        assert st.bytes_committed() <= st.bytes_used()
+    assert refused > 0 and trimmed > 0                           # the trim paths were exercised

@@ -290,6 +290,8 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
         .def("bytes_used", [](PyStore& s) { return s.st.bytes_used(); })
         .def("bytes_reserved", [](PyStore& s) { return s.st.bytes_reserved(); })
         .def("bytes_committed", [](PyStore& s) { return s.st.bytes_committed(); })
+        .def("bytes_committed_walk", [](PyStore& s) { return s.st.bytes_committed_walk(); },
+             "bytes_committed recounted by walking every (sequence, layer): the counter's check")
         .def("page_runs", [](PyStore& s, int64_t id, int layer) { return s.st.page_runs(id, layer); })
         .def_property(
             "extent_pages", [](PyStore& s) { return s.st.extent_pages(); },

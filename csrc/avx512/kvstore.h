@@ -181,8 +181,16 @@ public:
     }
     size_t page_bytes() const { return page_bytes_; }
     size_t bytes_used() const { return used_pages_.load(std::memory_order_relaxed) * page_bytes_; }
-    // pages holding tokens or reserved: bytes_used less the extents' slack (what a caller counts)
+    // pages holding tokens or reserved: bytes_used less the extents' slack (what a caller counts).
+    // O(1): every call that changes a sequence's pages, length or reservation moves slack_pages_
+    // by its own difference (the R-worker reports this after each decode step; a walk over
+    // every (sequence, layer) cost 2.4 ms at 16,384 sequences x 32 layers on the dev box)
     size_t bytes_committed() {
+        std::lock_guard<std::mutex> lk(mu_);
+        return (arena_.pages_in_use() - slack_pages_) * page_bytes_;
+    }
+    // the same by walking every (sequence, layer): what the counter must equal (tests)
+    size_t bytes_committed_walk() {
         std::lock_guard<std::mutex> lk(mu_);
         size_t pages = 0;
         for (auto& kv : seqs_)
@@ -229,6 +237,7 @@ public:
         if (it == seqs_.end()) return false;
         // push in reverse allocation order (layer, head, page): pops then come out in order
         auto& pages = it->second.pages;
+        for (int l = 0; l < L_; ++l) slack_pages_ -= slack_of(it->second, l);
         for (int l = L_ - 1; l >= 0; --l) {
             const int64_t np = (int64_t)pages[l].size() / Hkv_;
             for (int h = Hkv_ - 1; h >= 0; --h)
@@ -263,8 +272,12 @@ public:
         for (int64_t i = 0; i < n; ++i) {
             Seq& s = get_or_create(ids[i], created);
             const size_t need = ((size_t)tokens[i] + P - 1) / P;
+            for (int l = 0; l < L_; ++l) slack_pages_ -= slack_of(s, l);
             s.reserved = std::max(s.reserved, need);
-            for (int l = 0; l < L_; ++l) grow_pages(s.pages[l], need);
+            for (int l = 0; l < L_; ++l) {
+                grow_pages(s.pages[l], need);
+                slack_pages_ += slack_of(s, l);
+            }
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
         return true;
@@ -339,6 +352,8 @@ private:
         const size_t have = s.pages[l].size() / Hkv_;
         return std::min(have, std::max(s.reserved, ((size_t)s.len[l] + extra + P - 1) / P));
     }
+    // pages (all heads) one (sequence, layer) holds beyond keep_pages: its share of slack_pages_
+    size_t slack_of(const Seq& s, int l) const { return (s.pages[l].size() / Hkv_ - keep_pages(s, l, 0)) * Hkv_; }
 
     // give back every sequence's extent slack (the pending rows of `layer` are kept), each
     // (layer, head) tail pushed so that the free list hands it out again in order
@@ -355,6 +370,10 @@ private:
                 pl.resize(keep * Hkv_);
             }
         }
+        // what is left is the pending rows' pages of `layer` (slack until their lengths land)
+        slack_pages_ = 0;
+        if (layer >= 0)
+            for (auto& kv : seqs_) slack_pages_ += slack_of(kv.second, layer);
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
     }
 
@@ -399,6 +418,7 @@ private:
             auto& pl = s->pages[layer];
             const size_t have = pl.size() / Hkv_;
             const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            slack_pages_ -= slack_of(*s, layer);    // added back below, with the new length
             if (need > have) {
                 hard_left -= (need - have) * Hkv_;
                 const bool fits = arena_.pages_in_use() + (need - have + ext) * Hkv_ + hard_left <= room;
@@ -412,6 +432,7 @@ private:
             rows_[i].pages = s->pages[layer].data() + (size_t)(pos / P) * Hkv_;
             rows_[i].slot = pos % P;
         }
+        for (Seq* s : touched_) slack_pages_ += slack_of(*s, layer);
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
 
         // 4. copy + convert. A task is (run of rows landing in one page, kv head): no two threads
@@ -661,6 +682,7 @@ private:
     std::mutex mu_;
     Arena arena_;
     std::atomic<size_t> used_pages_{0};
+    size_t slack_pages_ = 0;    // sum of slack_of over every (sequence, layer)
     std::unordered_map<int64_t, Seq> seqs_;
     std::unique_ptr<Pool> pool_;
 
