@@ -156,7 +156,7 @@ def main(argv=None):
     ap.add_argument("--isa", default="avx2", help="which module to compare (avx512, avx2, portable)")
     ap.add_argument("--v-tiles", metavar="OLD,NEW", help="compare two V layouts of the current build instead "
                     "(e.g. 0,32: token-major vs tiles of 32 dims); no --old")
-    ap.add_argument("--prefetch", metavar="OLD,NEW", help="software prefetch off (0) or on (1) for each side, "
+    ap.add_argument("--prefetch", metavar="OLD,NEW", help="software prefetch off (0), on (1) or scattered for each side, "
                     "current build (alone or with --v-tiles); no --old")
     ap.add_argument("--label", help="result name (required unless --replot)")
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores of the CPU set")
@@ -193,9 +193,10 @@ def main(argv=None):
         except (ValueError, AssertionError):
             ap.error(f"--v-tiles must be two integers OLD,NEW, got {args.v_tiles!r}")
     if args.prefetch:
-        if args.prefetch not in ("0,1", "1,0", "0,0", "1,1"):
-            ap.error(f"--prefetch must be OLD,NEW with each 0 or 1, got {args.prefetch!r}")
-        args.prefetch = tuple(int(x) for x in args.prefetch.split(","))
+        sides = tuple(args.prefetch.split(","))
+        if len(sides) != 2 or any(x not in ("0", "1", "off", "on", "scattered") for x in sides):
+            ap.error(f"--prefetch must be OLD,NEW with each 0, 1 or scattered, got {args.prefetch!r}")
+        args.prefetch = sides
     if (args.kv_kb is not None and args.kv_kb < 1) or args.reps < 1:
         ap.error(f"--kv-kb and --reps must be >= 1, got {args.kv_kb} and {args.reps}")
     args.threads = args.threads or default_threads()

@@ -14,10 +14,13 @@ has one, and a sequence's pages end up scattered. This bench times the kernel on
               engine sends with a prefill under --kv-reserve full): one run per (layer, head)
 
 with the machine's read bandwidth measured every round (the extension's streaming read), rounds
-interleaved, outputs checked bit-identical across layouts. Writes bench/results/page_runs_<label>.json
+interleaved, outputs checked bit-identical across layouts. `--prefetch off,scattered,on` times every
+layout under each software prefetch mode (switched on the same stores; KVStore.prefetch), and
+`--v-tile` picks the V layout (default: the build's). Writes bench/results/page_runs_<label>.json
 and .png.
 
     python bench/page_runs_bench.py --label devbox-2core-zen5
+    python bench/page_runs_bench.py --label NAME --v-tile 0 --prefetch off,scattered,on --layouts prompt,decode,extents
 """
 from __future__ import annotations
 
@@ -62,33 +65,40 @@ def bench_shape(args, model: str, ctx: int, rng) -> dict:
     q = random_block(rng, B, Hq, D)
     ids = np.arange(B)
     stores, outs = {}, {}
-    for layout in LAYOUTS:
-        st = KVStore(1, Hkv, D, "bf16", threads=args.threads)
+    for layout in args.layouts:
+        st = KVStore(1, Hkv, D, "bf16", threads=args.threads, v_tile=args.v_tile)
         fill(st, layout, blk, B, ctx, args.extent)
         stores[layout] = st
-        outs[layout] = st.attend(0, ids, q, np.empty((B, Hq, D), np.float32))
-    identical = all(np.array_equal(outs["prompt"], outs[k]) for k in LAYOUTS)
+        for mode in args.prefetch or [st.prefetch]:
+            st.prefetch = mode
+            outs[(layout, mode)] = st.attend(0, ids, q, np.empty((B, Hq, D), np.float32))
+    modes = args.prefetch or [stores["prompt"].prefetch]
+    keys = {(lay, m): lay if len(modes) == 1 else f"{lay}@{m}" for lay in args.layouts for m in modes}
+    first = next(iter(outs.values()))
+    identical = all(np.array_equal(first, o) for o in outs.values())
     mod = stores["prompt"]._mod
-    gbps = {k: [] for k in LAYOUTS}
+    gbps = {k: [] for k in keys.values()}
     reads = []
     out = np.empty((B, Hq, D), np.float32)
+    order = list(keys)
     for r in range(args.rounds):
         reads.append(max(mod.read_bandwidth(512 << 20, args.threads, 2, pin_cpus(args.threads))))
-        for layout in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
+        for layout, mode in (order if r % 2 == 0 else order[::-1]):
+            stores[layout].prefetch = mode
             best, _ = best_time(lambda: stores[layout].attend(0, ids, q, out), args.reps)
-            gbps[layout].append(B * per_seq / best / 1e9)
-    base = np.array(gbps["prompt"])
+            gbps[keys[(layout, mode)]].append(B * per_seq / best / 1e9)
+    base = np.array(gbps[keys[("prompt", modes[0])]])
     row = dict(model=model, Hkv=Hkv, Hq=Hq, D=D, context=ctx, batch=B, kv_bytes=B * per_seq,
                page_bytes=int(stores["prompt"]._st.page_bytes), outputs_identical=identical,
-               read_best_gbps=max(reads), read_gbps=reads)
-    for k in LAYOUTS:
+               read_best_gbps=max(reads), read_gbps=reads, keys=list(keys.values()))
+    for (layout, mode), k in keys.items():
         a = np.array(gbps[k])
         row[k] = dict(best_gbps=float(a.max()), pct_of_read=100 * float(a.max()) / max(reads),
                       ratio_to_prompt_median=float(np.median(a / base)), gbps=a.tolist(),
-                      runs_per_head_seq0=stores[k].page_runs(0, 0) / Hkv)
+                      runs_per_head_seq0=stores[layout].page_runs(0, 0) / Hkv, prefetch=mode)
     print(f"  {model:13s} ctx {ctx:5d}: read {max(reads):5.1f}  " + "  ".join(
         f"{k} {row[k]['best_gbps']:5.1f} ({row[k]['pct_of_read']:3.0f}%, x{row[k]['ratio_to_prompt_median']:.2f})"
-        for k in LAYOUTS) + ("" if identical else "  OUTPUTS DIFFER"), flush=True)
+        for k in keys.values()) + ("" if identical else "  OUTPUTS DIFFER"), flush=True)
     del stores
     return row
 
@@ -99,8 +109,10 @@ def plot(rows, path_png: str, title: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 4.2))
     x = np.arange(len(rows))
-    for i, k in enumerate(LAYOUTS):
-        ax.bar(x + (i - 1.5) * 0.2, [r[k]["pct_of_read"] for r in rows], 0.2, label=k)
+    keys = rows[0].get("keys", LAYOUTS)
+    w = 0.8 / len(keys)
+    for i, k in enumerate(keys):
+        ax.bar(x + (i - (len(keys) - 1) / 2) * w, [r[k]["pct_of_read"] for r in rows], w, label=k)
     ax.axhline(90, color="gray", ls="--", lw=1)
     ax.set_xticks(x, [f"{r['model'].split('-')[0]} ctx {r['context']}" for r in rows], fontsize=8)
     ax.set_ylabel("% of read bandwidth (best, same run)")
@@ -120,15 +132,27 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--extent", type=int, default=None, help="pages per extent (default: the store's)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"a subset of {','.join(LAYOUTS)} (prompt required)")
+    ap.add_argument("--v-tile", type=int, default=None, help="V layout of every store (default: the build's)")
+    ap.add_argument("--prefetch", default=None, help="software prefetch modes to time each layout under, "
+                    "e.g. off,scattered,on (default: the store's)")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
+    args.layouts = args.layouts.split(",")
+    if "prompt" not in args.layouts or any(x not in LAYOUTS for x in args.layouts):
+        ap.error(f"--layouts must be a subset of {','.join(LAYOUTS)} that includes prompt, got {args.layouts}")
+    args.prefetch = args.prefetch.split(",") if args.prefetch else None
+    if args.prefetch and any(m not in ("off", "on", "scattered") for m in args.prefetch):
+        ap.error(f"--prefetch takes modes off, on, scattered, got {args.prefetch}")
     args.threads = args.threads or default_threads()
     args.extent = args.extent or KVStore(1, 1, 64, threads=1).extent_pages
     rng = np.random.default_rng(0)
     rows = [bench_shape(args, m, int(c), rng) for m in args.models.split(",") for c in args.contexts.split(",")]
     meta = dict(label=args.label, host=platform.node(), cpu=platform.processor() or platform.machine(),
                 threads=args.threads, kv_dtype="bf16", q_dtype="bf16", rounds=args.rounds, reps=args.reps,
-                min_mb=args.min_mb, isa=KVStore(1, 1, 64, threads=1).isa, extent_pages=args.extent, results=rows)
+                min_mb=args.min_mb, isa=KVStore(1, 1, 64, threads=1).isa, extent_pages=args.extent,
+                v_tile=KVStore(1, 1, 64, threads=1, v_tile=args.v_tile).v_tile, prefetch_modes=args.prefetch,
+                results=rows)
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"page_runs_{args.label}")
     with open(base + ".json", "w") as f:

@@ -57,7 +57,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None,
                       seqs: int = 64, target_bytes: int = 0, repeats: int = 5, seed: int = 0,
-                      v_tile: int | None = None, prefetch: bool | None = None) -> dict:
+                      v_tile: int | None = None, prefetch: bool | str | None = None) -> dict:
     """Seconds per KV byte and fixed seconds per call of `attend` on this machine
     (target_bytes 0: default_target_bytes()), with the kernel choice the worker's store runs
     (v_tile, prefetch: rworker.tune)."""

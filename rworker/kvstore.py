@@ -17,7 +17,8 @@ KV data releases the GIL.
 Environment: FASTDECODE_ISA (rworker.isa), FASTDECODE_THREADS / FASTDECODE_PIN=0 (rworker._threads),
 FASTDECODE_SPIN_US (how long idle workers spin before sleeping, default 50), FASTDECODE_RESERVE_PAGES=0
 (`reserve` takes nothing: decode pages come by extents, for measurements), FASTDECODE_EXTENT_PAGES
-(pages per head an unreserved sequence takes when it outgrows its pages, default 8; 1: one at a time).
+(pages per head an unreserved sequence takes when it outgrows its pages, default 8; 1: one at a time),
+FASTDECODE_PREFETCH (0/off, 1/on, scattered: see KVStore.prefetch).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class KVCapacityError(MemoryError):
 class KVStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bf16",
                  threads: int | None = None, scale: float | None = None, capacity_bytes: int | None = None,
-                 isa: str | None = None, v_tile: int | None = None, prefetch: bool | None = None):
+                 isa: str | None = None, v_tile: int | None = None, prefetch: bool | str | None = None):
         kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
         if kv_dtype not in _ITEMSIZE:
             raise ValueError(f"kv_dtype must be 'bf16', 'fp16' or 'fp32', got {kv_dtype!r}")
@@ -173,14 +174,17 @@ class KVStore:
         return self._st.v_tile
 
     @property
-    def prefetch(self) -> bool:
-        """Software prefetch of the next page in attend: on unless FASTDECODE_PREFETCH=0 or set here
-        (rworker.tune picks it per host and model shape; outputs are the same either way)."""
-        return bool(self._st.prefetch)
+    def prefetch(self) -> str:
+        """Software prefetch of the next page in attend: "on" (every next page; the default), "off"
+        (the hardware prefetcher alone) or "scattered" (only a next page that lies apart from both
+        its neighbours in memory: a run of one, which no hardware prefetcher sees coming; along
+        runs it is "off"). FASTDECODE_PREFETCH sets the default (0/off, 1/on, scattered); rworker.tune picks per host and model shape. Outputs are
+        the same in every mode."""
+        return PREFETCH_MODES[self._st.prefetch]
 
     @prefetch.setter
-    def prefetch(self, on: bool) -> None:
-        self._st.prefetch = bool(on)
+    def prefetch(self, mode: bool | str) -> None:
+        self._st.prefetch = prefetch_code(mode)
 
     @property
     def threads(self) -> int:
@@ -203,6 +207,18 @@ class KVStore:
         return (f"KVStore(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"kv_dtype={self.kv_dtype}, isa={self.isa}, v_tile={self.v_tile}, prefetch={self.prefetch}, threads={self.threads}, "
                 f"seqs={self.num_seqs()}, bytes_used={self.bytes_used()})")
+
+
+PREFETCH_MODES = ("off", "on", "scattered")     # the C++ store's codes 0, 1, 2
+
+
+def prefetch_code(mode: bool | str) -> int:
+    """A prefetch mode (a name of PREFETCH_MODES, or a bool: True = "on") as the store's code."""
+    if isinstance(mode, (bool, np.bool_)):
+        return 1 if mode else 0
+    if mode not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_MODES} or a bool, got {mode!r}")
+    return PREFETCH_MODES.index(mode)
 
 
 def _ids(seq_ids) -> np.ndarray:

@@ -1,12 +1,15 @@
 """Start-up tune of the attention kernel: the V layout and software prefetch that stream this
 host's KV fastest for this model shape.
 
-Neither choice changes a bit of the output (tests/test_kvstore.py runs every layout with and
-without prefetch against the same reference), only the speed, and the best one depends on the
+Neither choice changes a bit of the output (tests/test_kernel_tune.py runs every candidate and
+prefetch mode on the same data), only the speed, and the best one depends on the
 host and the shape. On 2 Zen 5 cores token-major V without software prefetch beat the build's
 default (32-dim V tiles, spread prefetch) 1.01-1.19x on 20 of 24 shapes and lost 0.90-0.94x on
 Llama-3 fp32 (bench/results/kernel_ab_dev-2core-zen5-avx512-tokmajor-noprefetch.json); on the GPU
-box's Xeon the prefetch was worth 1.12-1.19x (bench/KERNEL_NOTES.md, "Prefetch"). So each R-worker
+box's Xeon the prefetch was worth 1.12-1.19x (bench/KERNEL_NOTES.md, "Prefetch"). "Without" is
+prefetch "scattered": none along runs of pages, which the hardware prefetcher follows by itself,
+but a next page that lies apart from both its neighbours (a sequence grown a page at a time:
+bench/KERNEL_NOTES.md, version 15). So each R-worker
 times the candidates on its own cores before it builds its store: one probe store per V layout,
 a working set past the caches, the candidates interleaved over several rounds, and it keeps the
 fastest unless that is within `margin` of the default (noise must not move it).
@@ -35,14 +38,14 @@ MAX_WORKING_SET = 256 << 20   # bytes per probe store: the issue's ">= 256 MB", 
 @dataclass
 class KernelChoice:
     v_tile: int                       # V run layout (0: token-major; else tiles of this many dims)
-    prefetch: bool                    # software prefetch of the next page
+    prefetch: str                     # software prefetch of the next page: on / off / scattered (KVStore.prefetch)
     tuned: bool                       # False: the untimed default (tune off, or one candidate)
     gbps: dict[str, float] = field(default_factory=dict)   # candidate -> median GB/s over the rounds
     working_set_bytes: int = 0
     seconds: float = 0.0
 
     def describe(self) -> str:
-        what = f"v_tile {self.v_tile}, prefetch {'on' if self.prefetch else 'off'}"
+        what = f"v_tile {self.v_tile}, prefetch {self.prefetch}"
         if not self.tuned:
             return what + " (untuned)"
         rates = ", ".join(f"{k} {v:.1f}" for k, v in self.gbps.items())
@@ -53,18 +56,22 @@ class KernelChoice:
                 "working_set_bytes": self.working_set_bytes, "seconds": round(self.seconds, 3)}
 
 
-def label(v_tile: int, prefetch: bool) -> str:
-    return f"{'token-major' if v_tile == 0 else f'tiles{v_tile}'}/{'pf' if prefetch else 'nopf'}"
+PF_LABEL = {"on": "pf", "off": "nopf", "scattered": "scattered"}
 
 
-def candidates(isa: str | None = None) -> list[tuple[int, bool]]:
+def label(v_tile: int, prefetch: str) -> str:
+    return f"{'token-major' if v_tile == 0 else f'tiles{v_tile}'}/{PF_LABEL[prefetch]}"
+
+
+def candidates(isa: str | None = None) -> list[tuple[int, str]]:
     """(v_tile, prefetch) pairs worth timing on this build; the first is its default. Tiles
     without prefetch ran at 0.5-0.6x the others on every bf16 shape here, so with a second V
-    layout to try they are left out."""
+    layout to try they are left out. "scattered" stands for "off": the same along the probe's
+    runs, and it prefetches where a grown sequence's pages scatter."""
     mod = _isa.load(isa)
     if mod.V_TILE == mod.V_TILE_ALT:
-        return [(mod.V_TILE, True), (mod.V_TILE, False)]
-    return [(mod.V_TILE, True), (mod.V_TILE_ALT, False), (mod.V_TILE_ALT, True)]
+        return [(mod.V_TILE, "on"), (mod.V_TILE, "scattered")]
+    return [(mod.V_TILE, "on"), (mod.V_TILE_ALT, "scattered"), (mod.V_TILE_ALT, "on")]
 
 
 def tune_enabled() -> bool:
@@ -94,7 +101,7 @@ def _fill(store: KVStore, num_kv_heads: int, head_dim: int, kv_dtype: str, seqs:
         store.append(0, ids, slab[: n * CONTEXT], slab[: n * CONTEXT])
 
 
-def pick(rates: dict[tuple[int, bool], float], cands: list[tuple[int, bool]], margin: float) -> tuple[int, bool]:
+def pick(rates: dict[tuple[int, str], float], cands: list[tuple[int, str]], margin: float) -> tuple[int, str]:
     """The fastest candidate by rate (GB/s), or cands[0] (the default) unless the fastest beats it
     by more than `margin` (a fraction): a near-tie on a noisy host keeps the default."""
     best = max(cands, key=lambda c: rates[c])
@@ -132,7 +139,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
     out = np.empty((seqs, num_heads, head_dim), np.float32)
     ids = np.arange(seqs, dtype=np.int64)
 
-    def timed(c: tuple[int, bool]) -> float:
+    def timed(c: tuple[int, str]) -> float:
         st = stores[c[0]]
         st.prefetch = c[1]
         best = float("inf")
@@ -144,7 +151,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
 
     for c in cands:                                                       # warm pages, threads, caches
         timed(c)
-    rates: dict[tuple[int, bool], list[float]] = {c: [] for c in cands}
+    rates: dict[tuple[int, str], list[float]] = {c: [] for c in cands}
     for r in range(rounds):
         for j in range(len(cands)):                                       # rotate the order each round
             c = cands[(j + r) % len(cands)]

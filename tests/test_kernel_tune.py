@@ -23,25 +23,35 @@ from rworker import tune  # noqa: E402
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_every_candidate_gives_bitwise_the_same_outputs(isa, kv_dtype):
     """What the tune may pick (V layout x software prefetch) changes speed, never a bit: lengths
-    over many pages and split-KV chunks (where the prefetch target moves to the next item)."""
+    over many pages and split-KV chunks (where the prefetch target moves to the next item), pages
+    in runs (a prompt) and scattered (grown a page at a time, where "scattered" prefetches)."""
     rng = np.random.default_rng(7)
     Hkv, g, D = 2, 3, 64
     lens = [1, 33, 95, 700, 1100]
     cands = tune.candidates(isa)
-    assert len(cands) >= 2 and any(not pf for _, pf in cands)
+    assert len(cands) >= 2 and any(pf == "scattered" for _, pf in cands)
     stores = [KVStore(1, Hkv, D, kv_dtype, threads=2, isa=isa, v_tile=vt, prefetch=pf) for vt, pf in cands]
     assert [(st.v_tile, st.prefetch) for st in stores] == cands
-    for sid, L in enumerate(lens):
+    for st in stores:
+        st.extent_pages = 1
+    for sid, L in enumerate(lens):                              # prompts: runs of pages
         k, v = rand(rng, (L, Hkv, D)), rand(rng, (L, Hkv, D))
         for st in stores:
             st.append(0, [sid] * L, k, v)
-    q = rand(rng, (len(lens), Hkv * g, D))
-    ids = list(range(len(lens)))
+    grown = [10 + i for i in range(3)]
+    for _ in range(70):                                         # round-robin growth: scattered pages
+        k, v = rand(rng, (3, Hkv, D)), rand(rng, (3, Hkv, D))
+        for st in stores:
+            st.append(0, grown, k, v)
+    assert stores[0].page_runs(10) > Hkv
+    ids = list(range(len(lens))) + grown
+    q = rand(rng, (len(ids), Hkv * g, D))
     outs = [st.attend(0, ids, q).view(np.uint32) for st in stores]
     for o in outs[1:]:
         assert np.array_equal(outs[0], o)
-    stores[0].prefetch = not stores[0].prefetch                 # toggled on a live store
-    assert np.array_equal(stores[0].attend(0, ids, q).view(np.uint32), outs[0])
+    for mode in ("off", "scattered", "on", False, True):            # switched on a live store
+        stores[0].prefetch = mode
+        assert np.array_equal(stores[0].attend(0, ids, q).view(np.uint32), outs[0])
 
 
 def test_candidates_start_with_the_build_default():
@@ -49,13 +59,13 @@ def test_candidates_start_with_the_build_default():
         mod = isa_mod.load(isa)
         cands = tune.candidates(isa)
         plain = KVStore(1, 1, 64, isa=isa)
-        assert cands[0] == (mod.V_TILE, True) == (plain.v_tile, plain.prefetch)
+        assert cands[0] == (mod.V_TILE, "on") == (plain.v_tile, plain.prefetch)
         assert len(set(cands)) == len(cands)
         assert {vt for vt, _ in cands} == {mod.V_TILE, mod.V_TILE_ALT}
 
 
 def test_pick_takes_the_fastest_only_past_the_margin():
-    a, b, c = (32, True), (0, False), (0, True)
+    a, b, c = (32, "on"), (0, "scattered"), (0, "on")
     cands = [a, b, c]
     assert tune.pick({a: 30.0, b: 34.0, c: 31.0}, cands, 0.02) == b
     assert tune.pick({a: 30.0, b: 30.5, c: 29.0}, cands, 0.02) == a        # 1.7%: noise, keep the default
@@ -83,15 +93,30 @@ def test_tune_off_or_pinned_layout_keeps_the_default(monkeypatch):
     mod = isa_mod.load(None)
     monkeypatch.setenv("FASTDECODE_KERNEL_TUNE", "0")
     ch = tune.choose_kernel(9, 3, 64, "bf16", threads=1)
-    assert not ch.tuned and (ch.v_tile, ch.prefetch) == (mod.V_TILE, True)
+    assert not ch.tuned and (ch.v_tile, ch.prefetch) == (mod.V_TILE, "on")
     monkeypatch.setenv("FASTDECODE_KERNEL_TUNE", "1")
     monkeypatch.setenv("FASTDECODE_PREFETCH", "0")                  # a user measuring one variant
     ch = tune.choose_kernel(9, 3, 64, "bf16", threads=1)
-    assert not ch.tuned and not ch.prefetch and "untuned" in ch.describe()
+    assert not ch.tuned and ch.prefetch == "off" and "untuned" in ch.describe()
+    monkeypatch.setenv("FASTDECODE_PREFETCH", "scattered")
+    ch = tune.choose_kernel(9, 3, 64, "bf16", threads=1)
+    assert not ch.tuned and ch.prefetch == "scattered" and "prefetch scattered" in ch.describe()
     monkeypatch.delenv("FASTDECODE_PREFETCH")
     monkeypatch.setenv("FASTDECODE_VTILE", str(mod.V_TILE_ALT))
     ch = tune.choose_kernel(9, 3, 64, "bf16", threads=1)
-    assert not ch.tuned and ch.v_tile == mod.V_TILE_ALT and ch.prefetch
+    assert not ch.tuned and ch.v_tile == mod.V_TILE_ALT and ch.prefetch == "on"
+
+
+def test_prefetch_modes_by_name_bool_or_env(monkeypatch):
+    assert KVStore(1, 1, 64, prefetch=False).prefetch == "off"
+    assert KVStore(1, 1, 64, prefetch=True).prefetch == "on"
+    assert KVStore(1, 1, 64, prefetch="scattered").prefetch == "scattered"
+    for bad in ("sometimes", 2, None):
+        with pytest.raises(ValueError, match="prefetch must be one of"):
+            KVStore(1, 1, 64).prefetch = bad
+    for env, mode in (("0", "off"), ("off", "off"), ("1", "on"), ("on", "on"), ("scattered", "scattered")):
+        monkeypatch.setenv("FASTDECODE_PREFETCH", env)
+        assert KVStore(1, 1, 64).prefetch == mode, env
 
 
 def test_probe_working_set_is_bounded_by_capacity(monkeypatch):

@@ -300,9 +300,9 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
         .def_property_readonly("v_tile", [](PyStore& s) { return s.st.v_tile(); })
         .def_property(
             "prefetch", [](PyStore& s) { return s.st.prefetch(); },
-            [](PyStore& s, bool on) {
+            [](PyStore& s, int mode) {
                 py::gil_scoped_release nogil;
-                s.st.set_prefetch(on);
+                s.st.set_prefetch(mode);
             })
         .def_property(
             "threads", [](PyStore& s) { return s.st.threads(); },

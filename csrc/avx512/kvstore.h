@@ -131,6 +131,20 @@ private:
 // Store
 // ============================================================================
 
+// Software prefetch of the next page while one is computed (simd.h): none, always, or only a
+// page that lies apart from both its neighbours (a run of one). The hardware prefetcher follows a
+// run by itself and cannot know where a scattered page is; a software prefetch at the head of a
+// run cost 2-5% there, as if it kept the hardware from training on it (bench/KERNEL_NOTES.md, 15)
+enum { PF_OFF = 0, PF_ALL = 1, PF_SCATTERED = 2 };
+
+// FASTDECODE_PREFETCH: 0 / off, 1 / on (the default), scattered
+static inline int prefetch_mode_env() {
+    const char* e = getenv("FASTDECODE_PREFETCH");
+    if (!e) return PF_ALL;
+    const std::string v(e);
+    return v == "0" || v == "off" ? PF_OFF : v == "scattered" ? PF_SCATTERED : PF_ALL;
+}
+
 struct Seq {
     std::vector<int32_t> len;                // [L] tokens per layer
     std::vector<std::vector<char*>> pages;   // [L][npages * Hkv]: page p of head h at p * Hkv + h
@@ -167,10 +181,11 @@ public:
     }
 
     int v_tile() const { return vtile_; }
-    bool prefetch() const { return prefetch_.load(std::memory_order_relaxed); }
-    void set_prefetch(bool on) {
+    int prefetch() const { return prefetch_.load(std::memory_order_relaxed); }
+    void set_prefetch(int mode) {
+        if (mode != PF_OFF && mode != PF_ALL && mode != PF_SCATTERED) throw std::invalid_argument("bad prefetch mode");
         std::lock_guard<std::mutex> lk(mu_);     // not while an attend reads it
-        prefetch_.store(on, std::memory_order_relaxed);
+        prefetch_.store(mode, std::memory_order_relaxed);
     }
 
     // ---- geometry / accounting ------------------------------------------------
@@ -552,9 +567,13 @@ private:
         pool_->parallel_for((int64_t)items_.size(), body);
     }
 
-    // first page of an item (for prefetching the item a thread will run next)
-    const char* first_page(const Call& C, const Item& it) const {
-        return C.seqs[it.i]->pages[C.layer][(size_t)(it.c * CH / P) * Hkv_ + it.h];
+    // page i of head h of s follows neither `prev` (the page computed now) nor precedes its own
+    // next page in memory: a run of one, which no hardware prefetcher can see coming
+    bool isolated(const Seq& s, int layer, size_t i, int h, const char* prev) const {
+        const auto& pl = s.pages[layer];
+        const char* p = pl[i * Hkv_ + h];
+        if (p == prev + page_bytes_) return false;
+        return (i + 1) * Hkv_ >= pl.size() || pl[(i + 1) * Hkv_ + h] != p + page_bytes_;
     }
 
     void run_item(const Call& C, const Item& it, const Item* next) const {
@@ -593,6 +612,7 @@ private:
         }
 
         // 2. stream the chunk page by page
+        const int pf_mode = prefetch_.load(std::memory_order_relaxed);
         const size_t run_bytes = (size_t)P * Dp * isz_;
         const auto& pages = s.pages[C.layer];
         const int32_t plast = (t1 - 1) / P;
@@ -603,11 +623,15 @@ private:
             const char* vr = kr + run_bytes;
 
             // 2a. what to prefetch while this page is computed: the next page of this item, or
-            //     the first page of the item this thread runs next (simd.h: "Software prefetch")
-            const char* pf = !prefetch_ ? nullptr
-                             : pi < plast ? pages[(size_t)(pi + 1) * Hkv_ + it.h]
-                             : next      ? first_page(C, *next)
-                                         : nullptr;
+            //     the first page of the item this thread runs next (simd.h: "Software prefetch");
+            //     PF_SCATTERED only a page apart from both neighbours (isolated)
+            const char* pf = nullptr;
+            if (pf_mode != PF_OFF && (pi < plast || next)) {
+                const Seq& ns = pi < plast ? s : *C.seqs[next->i];
+                const int nh = pi < plast ? it.h : next->h;
+                const size_t ni = pi < plast ? (size_t)pi + 1 : (size_t)(next->c * CH / P);
+                if (pf_mode == PF_ALL || isolated(ns, C.layer, ni, nh, kr)) pf = ns.pages[C.layer][ni * Hkv_ + nh];
+            }
             // 2b. scores of every query head of the group: one pass over the K run
 #if defined(FD_HAVE_DPBF16)
             if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
@@ -670,9 +694,9 @@ private:
     const int spin_us_;
     const size_t page_bytes_;   // one head's K run + V run
 
-    // software prefetch of the next page: on unless FASTDECODE_PREFETCH=0; set_prefetch (the
+    // software prefetch of the next page (PF_*): FASTDECODE_PREFETCH, default on; set_prefetch (the
     // R-worker's start-up tune, rworker/tune.py) picks per host, since it pays on some and not others
-    std::atomic<bool> prefetch_{!(getenv("FASTDECODE_PREFETCH") && std::string(getenv("FASTDECODE_PREFETCH")) == "0")};
+    std::atomic<int> prefetch_{prefetch_mode_env()};
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
     int vtile_ = V_TILE;      // V run layout: token-major (0) or tiles of this many dims (simd.h)
