@@ -8,7 +8,7 @@
 #   call 2: fidelity                (~6 min: plan vs measured with the chain hand-off term, issue 4)
 #   call 3: kernel vtile e2e8b      (~8 min: 16-core kernel vs read BW, AVX2 versions 7-8 on the Xeon too;
 #                                    AVX-512 V in tiles of 32 vs token-major, A/B in one process; GQA end-to-end)
-#   call 4: e2e7b pageruns          (~5 min: R-worker scaling 1..14; prompt vs decode vs reserved page layouts)
+#   call 4: e2e7b pageruns          (~6 min: R-worker scaling 1..14; page layouts x prefetch off/scattered/on)
 # A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,8 +44,10 @@ kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
 vtile)       # issue 3: AVX-512 V run in tiles of 32 dims (the default) vs token-major (FASTDECODE_VTILE=0), same build
     stage vtile 150 $PY bench/kernel_ab.py --v-tiles 0,32 --isa avx512 --label h100-box-avx512-vtile32 \
         --contexts 1024,4096 --dtypes bf16,fp32 --min-mb 512 --rounds 6 ;;
-pageruns)    # issue 3: the kernel over the prompt, decode (scattered) and reserved page layouts, 16 threads
-    stage pageruns 150 $PY bench/page_runs_bench.py --label h100-box --contexts 1024,4096 --min-mb 512 --rounds 4 ;;
+pageruns)    # issue 3: the kernel over the prompt, decode (scattered) and extent layouts under each prefetch
+             # mode (the tune's candidates: KERNEL_NOTES versions 13 and 15), 16 threads
+    stage pageruns 200 $PY bench/page_runs_bench.py --label h100-box-prefetch --contexts 1024,4096 --min-mb 512 \
+        --rounds 4 --v-tile 0 --prefetch off,scattered,on --layouts prompt,decode,extents ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs
