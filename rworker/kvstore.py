@@ -31,6 +31,7 @@ from . import isa as _isa
 from ._threads import default_threads, pin_cpus
 
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+V_PAIRS = -2      # the V layout "token pairs" (csrc/avx512/simd.h), where the build has it
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -69,14 +70,24 @@ class KVStore:
         """The V run layout: v_tile if given (must be one this ISA build has), else
         FASTDECODE_VTILE where the build has that layout (a measurement knob: other builds
         ignore it), else the build's default."""
-        layouts = (self._mod.V_TILE, self._mod.V_TILE_ALT)
+        layouts = (self._mod.V_TILE, self._mod.V_TILE_ALT) + ((V_PAIRS,) if self.has_v_pairs else ())
         if v_tile is not None:
             if v_tile not in layouts:
                 raise ValueError(f"v_tile={v_tile!r}: the {self.isa} build stores V in tiles of "
-                                 f"{sorted(set(layouts))} dims (0: token-major)")
+                                 f"{sorted(set(layouts) - {V_PAIRS})} dims (0: token-major)"
+                                 + (f" or token pairs ({V_PAIRS})" if self.has_v_pairs else
+                                    f"; token pairs ({V_PAIRS}) need bf16 KV and AVX512-BF16"))
             return int(v_tile)
         env = os.environ.get("FASTDECODE_VTILE", "").strip()
-        return int(env) if env.isdigit() and int(env) in layouts else self._mod.V_TILE
+        return int(env) if env.lstrip("-").isdigit() and int(env) in layouts else self._mod.V_TILE
+
+    @property
+    def has_v_pairs(self) -> bool:
+        """This store can take v_tile = V_PAIRS (bf16 KV in token pairs, probabilities rounded to
+        bf16 for the PV product: other bits than the other layouts, within a bf16 bound): bf16 KV
+        on a build and CPU with AVX512-BF16."""
+        return self.kv_dtype == "bf16" and hasattr(self._mod, "V_PAIRS") and (
+            self.isa == "avx512emu" or "avx512bf16" in _isa.cpu_features())     # SIMDe emulates it anywhere
 
     # ---- data path ------------------------------------------------------------------------
     def append(self, layer: int, seq_ids, k: np.ndarray, v: np.ndarray) -> None:
@@ -170,7 +181,8 @@ class KVStore:
 
     @property
     def v_tile(self) -> int:
-        """V run layout: 0 token-major, else tiles of this many dims (FASTDECODE_VTILE, simd.h)."""
+        """V run layout: 0 token-major, V_PAIRS (-2) token pairs with bf16 probabilities (has_v_pairs),
+        else tiles of this many dims (FASTDECODE_VTILE, simd.h)."""
         return self._st.v_tile
 
     @property

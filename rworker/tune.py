@@ -78,9 +78,10 @@ def tune_enabled() -> bool:
     return os.environ.get("FASTDECODE_KERNEL_TUNE", "1").strip() != "0"
 
 
-def default_choice(isa: str | None = None) -> KernelChoice:
-    """What a KVStore built with no v_tile/prefetch arguments runs (env knobs included)."""
-    probe = KVStore(1, 1, 16, "fp32", threads=1, isa=isa)
+def default_choice(isa: str | None = None, kv_dtype: str = "fp32") -> KernelChoice:
+    """What a KVStore of kv_dtype built with no v_tile/prefetch arguments runs (env knobs included:
+    FASTDECODE_VTILE=-2 only where the dtype and CPU have token pairs)."""
+    probe = KVStore(1, 1, 16, kv_dtype, threads=1, isa=isa)
     return KernelChoice(probe.v_tile, probe.prefetch, tuned=False)
 
 
@@ -170,14 +171,14 @@ def choose_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: st
     stores take at most a quarter of the KV capacity."""
     pinned = any(os.environ.get(k, "").strip() for k in ("FASTDECODE_VTILE", "FASTDECODE_PREFETCH"))
     if not tune_enabled() or pinned:
-        return default_choice(isa)
+        return default_choice(isa, kv_dtype)
     ws = min(default_target_bytes(), MAX_WORKING_SET)
     if capacity_bytes:
         ws = min(ws, capacity_bytes // (4 * len({v for v, _ in candidates(isa)})))
     try:
         return tune_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, isa, working_set_bytes=ws)
     except MemoryError:                       # a node short of memory still serves, untuned
-        return default_choice(isa)
+        return default_choice(isa, kv_dtype)
 
 
 def open_tuned_store(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,

@@ -266,6 +266,9 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
     m.attr("CHUNK_TOKENS") = Store::CH;
     m.attr("V_TILE") = V_TILE;            // the V layout a store gets by default (simd.h)
     m.attr("V_TILE_ALT") = V_TILE_ALT;    // a second layout under measurement (== V_TILE: none)
+#if defined(FD_HAVE_DPBF16)
+    m.attr("V_PAIRS") = V_PAIRS;          // bf16 KV in token pairs, bf16 probabilities (simd.h; opt-in)
+#endif
 
     py::class_<PyStore>(m, "Store", py::module_local())
         .def(py::init<int, int, int, const std::string&, double, int64_t, int, std::vector<int>, int, int>(),

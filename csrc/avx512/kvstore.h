@@ -165,9 +165,7 @@ public:
           pool_(new Pool(threads, cpus_, spin_us)) {
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
-        if (vtile != V_TILE && vtile != V_TILE_ALT) throw std::invalid_argument("v_tile: not a layout of this build");
         vtile_ = vtile;
-        for (int d = 0; d < Dp_; ++d) apos_.push_back(apos(dt_, d, Dp_));
 #if defined(FD_HAVE_DPBF16)
         // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
         // (the SIMDe test build emulates the instruction, so it takes the path on any CPU)
@@ -177,7 +175,14 @@ public:
         const bool has_dp = cpu_has_avx512bf16();
 #endif
         use_dp_ = has_dp && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
+        if (vtile == V_PAIRS && (dtype != BF16 || !has_dp))
+            throw std::invalid_argument("v_tile: token pairs (V_PAIRS) need bf16 KV and a CPU with AVX512-BF16");
+        const bool pairs = vtile == V_PAIRS;
+#else
+        const bool pairs = false;
 #endif
+        if (vtile != V_TILE && vtile != V_TILE_ALT && !pairs) throw std::invalid_argument("v_tile: not a layout of this build");
+        for (int d = 0; d < Dp_; ++d) apos_.push_back(pairs ? d : apos(dt_, d, Dp_));   // pairs: natural order
     }
 
     int v_tile() const { return vtile_; }
@@ -476,10 +481,14 @@ private:
                 store_row(ksrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
             }
             transpose_in(tmp, nr, krun, s0);
-            if (vtile_ > 0) {
+            if (vtile_ != 0) {
                 for (int64_t r = 0; r < nr; ++r)
                     store_row(vsrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
-                tile_in(tmp, nr, vrun, s0);
+#if defined(FD_HAVE_DPBF16)
+                if (vtile_ == V_PAIRS) pairs_in(reinterpret_cast<const uint16_t*>(tmp), nr, reinterpret_cast<uint16_t*>(vrun), s0, Dp_);
+                else
+#endif
+                    tile_in(tmp, nr, vrun, s0);
             }
         };
         const int64_t ntask = nseg * Hkv_;
@@ -644,7 +653,11 @@ private:
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
-            pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_, vtile_);
+#if defined(FD_HAVE_DPBF16)
+            if (vtile_ == V_PAIRS) pv_page_pairs(vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
+            else
+#endif
+                pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_, vtile_);
         }
 
         // 3. single chunk: normalise and write; else publish the partial, last one merges

@@ -379,6 +379,147 @@ static inline void scores_page_dp(const void* K, int Dp, const uint32_t* qw, flo
     });
 }
 
+// ---- AVX512-BF16 PV: V in token pairs, probabilities rounded to bf16 --------------------
+// V_PAIRS, a third V layout (bf16 KV on a CPU with AVX512-BF16 only): the V run as 32-bit words,
+// word (s, d) = (V[2s][d], V[2s+1][d]), the even token in the low half, in tiles of 64 dims
+// [Dp/64][PT/2][64] (+ a narrower last tile [PT/2][Dp % 64]) so that a pass over 64 dims reads one
+// 4 KB block. With the page's probabilities rounded to bf16 pairs (p[2s], p[2s+1]), one vdpbf16ps
+// adds both tokens' products for 16 dims: V needs no widening and the multiply-adds halve. The
+// price is p rounded to bf16 (relative 2^-9 per weight, as FlashAttention rounds P for its PV
+// product; l stays the fp32 sum), so this layout gives other bits than the others: opt-in
+// (v_tile = V_PAIRS) for measurement (bench/KERNEL_NOTES.md, version 16). The odd slot of an
+// unfilled pair is written zero with the even token: a reused page's old values never meet a p of 0.
+constexpr int V_PAIRS = -2;
+constexpr int PAIR_TILE = 64;                                   // dims per tile
+constexpr size_t PAIR_TILE_BYTES = (size_t)(PT / 2) * PAIR_TILE * 4;
+
+// word index of (pair s, dim d) in a V run of Dp dims
+static inline size_t pair_word(int s, int d, int Dp) {
+    const int k = d / PAIR_TILE, w = std::min(PAIR_TILE, Dp - k * PAIR_TILE);
+    return (size_t)k * (PT / 2) * PAIR_TILE + (size_t)s * w + (d - k * PAIR_TILE);
+}
+
+// 16 fp32 in [0, 1] -> bf16 bits (round to nearest even) in the low half of each lane
+static inline __m512i bf16_rne_bits(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+}
+
+// a[j][c] += the products of one pair's 16*TC dims (row) with head j's pair word pw[j * PT/2]
+template <int GH, int TC>
+FD_TARGET_BF16 static inline void pairs_step(const char* row, const uint32_t* pw, __m512 (&a)[GH][TC]) {
+    __m512i x[TC];
+#pragma GCC unroll 8
+    for (int c = 0; c < TC; ++c) x[c] = _mm512_loadu_si512(row + 64 * c);
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j) {
+        __m512i b = _mm512_set1_epi32((int)pw[(size_t)j * (PT / 2)]);
+#pragma GCC unroll 8
+        for (int c = 0; c < TC; ++c) a[j][c] = _mm512_dpbf16_ps(a[j][c], (__m512bh)x[c], (__m512bh)b);
+    }
+}
+
+// acc[j][d0 : d0+16*TC] += sum_s (p_j[2s] V[2s][...] + p_j[2s+1] V[2s+1][...]) for GH heads.
+// v: the words of dims d0.. of pair 0, pair s at v + s*stride (16*TC <= one tile: one stream).
+// U accumulator sets take pairs in turn (summed at the end), so that GH*TC*U >= 8 chains hide
+// the dot products' latency when few heads share a pass. pw [GH][PT/2]: probability pair words
+template <int GH, int TC, int U>
+FD_TARGET_BF16 static void pv_pairs_pass(const char* v, size_t stride, int npairs, int Dp, int d0, const uint32_t* pw,
+                                         float* acc, const char* pf, int pf_lines) {
+    __m512 a[U][GH][TC];
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < TC; ++c) {
+            a[0][j][c] = _mm512_loadu_ps(acc + (size_t)j * Dp + d0 + 16 * c);
+#pragma GCC unroll 4
+            for (int u = 1; u < U; ++u) a[u][j][c] = _mm512_setzero_ps();
+        }
+    int s = 0;
+    for (; s + U <= npairs; s += U) {
+        if (pf) prefetch_share(pf, pf_lines, s / U, (npairs + U - 1) / U);
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) pairs_step<GH, TC>(v + (size_t)(s + u) * stride, pw + s + u, a[u]);
+    }
+    for (; s < npairs; ++s) pairs_step<GH, TC>(v + (size_t)s * stride, pw + s, a[0]);
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < TC; ++c) {
+            __m512 t = a[0][j][c];
+#pragma GCC unroll 4
+            for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, a[u][j][c]);
+            _mm512_storeu_ps(acc + (size_t)j * Dp + d0 + 16 * c, t);
+        }
+}
+
+template <int GH>
+static inline void pv_pairs_group(const char* V, int nvalid, int Dp, const float* S, float* acc, const char* pf,
+                                  int pf_lines) {
+    constexpr int TC = GH <= 4 ? 4 : 2;                  // 16*TC dims per pass: a tile or half of one
+    constexpr int U = GH <= 2 ? 2 : 1;                   // chains GH*TC*U: 8-16
+    // 1. p (zero past nvalid: softmax_page) -> bf16, 32 per head = 16 pair words
+    alignas(64) uint16_t p16[GH][PT];
+#pragma GCC unroll 8
+    for (int j = 0; j < GH; ++j)
+        for (int h = 0; h < PT; h += 16)
+            _mm256_storeu_si256((__m256i*)&p16[j][h], _mm512_cvtepi32_epi16(bf16_rne_bits(_mm512_loadu_ps(S + (size_t)j * PT + h))));
+    const uint32_t* pw = reinterpret_cast<const uint32_t*>(&p16[0][0]);
+    const int npairs = (nvalid + 1) / 2;
+    // 2. passes over whole tiles (16*TC dims), then 16 dims at a time in the narrower last tile;
+    //    the next V run prefetched a share of each pass
+    auto first = [&](int d) { return d * pf_lines / Dp; };
+    auto at = [&](int d) { return pf ? pf + 64 * (size_t)first(d) : nullptr; };
+    const int full = Dp / PAIR_TILE * PAIR_TILE;
+    int d = 0;
+    for (; d + 16 * TC <= full; d += 16 * TC)
+        pv_pairs_pass<GH, TC, U>(V + (size_t)pair_word(0, d, Dp) * 4, PAIR_TILE * 4, npairs, Dp, d, pw, acc, at(d),
+                                 first(d + 16 * TC) - first(d));
+    for (; d < Dp; d += 16) {
+        const int w = std::min(PAIR_TILE, Dp - d / PAIR_TILE * PAIR_TILE);
+        pv_pairs_pass<GH, 1, 2>(V + (size_t)pair_word(0, d, Dp) * 4, (size_t)w * 4, npairs, Dp, d, pw, acc, at(d),
+                                first(d + 16) - first(d));
+    }
+}
+
+// pf: the next page (page_bytes: K run then V run); the first group's passes prefetch its V run
+static inline void pv_page_pairs(const void* V, int nvalid, int Dp, const float* S, int g, float* acc,
+                                 const char* pf, size_t page_bytes) {
+    const int v_lines = (int)(page_bytes / 2 / 64);
+    const char* pv = pf ? pf + page_bytes / 2 : nullptr;
+    for_groups<8>(BF16, g, [&](auto, auto GH, int j0) {
+        pv_pairs_group<GH.value>(static_cast<const char*>(V), nvalid, Dp, S + (size_t)j0 * PT, acc + (size_t)j0 * Dp,
+                                 j0 == 0 ? pv : nullptr, v_lines);
+    });
+}
+
+// V run of pair words: rows s0 .. s0+nr-1 (bf16 [nr][Dp]) into their halves; an even slot also
+// zeroes its odd half (filled when that token comes)
+static inline void pairs_in(const uint16_t* blk, int64_t nr, uint16_t* vrun, int s0, int Dp) {
+    uint32_t* words = reinterpret_cast<uint32_t*>(vrun);
+    auto one = [&](int64_t r) {
+        const int t = s0 + (int)r;
+        for (int d = 0; d < Dp; ++d) {
+            uint32_t& w = words[pair_word(t >> 1, d, Dp)];
+            const uint32_t x = blk[(size_t)r * Dp + d];
+            w = t & 1 ? (w & 0xffffu) | (x << 16) : x;
+        }
+    };
+    int64_t r = 0;
+    if (s0 & 1) one(r++);
+    for (; r + 1 < nr; r += 2) {      // a whole pair: 16 dims of both tokens per store
+        const uint16_t* a = blk + (size_t)r * Dp;
+        const int s = (s0 + (int)r) >> 1;
+        for (int d = 0; d < Dp; d += 16) {
+            __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + d)));
+            __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + Dp + d)));
+            _mm512_storeu_si512(words + pair_word(s, d, Dp), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+    if (r < nr) one(r);
+}
+
 // 2^x for x <= 0 (softmax arguments): 2^round(x) * poly(frac), degree-7 Taylor, rel err < 1e-8
 static inline __m512 exp2v(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));  // -inf -> 2^-200 -> 0 after scalef
