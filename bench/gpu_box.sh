@@ -6,8 +6,9 @@
 # A lent session has 30 minutes of device time and 10 per call; the open questions, in order:
 #   call 1: setup tests soverhead   (~5 min: CUDA tests incl. CUDA graphs; S-overhead with graphs, depths 1-3)
 #   call 2: fidelity                (~6 min: plan vs measured with the chain hand-off term, issue 4)
-#   call 3: kernel vtile e2e8b      (~8 min: 16-core kernel vs read BW, AVX2 versions 7-8 on the Xeon too;
-#                                    AVX-512 V in tiles of 32 vs token-major, A/B in one process; GQA end-to-end)
+#   call 3: kernel vtile e2e8b      (~9 min: 16-core kernel vs read BW, AVX2 versions 7-8 on the Xeon too;
+#                                    AVX-512 V in tiles of 32 and in token pairs vs token-major, A/B in one
+#                                    process; GQA end-to-end)
 #   call 4: e2e7b pageruns          (~6 min: R-worker scaling 1..14; page layouts x prefetch off/scattered/on)
 # A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
@@ -43,7 +44,10 @@ kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
     stage kernel 280 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;   # JSON after every shape
 vtile)       # issue 3: AVX-512 V run in tiles of 32 dims (the default) vs token-major (FASTDECODE_VTILE=0), same build
     stage vtile 150 $PY bench/kernel_ab.py --v-tiles 0,32 --isa avx512 --label h100-box-avx512-vtile32 \
-        --contexts 1024,4096 --dtypes bf16,fp32 --min-mb 512 --rounds 6 ;;
+        --contexts 1024,4096 --dtypes bf16,fp32 --min-mb 512 --rounds 6
+    # V in token pairs with bf16 p (version 16) where cores bound: 1.10-1.17x for g = 4 on one dev core
+    stage vpairs 150 $PY bench/kernel_ab.py --v-tiles 0,-2 --prefetch scattered,scattered --isa avx512 \
+        --label h100-box-avx512-vpairs --contexts 1024,4096 --dtypes bf16 --min-mb 512 --rounds 6 ;;
 pageruns)    # issue 3: the kernel over the prompt, decode (scattered) and extent layouts under each prefetch
              # mode (the tune's candidates: KERNEL_NOTES versions 13 and 15), 16 threads
     stage pageruns 200 $PY bench/page_runs_bench.py --label h100-box-prefetch --contexts 1024,4096 --min-mb 512 \
