@@ -47,6 +47,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16)")
+    p.add_argument("--attn-probs", default="fp32", choices=["fp32", "bf16"],
+                   help="precision of the attention probabilities in the R-workers' PV product: bf16 (with bf16 KV) "
+                        "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products where its "
+                        "start-up tune finds that faster (as FlashAttention rounds P; outputs within a bf16 bound, "
+                        "not bit-equal; default fp32)")
     p.add_argument("--max-batch", type=_positive_int, default=None,
                    help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
     p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
@@ -218,6 +223,7 @@ def cmd_generate(args) -> int:
 def engine_args(args):
     from .engine import EngineArgs
     return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                      attn_probs=args.attn_probs,
                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
                       max_model_len=args.max_model_len, kv_reserve=args.kv_reserve, seed=args.seed,
                       s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,

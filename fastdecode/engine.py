@@ -47,6 +47,8 @@ class EngineArgs:
     device: str = "auto"              # auto | cpu | cuda[:i]
     dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16
+    attn_probs: str = "fp32"          # fp32 | bf16: R-workers may round attention probabilities to bf16
+                                      # for the PV product (V in token pairs) where their tune finds it faster
     max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
     max_prefill_tokens: int | None = None  # prompt tokens per prefill step (8192 on CPU, up to 32768 on CUDA)
     max_model_len: int | None = None  # longest prompt + generation (default: the model's context)
@@ -98,6 +100,11 @@ def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype,
     kv = args.kv_dtype
     if kv == "auto":
         kv = "fp32" if dtype == torch.float32 else "bf16"
+    if args.attn_probs not in ("fp32", "bf16"):
+        raise ValueError(f"attn_probs must be 'fp32' or 'bf16', got {args.attn_probs!r}")
+    if args.attn_probs == "bf16" and kv != "bf16":
+        raise ValueError(f"--attn-probs bf16 needs bf16 KV (--kv-dtype bf16), not {kv}"
+                         + (" ('auto' is fp32 for a float32 model)" if args.kv_dtype == "auto" else ""))
     return dtype, kv
 
 
@@ -183,14 +190,14 @@ class LLMEngine:
             r_threads = self.args.r_threads or (max(1, cores - self.s_cores) if self.args.pipeline_depth > 1
                                                 else cores)
             return LocalBackend(self.config, self.kv_dtype, r_threads, self.args.rworker_mem,
-                                asynchronous=self.args.pipeline_depth > 1)
+                                asynchronous=self.args.pipeline_depth > 1, bf16_probs=self.args.attn_probs == "bf16")
         from .rpart.mpi import MPIBackend
         from rworker.wait import choose_policy
         ranks_here = self.layout[0]
         policy = choose_policy(ranks_here, ranks_here)
         return MPIBackend(comm, self.config, self.kv_dtype, scale, self.args.r_threads,
                           self.args.rworker_mem, policy, self.args.timeout, self.device, self.dtype,
-                          s_cores=self.s_cores)
+                          s_cores=self.s_cores, bf16_probs=self.args.attn_probs == "bf16")
 
     def _log_roster(self) -> None:
         """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""

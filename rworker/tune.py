@@ -27,7 +27,7 @@ import numpy as np
 
 from . import isa as _isa
 from .bench import default_target_bytes
-from .kvstore import KVStore
+from .kvstore import V_PAIRS, KVStore
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 CONTEXT = 1024                # tokens per probe sequence: the contexts the issue's targets name
@@ -60,18 +60,31 @@ PF_LABEL = {"on": "pf", "off": "nopf", "scattered": "scattered"}
 
 
 def label(v_tile: int, prefetch: str) -> str:
-    return f"{'token-major' if v_tile == 0 else f'tiles{v_tile}'}/{PF_LABEL[prefetch]}"
+    layout = "token-major" if v_tile == 0 else "pairs" if v_tile == V_PAIRS else f"tiles{v_tile}"
+    return f"{layout}/{PF_LABEL[prefetch]}"
 
 
-def candidates(isa: str | None = None) -> list[tuple[int, str]]:
+def pairs_allowed(isa: str | None, kv_dtype: str, bf16_probs: bool) -> bool:
+    """V in token pairs is a candidate: the job allows bf16 probabilities (--attn-probs bf16) and
+    this build, CPU and KV dtype have the layout (KVStore.has_v_pairs)."""
+    return bf16_probs and KVStore(1, 1, 16, kv_dtype, threads=1, isa=isa).has_v_pairs
+
+
+def candidates(isa: str | None = None, kv_dtype: str = "fp32", bf16_probs: bool = False) -> list[tuple[int, str]]:
     """(v_tile, prefetch) pairs worth timing on this build; the first is its default. Tiles
     without prefetch ran at 0.5-0.6x the others on every bf16 shape here, so with a second V
     layout to try they are left out. "scattered" stands for "off": the same along the probe's
-    runs, and it prefetches where a grown sequence's pages scatter."""
+    runs, and it prefetches where a grown sequence's pages scatter. With bf16_probs (and bf16 KV
+    on AVX512-BF16) V in token pairs joins, with both prefetch modes: it gives other bits, within
+    a bf16 bound, so only a job that allows it times it."""
     mod = _isa.load(isa)
     if mod.V_TILE == mod.V_TILE_ALT:
-        return [(mod.V_TILE, "on"), (mod.V_TILE, "scattered")]
-    return [(mod.V_TILE, "on"), (mod.V_TILE_ALT, "scattered"), (mod.V_TILE_ALT, "on")]
+        cands = [(mod.V_TILE, "on"), (mod.V_TILE, "scattered")]
+    else:
+        cands = [(mod.V_TILE, "on"), (mod.V_TILE_ALT, "scattered"), (mod.V_TILE_ALT, "on")]
+    if pairs_allowed(isa, kv_dtype, bf16_probs):
+        cands += [(V_PAIRS, "scattered"), (V_PAIRS, "on")]
+    return cands
 
 
 def tune_enabled() -> bool:
@@ -111,7 +124,7 @@ def pick(rates: dict[tuple[int, str], float], cands: list[tuple[int, str]], marg
 
 def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None = None,
                 isa: str | None = None, working_set_bytes: int = 0, rounds: int = 3, margin: float = 0.02,
-                seed: int = 0) -> KernelChoice:
+                seed: int = 0, bf16_probs: bool = False) -> KernelChoice:
     """Time every candidate of candidates(isa) on a decode batch of this shape and return the
     fastest (median over `rounds` interleaved rounds of each candidate's best of 2 calls), or the
     default unless the fastest beats it by more than `margin`. working_set_bytes 0: 3x the largest
@@ -119,7 +132,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
     if num_heads % num_kv_heads or rounds < 1:
         raise ValueError(f"tune_kernel: num_heads {num_heads} must be a multiple of num_kv_heads "
                          f"{num_kv_heads}, rounds {rounds} >= 1")
-    cands = candidates(isa)
+    cands = candidates(isa, kv_dtype, bf16_probs)
     if len(cands) == 1:
         return KernelChoice(cands[0][0], cands[0][1], tuned=False)
     t_start = time.perf_counter()
@@ -165,7 +178,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
 
 
 def choose_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None = None,
-                  isa: str | None = None, capacity_bytes: int | None = None) -> KernelChoice:
+                  isa: str | None = None, capacity_bytes: int | None = None, bf16_probs: bool = False) -> KernelChoice:
     """The R-worker's choice at start-up: tuned unless FASTDECODE_KERNEL_TUNE=0 (or an explicit
     FASTDECODE_VTILE / FASTDECODE_PREFETCH, which a user set to measure one layout); the probe
     stores take at most a quarter of the KV capacity."""
@@ -174,18 +187,21 @@ def choose_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: st
         return default_choice(isa, kv_dtype)
     ws = min(default_target_bytes(), MAX_WORKING_SET)
     if capacity_bytes:
-        ws = min(ws, capacity_bytes // (4 * len({v for v, _ in candidates(isa)})))
+        ws = min(ws, capacity_bytes // (4 * len({v for v, _ in candidates(isa, kv_dtype, bf16_probs)})))
     try:
-        return tune_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, isa, working_set_bytes=ws)
+        return tune_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, isa, working_set_bytes=ws,
+                           bf16_probs=bf16_probs)
     except MemoryError:                       # a node short of memory still serves, untuned
         return default_choice(isa, kv_dtype)
 
 
 def open_tuned_store(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
-                     threads: int | None, capacity_bytes: int, scale: float | None = None
-                     ) -> tuple[KVStore, KernelChoice]:
-    """The KV store an R-worker (or the local backend) serves from, built with choose_kernel's pick."""
-    kernel = choose_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, capacity_bytes=capacity_bytes)
+                     threads: int | None, capacity_bytes: int, scale: float | None = None,
+                     bf16_probs: bool = False) -> tuple[KVStore, KernelChoice]:
+    """The KV store an R-worker (or the local backend) serves from, built with choose_kernel's pick
+    (bf16_probs: the job allows V in token pairs, --attn-probs bf16)."""
+    kernel = choose_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, capacity_bytes=capacity_bytes,
+                           bf16_probs=bf16_probs)
     store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, scale=scale,
                     capacity_bytes=capacity_bytes, v_tile=kernel.v_tile, prefetch=kernel.prefetch)
     return store, kernel

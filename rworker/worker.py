@@ -88,8 +88,9 @@ class RWorker:
         threads = self.threads_arg or (int(body[1]) or None) or len(physical_cpus(cpus))
         capacity = self.capacity_arg or int(body[2]) or default_capacity_bytes(share=max(r_here, 1))
         # the V layout and prefetch that stream fastest on these cores (a few seconds; rworker.tune)
+        bf16_probs = body.size > 4 and bool(body[4])     # the job allows V pairs (--attn-probs bf16)
         self.store, kernel = open_tuned_store(num_layers, num_heads, num_kv_heads, head_dim, P.KV_DTYPES[kv_code],
-                                              threads, capacity, scale=scale)
+                                              threads, capacity, scale=scale, bf16_probs=bf16_probs)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_layers = num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)

@@ -126,3 +126,40 @@ def test_an_rworker_store_takes_pairs_from_the_environment(monkeypatch):
     assert store.v_tile == kernel.v_tile == V_PAIRS and not kernel.tuned
     store, kernel = tune.open_tuned_store(2, 8, 2, 64, "fp32", 1, 64 << 20)
     assert store.v_tile == kernel.v_tile != V_PAIRS
+
+
+def test_pairs_join_the_tune_only_when_the_job_allows_them():
+    allowed = tune.candidates(None, "bf16", bf16_probs=True)
+    assert tune.candidates(None, "bf16") == tune.candidates(None, "fp32", bf16_probs=True) == tune.candidates()
+    has = KVStore(1, 1, 64, "bf16", threads=1).has_v_pairs
+    assert ((V_PAIRS, "scattered") in allowed) == has and ((V_PAIRS, "on") in allowed) == has
+    assert tune.label(V_PAIRS, "scattered") == "pairs/scattered"
+
+
+@pytest.mark.skipif("avx512" not in PAIR_ISAS, reason="the dispatched path has no V pairs here")
+def test_the_tune_times_pairs_when_allowed():
+    ch = tune.tune_kernel(8, 2, 128, "bf16", threads=2, working_set_bytes=8 << 20, rounds=2, bf16_probs=True)
+    assert {"pairs/scattered", "pairs/pf"} <= set(ch.gbps)
+    assert (ch.v_tile, ch.prefetch) in tune.candidates(None, "bf16", bf16_probs=True)
+
+
+@pytest.mark.parametrize("ranks", [None, 2], ids=["local", "mpiexec-n2"])
+def test_attn_probs_bf16_reaches_the_rworkers_tune(tmp_path, ranks):
+    """--attn-probs bf16 travels with the job's hello: the R-worker (or the local backend) times
+    the pair layouts too and serves whatever it picked; with fp32 KV the option is refused."""
+    from conftest import batch_line, read_output, run_fastdecode
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(batch_line(f"r{i}", {"prompt": p, "max_tokens": 8, "temperature": 0}) + "\n"
+                           for i, p in enumerate(["The sky is", "One, two, three,"])))
+    out = tmp_path / "out.jsonl"
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet", "--kv-dtype", "bf16",
+                           "--attn-probs", "bf16", "--rworker-mem", "200MB"], ranks=ranks, timeout=300,
+                          env={"FASTDECODE_KERNEL_TUNE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernel = __import__("json").loads((tmp_path / "out.jsonl.summary.json").read_text())["rworkers"][0]["kernel"]
+    if KVStore(1, 1, 64, "bf16", threads=1).has_v_pairs:
+        assert "pairs/scattered" in kernel, kernel
+    assert len(read_output(str(out))) == 2
+    bad = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "bad.jsonl"), "--quiet",
+                          "--kv-dtype", "fp32", "--attn-probs", "bf16"], ranks=None, timeout=300)
+    assert bad.returncode != 0 and "--attn-probs bf16 needs bf16 KV" in bad.stderr

@@ -18,11 +18,11 @@ from .wire import WireLayout
 
 class LocalBackend(RBackend):
     def __init__(self, config: ModelConfig, kv_dtype: str, threads: int | None = None,
-                 capacity_bytes: int | None = None, asynchronous: bool = False):
+                 capacity_bytes: int | None = None, asynchronous: bool = False, bf16_probs: bool = False):
         capacity = capacity_bytes or default_capacity_bytes()
         # the V layout and prefetch that stream fastest here, as an R-worker picks them (rworker.tune)
         self.store, kernel = open_tuned_store(config.num_layers, config.num_heads, config.num_kv_heads,
-                                              config.head_dim, kv_dtype, threads, capacity)
+                                              config.head_dim, kv_dtype, threads, capacity, bf16_probs=bf16_probs)
         self.workers = [WorkerInfo(rank=0, host=socket.gethostname(), threads=self.store.threads,
                                    isa=self.store.isa, capacity_bytes=capacity,
                                    page_tokens=getattr(self.store, "page_tokens", 1), kernel=kernel.describe())]

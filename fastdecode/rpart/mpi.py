@@ -47,7 +47,7 @@ class MPIBackend(RBackend):
     def __init__(self, comm: MPI.Comm, config: ModelConfig, kv_dtype: str, scale: float,
                  r_threads: int | None = None, rworker_mem: int | None = None, policy: str = "adaptive",
                  timeout: float | None = None, device: torch.device | None = None,
-                 act_dtype: torch.dtype = torch.float32, s_cores: int = 0):
+                 act_dtype: torch.dtype = torch.float32, s_cores: int = 0, bf16_probs: bool = False):
         self.comm = comm
         self.ranks = list(range(1, comm.Get_size()))
         self.policy, self.timeout = policy, timeout
@@ -60,7 +60,7 @@ class MPIBackend(RBackend):
         self.progress = Progressor()
         scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
         hello = P.control(P.HELLO, 0, c.num_layers, c.num_kv_heads, c.head_dim, P.KV_CODES[kv_dtype],
-                          c.num_heads, body=[[scale_bits, r_threads or 0, rworker_mem or 0, s_cores]])
+                          c.num_heads, body=[[scale_bits, r_threads or 0, rworker_mem or 0, s_cores, int(bf16_probs)]])
         for r in self.ranks:
             comm.Send([hello, MPI.INT64_T], dest=r, tag=P.TAG_CTRL)
         self.workers = [self._recv_info(r) for r in self.ranks]
