@@ -190,8 +190,8 @@ class KVStore:
         """Software prefetch of the next page in attend: "on" (every next page; the default), "off"
         (the hardware prefetcher alone) or "scattered" (only a next page that lies apart from both
         its neighbours in memory: a run of one, which no hardware prefetcher sees coming; along
-        runs it is "off"). FASTDECODE_PREFETCH sets the default (0/off, 1/on, scattered); rworker.tune picks per host and model shape. Outputs are
-        the same in every mode."""
+        runs it is "off"). FASTDECODE_PREFETCH sets the default (0/off, 1/on, scattered);
+        rworker.tune picks per host and model shape. Outputs are the same in every mode."""
         return PREFETCH_MODES[self._st.prefetch]
 
     @prefetch.setter

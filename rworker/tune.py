@@ -2,7 +2,8 @@
 host's KV fastest for this model shape.
 
 Neither choice changes a bit of the output (tests/test_kernel_tune.py runs every candidate and
-prefetch mode on the same data), only the speed, and the best one depends on the
+prefetch mode on the same data; the exception, V in token pairs with bf16 probabilities, is timed
+only when the job allows it: --attn-probs bf16), only the speed, and the best one depends on the
 host and the shape. On 2 Zen 5 cores token-major V without software prefetch beat the build's
 default (32-dim V tiles, spread prefetch) 1.01-1.19x on 20 of 24 shapes and lost 0.90-0.94x on
 Llama-3 fp32 (bench/results/kernel_ab_dev-2core-zen5-avx512-tokmajor-noprefetch.json); on the GPU

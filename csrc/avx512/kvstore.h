@@ -134,7 +134,7 @@ private:
 // Software prefetch of the next page while one is computed (simd.h): none, always, or only a
 // page that lies apart from both its neighbours (a run of one). The hardware prefetcher follows a
 // run by itself and cannot know where a scattered page is; a software prefetch at the head of a
-// run cost 2-5% there, as if it kept the hardware from training on it (bench/KERNEL_NOTES.md, 15)
+// run lost a little there, as if it kept the hardware from training on it (bench/KERNEL_NOTES.md, 15)
 enum { PF_OFF = 0, PF_ALL = 1, PF_SCATTERED = 2 };
 
 // FASTDECODE_PREFETCH: 0 / off, 1 / on (the default), scattered
@@ -203,8 +203,8 @@ public:
     size_t bytes_used() const { return used_pages_.load(std::memory_order_relaxed) * page_bytes_; }
     // pages holding tokens or reserved: bytes_used less the extents' slack (what a caller counts).
     // O(1): every call that changes a sequence's pages, length or reservation moves slack_pages_
-    // by its own difference (the R-worker reports this after each decode step; a walk over
-    // every (sequence, layer) cost 2.4 ms at 16,384 sequences x 32 layers on the dev box)
+    // by its own difference (the R-worker reports this after each decode step, where a walk over
+    // every (sequence, layer) would cost time linear in the batch)
     size_t bytes_committed() {
         std::lock_guard<std::mutex> lk(mu_);
         return (arena_.pages_in_use() - slack_pages_) * page_bytes_;
