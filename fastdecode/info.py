@@ -21,6 +21,8 @@ def collect() -> dict:
             info["kernel_isa_forced_by"] = f"FASTDECODE_ISA={os.environ['FASTDECODE_ISA']}"
         from rworker import tune
         info["kernel_candidates"] = " ".join(tune.label(*c) for c in tune.candidates())
+        info["kernel_v_pairs"] = ("yes: --attn-probs bf16 (bf16 KV) adds V token pairs to the tune"
+                                  if tune.pairs_allowed(None, "bf16", True) else "no (needs AVX512-BF16)")
         info["kernel_tune"] = ("at R-worker start (FASTDECODE_KERNEL_TUNE=0: off)" if tune.tune_enabled()
                                else "off (FASTDECODE_KERNEL_TUNE=0): the first candidate runs")
     except Exception as e:  # a broken build must still let info report the rest

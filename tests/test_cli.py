@@ -186,6 +186,9 @@ def test_info_reports_isa_and_mpi():
     proc = run_fastdecode(["info"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "kernel_isa" in proc.stdout and "mpi_library" in proc.stdout and "torch" in proc.stdout
+    from rworker import KVStore
+    pairs = KVStore(1, 1, 64, "bf16", threads=1).has_v_pairs
+    assert ("kernel_v_pairs" in proc.stdout) and (("--attn-probs bf16" in proc.stdout) == pairs), proc.stdout
 
 
 # ---------------------------------------------------------------------------- --max-model-len
