@@ -4,6 +4,7 @@ other bits than the other layouts by design, so it is held to a bound derived fo
 against the float64 reference; the rest (odd appends, page reuse, determinism) as for any layout."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import batch_line, read_output, run_fastdecode  # noqa: E402
 from kernel_ref import UNIT_ROUNDOFF, attention_ref, bf16_bits_to_f32, f32_to_bf16_bits, fp32_tolerance  # noqa: E402
 from test_kvstore import _BASE  # noqa: E402
 
@@ -147,7 +149,6 @@ def test_the_tune_times_pairs_when_allowed():
 def test_attn_probs_bf16_reaches_the_rworkers_tune(tmp_path, ranks):
     """--attn-probs bf16 travels with the job's hello: the R-worker (or the local backend) times
     the pair layouts too and serves whatever it picked; with fp32 KV the option is refused."""
-    from conftest import batch_line, read_output, run_fastdecode
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(batch_line(f"r{i}", {"prompt": p, "max_tokens": 8, "temperature": 0}) + "\n"
                            for i, p in enumerate(["The sky is", "One, two, three,"])))
@@ -156,7 +157,7 @@ def test_attn_probs_bf16_reaches_the_rworkers_tune(tmp_path, ranks):
                            "--attn-probs", "bf16", "--rworker-mem", "200MB"], ranks=ranks, timeout=300,
                           env={"FASTDECODE_KERNEL_TUNE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    kernel = __import__("json").loads((tmp_path / "out.jsonl.summary.json").read_text())["rworkers"][0]["kernel"]
+    kernel = json.loads((tmp_path / "out.jsonl.summary.json").read_text())["rworkers"][0]["kernel"]
     if KVStore(1, 1, 64, "bf16", threads=1).has_v_pairs:
         assert "pairs/scattered" in kernel, kernel
     assert len(read_output(str(out))) == 2

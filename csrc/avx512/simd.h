@@ -399,7 +399,8 @@ static inline size_t pair_word(int s, int d, int Dp) {
     return (size_t)k * (PT / 2) * PAIR_TILE + (size_t)s * w + (d - k * PAIR_TILE);
 }
 
-// 16 fp32 in [0, 1] -> bf16 bits (round to nearest even) in the low half of each lane
+// 16 finite fp32 -> bf16 bits (round to nearest even) in the low half of each lane (store_row
+// adds the NaN case)
 static inline __m512i bf16_rne_bits(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
@@ -582,12 +583,9 @@ static inline void store_row(const void* src, int sdt, void* dst, int ddt, int D
             _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(dst) + i),
                                 _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         } else {  // BF16, round to nearest even; NaN -> quiet NaN
-            __m512i u = _mm512_castps_si512(x);
-            __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+            __m512i r = bf16_rne_bits(x);
             __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(0x40));
             _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(dst) + i), _mm512_cvtepi32_epi16(r));
         }
     }
