@@ -42,7 +42,7 @@ tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local
     stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py tests/test_layer_graphs.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
     stage kernel 280 $PY bench/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;   # JSON after every shape
-vtile)       # issue 3: AVX-512 V run in tiles of 32 dims (the default) vs token-major (FASTDECODE_VTILE=0), same build
+vtile)       # issue 3: AVX-512 V run token-major (the default) vs in tiles of 32 dims (FASTDECODE_VTILE=32), same build
     stage vtile 150 $PY bench/kernel_ab.py --v-tiles 0,32 --isa avx512 --label h100-box-avx512-vtile32 \
         --contexts 1024,4096 --dtypes bf16,fp32 --min-mb 512 --rounds 6
     # V in token pairs with bf16 p (version 16) where cores bound: 1.10-1.17x for g = 4 on one dev core

@@ -5,9 +5,10 @@ Neither choice changes a bit of the output (tests/test_kernel_tune.py runs every
 prefetch mode on the same data; the exception, V in token pairs with bf16 probabilities, is timed
 only when the job allows it: --attn-probs bf16), only the speed, and the best one depends on the
 host and the shape. On 2 Zen 5 cores token-major V without software prefetch beat the build's
-default (32-dim V tiles, spread prefetch) 1.01-1.19x on 20 of 24 shapes and lost 0.90-0.94x on
-Llama-3 fp32 (bench/results/kernel_ab_dev-2core-zen5-avx512-tokmajor-noprefetch.json); on the GPU
-box's Xeon the prefetch was worth 1.12-1.19x (bench/KERNEL_NOTES.md, "Prefetch"). "Without" is
+default then (32-dim V tiles, spread prefetch) 1.01-1.19x on 20 of 24 shapes and lost 0.90-0.94x
+on Llama-3 fp32 (bench/results/kernel_ab_dev-2core-zen5-avx512-tokmajor-noprefetch.json); on the
+GPU box's Xeon the prefetch was worth 1.12-1.19x (bench/KERNEL_NOTES.md, "Prefetch"). The default
+is now token-major V with prefetch (KERNEL_NOTES version 17), the tiles a candidate. "Without" is
 prefetch "scattered": none along runs of pages, which the hardware prefetcher follows by itself,
 but a next page that lies apart from both its neighbours (a sequence grown a page at a time:
 bench/KERNEL_NOTES.md, version 15). So each R-worker
@@ -81,8 +82,10 @@ def candidates(isa: str | None = None, kv_dtype: str = "fp32", bf16_probs: bool 
     mod = _isa.load(isa)
     if mod.V_TILE == mod.V_TILE_ALT:
         cands = [(mod.V_TILE, "on"), (mod.V_TILE, "scattered")]
-    else:
-        cands = [(mod.V_TILE, "on"), (mod.V_TILE_ALT, "scattered"), (mod.V_TILE_ALT, "on")]
+    else:                                   # AVX-512: token-major with both modes, tiles with prefetch
+        tiles = max(mod.V_TILE, mod.V_TILE_ALT)
+        first = (mod.V_TILE, "on")
+        cands = [first] + [c for c in ((0, "scattered"), (0, "on"), (tiles, "on")) if c != first]
     if pairs_allowed(isa, kv_dtype, bf16_probs):
         cands += [(V_PAIRS, "scattered"), (V_PAIRS, "on")]
     return cands

@@ -39,7 +39,7 @@ DTYPES = ["fp32", "bf16", "fp16"]
 
 
 def open_store(*args, isa: str, **kw) -> KVStore:
-    """KVStore on one ISA path ("avx512emu", or "avx512emu+vt0" for its token-major V layout)."""
+    """KVStore on one ISA path ("avx512emu", or "avx512emu+vt32" for its second V layout, 32-dim tiles)."""
     name, _, vt = isa.partition("+vt")
     return KVStore(*args, isa=name, v_tile=int(vt) if vt else None, **kw)
 

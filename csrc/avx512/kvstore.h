@@ -4,7 +4,7 @@
 //
 //   page: [ K run: Dw words x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
 //   (the V run in tiles of V_TILE dims where the ISA's V pass wants them: simd.h)
-//   AVX2 runs V in tiles of 16; AVX-512 in tiles of 32, or token-major with FASTDECODE_VTILE=0
+//   AVX2 runs V in tiles of 16; AVX-512 token-major, or in tiles of 32 with FASTDECODE_VTILE=32
 //
 // (simd.h says why K is word-major). Pages come from an arena of big chunks that never move
 // (hugepage-advised); freed pages go on a LIFO free list and are reused first. New pages of one

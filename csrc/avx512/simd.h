@@ -314,11 +314,13 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
     }
 }
 
-// V run in tiles of 32 dims, [Dp/32][PT][32]: 1.02-1.06x token-major for bf16 KV on Zen 5, equal
-// for fp32 (bench/KERNEL_NOTES.md, version 9). Token-major stays as V_TILE_ALT = 0 for A/B runs
-// (FASTDECODE_VTILE=0).
-constexpr int V_TILE = 32;
-constexpr int V_TILE_ALT = 0;
+// V run token-major by default; in tiles of 32 dims, [Dp/32][PT][32], as V_TILE_ALT
+// (FASTDECODE_VTILE=32, and a candidate of the start-up tune). Tiles won 1.02-1.06x for bf16 KV on
+// 2 Zen 5 cores when they came (version 9); on one core, the per-core-bound regime of the GPU box's
+// Xeon, token-major won 1.04-1.22x on 8 of 12 shapes and lost 0.97x on SmolLM bf16, both with the
+// spread prefetch (bench/KERNEL_NOTES.md, version 17).
+constexpr int V_TILE = 0;
+constexpr int V_TILE_ALT = 32;
 
 // pf: the next page (page_bytes: K run then V run); the first group's pass prefetches its V run
 static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const float* S, int g, float* acc,
