@@ -7,6 +7,7 @@ so a CPU without AVX-512 never executes an AVX-512 instruction (no SIGILL).
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
+import copy
 import glob
 import os
 import platform
@@ -56,6 +57,18 @@ ext_modules = [
     for isa, flags in {**ISA_FLAGS, **EMULATED}.items()
 ]
 
+
+class BuildPerModule(build_ext):
+    """Every module compiles the one kernels.cpp with its own flags, so each gets its own object
+    directory: under `build_ext -j N` they would otherwise race for one kernels.o, and a link then
+    fails or takes another module's object."""
+
+    def build_extension(self, ext):
+        own = copy.copy(self)                 # parallel builds share self: set build_temp on a copy
+        own.build_temp = os.path.join(self.build_temp, ext.name)
+        build_ext.build_extension(own, ext)
+
+
 setup(
     name="fastdecode",
     version="0.1.0",
@@ -63,7 +76,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["fastdecode", "fastdecode.*", "rworker", "rworker.*"]),
     ext_modules=ext_modules,
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": BuildPerModule},
     install_requires=[
         # R-worker nodes need only these three
         "numpy>=1.24",
