@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup tests kernel vtile pageruns soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests kernel vtile pageruns roofline soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to bench/results/ and, after every stage, into
 # $OUT/results.tar.gz (when $OUT is set) so that a cut run still returns what it finished.
 # A lent session has 30 minutes of device time and 10 per call; the open questions, in order:
@@ -10,6 +10,7 @@
 #                                    AVX-512 V in tiles of 32 and in token pairs vs token-major, A/B in one
 #                                    process; GQA end-to-end)
 #   call 4: e2e7b pageruns          (~6 min: R-worker scaling 1..14; page layouts x prefetch off/scattered/on)
+#   call 5: roofline                (~4 min: compute vs memory bound per shape, one core and 16)
 # A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +53,10 @@ pageruns)    # issue 3: the kernel over the prompt, decode (scattered) and exten
              # mode (the tune's candidates: KERNEL_NOTES versions 13 and 15), 16 threads
     stage pageruns 200 $PY bench/page_runs_bench.py --label h100-box-prefetch --contexts 1024,4096 --min-mb 512 \
         --rounds 4 --v-tile 0 --prefetch off,scattered,on --layouts prompt,decode,extents ;;
+roofline)    # issue 3: which of compute and memory bounds each shape, per core and on all 16 (the Xeon's
+             # 512-bit FMA and vdpbf16ps rates, the kernel in L2 and from DRAM; KERNEL_NOTES "Compute roofline")
+    stage roofline 150 $PY bench/compute_roofline.py --label h100-box-1core --threads 1 --rounds 3
+    stage roofline16 150 $PY bench/compute_roofline.py --label h100-box-16core --threads 16 --rounds 3 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

@@ -251,6 +251,94 @@ static std::vector<double> read_bandwidth(size_t nbytes, int threads, int reps, 
     return out;
 }
 
+// ============================================================================
+// multiply-add throughput of one core (the compute roofline of attention, rworker/roofline.py)
+// ============================================================================
+// 10 independent accumulator chains (enough for 2 pipes of latency 4; 16 ymm registers hold them
+// without spills) of one instruction kind, on the calling thread; returns
+// instructions per ns. The empty asm after each round keeps every accumulator live in a register
+// (no stores) and stops the compiler folding the chains. "zmm": 512-bit FMA, "ymm": 256-bit FMA,
+// "zmm_dpbf16": vdpbf16ps (the bf16 dot-product scores). Not in the SIMDe build, whose "zmm" is
+// emulated: it has no hardware rate to measure.
+
+// FD_TIME_CHAINS(V, init, STEP): sets `rate` to STEP(a) per ns over 10 chains a0..a9 of type V:
+// a short calibration run, then one run sized to `seconds`. No call inside a timed loop (a call
+// clobbers every vector register, and the compiler then kept the chains in memory); a macro, not
+// a function, so that each caller's target attributes (vdpbf16ps) cover the loop.
+#define FD_CHAIN_LOOP(V, init, STEP, iters)                                                     \
+    {                                                                                           \
+        V a0 = init, a1 = init, a2 = init, a3 = init, a4 = init, a5 = init, a6 = init, a7 = init, \
+          a8 = init, a9 = init;                                                                 \
+        for (int64_t i = 0; i < iters; ++i) {                                                   \
+            a0 = STEP(a0); a1 = STEP(a1); a2 = STEP(a2); a3 = STEP(a3); a4 = STEP(a4);          \
+            a5 = STEP(a5); a6 = STEP(a6); a7 = STEP(a7); a8 = STEP(a8); a9 = STEP(a9);          \
+            __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5),   \
+                             "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9));                           \
+        }                                                                                       \
+        __asm__ volatile("" ::"x"(a0), "x"(a9));                                                \
+    }
+#define FD_TIME_CHAINS(V, init, STEP)                                                           \
+    {                                                                                           \
+        int64_t iters = 1 << 18;                                                                \
+        for (int pass = 0; pass < 2; ++pass) {                                                  \
+            const auto t0 = std::chrono::steady_clock::now();                                   \
+            FD_CHAIN_LOOP(V, init, STEP, iters)                                                 \
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); \
+            rate = 10.0 * (double)iters / s / 1e9;                                              \
+            iters = std::max<int64_t>(iters, (int64_t)(seconds * 1e9 * rate / 10.0));           \
+        }                                                                                       \
+    }
+
+// FMA of one register width: W::V, W::set1, W::fma
+template <class W>
+static double fma_rate_of(double seconds) {
+    const typename W::V x = W::set1(0.999f), y = W::set1(1e-4f);
+    double rate = 0;
+#define FD_STEP(a) W::fma(a, x, y)
+    FD_TIME_CHAINS(typename W::V, W::set1(0.5f), FD_STEP)
+#undef FD_STEP
+    return rate;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct Ymm {
+    using V = __m256;
+    static V set1(float v) { return _mm256_set1_ps(v); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#endif
+#if defined(FD_AVX512) && !defined(FD_SIMDE_AVX512)
+struct Zmm {
+    using V = __m512;
+    static V set1(float v) { return _mm512_set1_ps(v); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#if defined(FD_HAVE_DPBF16)
+FD_TARGET_BF16 static double zmm_dpbf16_rate(double seconds) {
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x3c003c00);
+    double rate = 0;
+#define FD_STEP(a) _mm512_dpbf16_ps(a, x, y)
+    FD_TIME_CHAINS(__m512, _mm512_set1_ps(0.5f), FD_STEP)
+#undef FD_STEP
+    return rate;
+}
+#endif
+#endif
+
+static double fma_rate(const std::string& kind, double seconds) {
+    if (!(seconds > 0 && seconds <= 10)) throw std::invalid_argument("fma_rate: seconds must be in (0, 10]");
+#if defined(FD_AVX512) && !defined(FD_SIMDE_AVX512)
+    if (kind == "zmm") { py::gil_scoped_release nogil; return fma_rate_of<Zmm>(seconds); }
+#if defined(FD_HAVE_DPBF16)
+    if (kind == "zmm_dpbf16" && cpu_has_avx512bf16()) { py::gil_scoped_release nogil; return zmm_dpbf16_rate(seconds); }
+#endif
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (kind == "ymm") { py::gil_scoped_release nogil; return fma_rate_of<Ymm>(seconds); }
+#endif
+    throw std::invalid_argument("fma_rate: '" + kind + "' is not measurable in the " FD_ISA_NAME " build on this CPU");
+}
+
 }  // namespace FD_NS
 
 using namespace FD_NS;
@@ -317,4 +405,6 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
     m.def("cpu_features", &cpu_features, "x86 features usable here (CPU has them and the OS enabled their state)");
     m.def("read_bandwidth", &read_bandwidth, py::arg("nbytes"), py::arg("threads"), py::arg("reps"),
           py::arg("cpus") = std::vector<int>{}, "stream-read nbytes with the kernel thread pool; GB/s per repetition");
+    m.def("fma_rate", &fma_rate, py::arg("kind"), py::arg("seconds") = 0.2,
+          "multiply-adds of one kind (zmm, ymm, zmm_dpbf16) per ns on the calling thread, 10 independent chains");
 }
