@@ -3,7 +3,8 @@
 For the shapes of kernel_bench.py, on `--threads` cores (default 1: the per-core-bound regime of
 the GPU box's Xeon, and of this VM's fast spells), in interleaved rounds:
 
-  - the multiply-add issue rates of one core (`fma_rate`: 512-bit FMA, vdpbf16ps), times the
+  - the multiply-add issue rates of one core (`fma_rate`: 512-bit FMA, vdpbf16ps; 256-bit FMA
+    beside them, to show what a 512-bit one costs), times the
     multiply-adds per KV byte of the shape (rworker/roofline.py), give the multiply-add bound:
     the GB/s the kernel streams if it did nothing but its counted multiply-adds;
   - the kernel with its working set in the core's L2 (`--kv-kb`, default 700): its compute alone
@@ -99,9 +100,10 @@ def main(argv=None):
                 if kv_dtype != "bf16":
                     q = bf16_bits_to_f32(q)
                 out = np.empty((max(Bc, Bd), Hq, D), np.float32)
-                r = dict(fma=[], dot=[], read=[], cache=[], dram=[])
+                r = dict(fma=[], ymm=[], dot=[], read=[], cache=[], dram=[])
                 for _ in range(args.rounds):
                     r["fma"].append(mod.fma_rate("zmm", 0.2))
+                    r["ymm"].append(mod.fma_rate("ymm", 0.2))     # is a 512-bit FMA worth two 256-bit ones?
                     r["dot"].append(mod.fma_rate("zmm_dpbf16", 0.2) if has_dot else float("nan"))
                     r["read"].append(max(mod.read_bandwidth(512 << 20, args.threads, 2, cpus)))
                     ids_c, ids_d = np.arange(Bc), np.arange(Bd)
@@ -117,7 +119,7 @@ def main(argv=None):
                 roof, no_overlap = min(read, cache), 1 / (1 / read + 1 / cache)
                 row = dict(model=model, group=g, head_dim=D, kv_dtype=kv_dtype, prefetch=pf_mode,
                            v_layout="pairs" if v_tile == V_PAIRS else "default", bf16_dot=bf16_dot,
-                           page_ops=ops.__dict__, fma_per_ns=fma, dot_per_ns=dot,
+                           page_ops=ops.__dict__, fma_per_ns=fma, dot_per_ns=dot, ymm_fma_per_ns=max(r["ymm"]),
                            madd_bound_gbps=madd, in_cache_gbps=cache, in_cache_pct_of_madd_bound=100 * cache / madd,
                            read_gbps=read, dram_gbps=dram, dram_pct_of_read=100 * dram / read,
                            roofline_gbps=roof, dram_pct_of_roofline=100 * dram / roof,
