@@ -100,13 +100,13 @@ def main(argv=None):
                 if kv_dtype != "bf16":
                     q = bf16_bits_to_f32(q)
                 out = np.empty((max(Bc, Bd), Hq, D), np.float32)
+                ids_c, ids_d = np.arange(Bc), np.arange(Bd)
                 r = dict(fma=[], ymm=[], dot=[], read=[], cache=[], dram=[])
                 for _ in range(args.rounds):
                     r["fma"].append(mod.fma_rate("zmm", 0.2))
                     r["ymm"].append(mod.fma_rate("ymm", 0.2))     # is a 512-bit FMA worth two 256-bit ones?
                     r["dot"].append(mod.fma_rate("zmm_dpbf16", 0.2) if has_dot else float("nan"))
                     r["read"].append(max(mod.read_bandwidth(512 << 20, args.threads, 2, cpus)))
-                    ids_c, ids_d = np.arange(Bc), np.arange(Bd)
                     tc, _ = best_time(lambda: cache_st.attend(0, ids_c, q[:Bc], out[:Bc]), 5, 0.2)
                     td, _ = best_time(lambda: dram_st.attend(0, ids_d, q[:Bd], out[:Bd]), 3)
                     r["cache"].append(cbytes / tc / 1e9)

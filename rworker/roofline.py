@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .bench import ITEMSIZE
+
 PAGE_TOKENS = 32
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
