@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup tests kernel vtile pageruns roofline soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to bench/results/ and, after every stage, into
 # $OUT/results.tar.gz (when $OUT is set) so that a cut run still returns what it finished.
 # A lent session has 30 minutes of device time and 10 per call; the open questions, in order:
@@ -10,7 +10,8 @@
 #                                    AVX-512 V in tiles of 32 and in token pairs vs token-major, A/B in one
 #                                    process; GQA end-to-end)
 #   call 4: e2e7b pageruns          (~6 min: R-worker scaling 1..14; page layouts x prefetch off/scattered/on)
-#   call 5: roofline                (~4 min: compute vs memory bound per shape, one core and 16)
+#   call 5: roofline amx            (~7 min: compute vs memory bound per shape, one core and 16; the AMX
+#                                    tile scores: their tests on the hardware, then A/B against vdpbf16ps)
 # A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,16 @@ roofline)    # issue 3: which of compute and memory bounds each shape, per core 
              # 512-bit FMA and vdpbf16ps rates, the kernel in L2 and from DRAM; KERNEL_NOTES "Compute roofline")
     stage roofline 150 $PY bench/compute_roofline.py --label h100-box-1core --threads 1 --rounds 3
     stage roofline16 150 $PY bench/compute_roofline.py --label h100-box-16core --threads 16 --rounds 3 ;;
+amx)         # issue 3: scores as AMX tile products (csrc/avx512/amx.h, FASTDECODE_AMX), never run on AMX
+             # hardware before: first the kvstore tests on the instructions ("+amxhw" ids), then the A/B
+             # against the vdpbf16ps scores with compute alone (one core's L2), one core and 16 from DRAM
+    stage amxtests 150 $PY -m pytest -q -p no:cacheprovider tests/test_kvstore.py -k amx
+    stage amxl2 100 $PY bench/kernel_ab.py --amx off,on --isa avx512 --threads 1 --kv-kb 700 \
+        --label h100-box-1core-l2-amx --contexts 1024 --dtypes bf16 --rounds 6
+    stage amx1 120 $PY bench/kernel_ab.py --amx off,on --isa avx512 --threads 1 --label h100-box-1core-amx \
+        --contexts 1024,4096 --dtypes bf16 --min-mb 512 --rounds 4
+    stage amx16 150 $PY bench/kernel_ab.py --amx off,on --isa avx512 --label h100-box-amx \
+        --contexts 128,1024,4096 --dtypes bf16 --min-mb 512 --rounds 6 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

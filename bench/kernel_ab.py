@@ -19,6 +19,11 @@ and/or with and without the software prefetch (FASTDECODE_PREFETCH, read by each
 
     python bench/kernel_ab.py --v-tiles 0,32 --prefetch 0,1 --isa avx512 --label NAME
 
+and/or with the scores as AMX tile products on one side (csrc/avx512/amx.h; bf16 KV with bf16
+queries, GQA 2..16; an AMX CPU for "on", any AVX512-BF16 one for "emulate", which only checks):
+
+    python bench/kernel_ab.py --amx off,on --isa avx512 --dtypes bf16 --label NAME
+
 `--v-tiles 0,-2` puts token-major V against V in token pairs (bf16 probabilities, other bits
 by design: the rows then carry `max_abs_diff` between the two outputs instead of a bitwise match).
 `--threads 1` is this VM's stand-in for the per-core-bound regime (the GPU box's Xeon, or the VM's
@@ -91,7 +96,8 @@ def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
         v_tile = args.v_tiles[name == "new"] if args.v_tiles else None
         if args.prefetch:                          # each store reads FASTDECODE_PREFETCH when built
             os.environ["FASTDECODE_PREFETCH"] = str(args.prefetch[name == "new"])
-        st = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=args.isa, v_tile=v_tile)
+        st = KVStore(1, Hkv, D, kv_dtype, threads=args.threads, isa=args.isa, v_tile=v_tile,
+                     amx=args.amx[name == "new"] if args.amx else None)
         if name == "old" and not args.same_build:  # same wrapper, the other build's store underneath
             st._st = old_mod.Store(1, Hkv, D, kv_dtype, st.scale, 0, args.threads, pin_cpus(args.threads), 50)
         fill_store(st, blk, B, ctx, kv_dtype)
@@ -131,7 +137,8 @@ def ab_shape(args, old_mod, model: str, ctx: int, kv_dtype: str, rng) -> dict:
 def side(args, i: int) -> str:
     """What one side of a same-build A/B sets: its V layout and/or software prefetch."""
     return ((f", v_tile={args.v_tiles[i]}" if args.v_tiles else "")
-            + (f", prefetch={args.prefetch[i]}" if args.prefetch else ""))
+            + (f", prefetch={args.prefetch[i]}" if args.prefetch else "")
+            + (f", amx={args.amx[i]}" if args.amx else ""))
 
 
 def plot(rows, path_png: str, title: str) -> None:
@@ -164,6 +171,8 @@ def main(argv=None):
                     "(e.g. 0,32: token-major vs tiles of 32 dims); no --old")
     ap.add_argument("--prefetch", metavar="OLD,NEW", help="software prefetch off (0), on (1) or scattered for each side, "
                     "current build (alone or with --v-tiles); no --old")
+    ap.add_argument("--amx", metavar="OLD,NEW", help="the scores as AMX tile products for each side: off, on or "
+                    "emulate (bf16 KV with bf16 queries), current build (alone or with the others); no --old")
     ap.add_argument("--label", help="result name (required unless --replot)")
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores of the CPU set")
     ap.add_argument("--models", default=",".join(MODELS))
@@ -186,10 +195,10 @@ def main(argv=None):
         plot(res["rows"], args.replot[:-5] + ".png", f"{m['isa']}, {m['threads']} threads: old vs new build, "
              f"interleaved in one run (label {m['label']}); text: median per-round ratio new/old")
         return
-    args.same_build = bool(args.v_tiles or args.prefetch)
+    args.same_build = bool(args.v_tiles or args.prefetch or args.amx)
     if not args.label or not (args.old or args.same_build) or (args.old and args.same_build):
         ap.error("--label and either --old (a checkout of the earlier code with its extension built) "
-                 "or --v-tiles OLD,NEW and/or --prefetch OLD,NEW are required")
+                 "or --v-tiles OLD,NEW and/or --prefetch OLD,NEW and/or --amx OLD,NEW are required")
     if args.old and os.path.realpath(args.old) == os.path.realpath(ROOT):
         ap.error("--old must be another checkout: one extension file cannot be loaded twice in a process")
     if args.v_tiles:
@@ -203,12 +212,20 @@ def main(argv=None):
         if len(sides) != 2 or any(x not in ("0", "1", "off", "on", "scattered") for x in sides):
             ap.error(f"--prefetch must be OLD,NEW with each 0, 1 or scattered, got {args.prefetch!r}")
         args.prefetch = sides
+    if args.amx:
+        sides = tuple(args.amx.split(","))
+        if len(sides) != 2 or any(x not in ("off", "on", "emulate") for x in sides):
+            ap.error(f"--amx must be OLD,NEW with each off, on or emulate, got {args.amx!r}")
+        args.amx = sides
     if (args.kv_kb is not None and args.kv_kb < 1) or args.reps < 1:
         ap.error(f"--kv-kb and --reps must be >= 1, got {args.kv_kb} and {args.reps}")
     args.threads = args.threads or default_threads()
     runnable = isa_mod.available_isas() + isa_mod.emulated_isas()
     if args.isa not in runnable:
         sys.exit(f"kernel_ab: this CPU cannot run the {args.isa} path (it has {runnable})")
+    if args.amx and "on" in args.amx and "amx-bf16" not in isa_mod.cpu_features():
+        sys.exit("kernel_ab: --amx on needs a CPU with AMX-BF16 (this one has none; 'emulate' runs anywhere "
+                 "AVX512-BF16 does, as a check, not a timing)")
     if args.same_build:
         old_mod = isa_mod.load(args.isa)
         have = {old_mod.V_TILE, old_mod.V_TILE_ALT} | ({old_mod.V_PAIRS} if hasattr(old_mod, "V_PAIRS") else set())

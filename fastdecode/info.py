@@ -23,6 +23,9 @@ def collect() -> dict:
         info["kernel_candidates"] = " ".join(tune.label(*c) for c in tune.candidates())
         info["kernel_v_pairs"] = ("yes: --attn-probs bf16 (bf16 KV) adds V token pairs to the tune"
                                   if tune.pairs_allowed(None, "bf16", True) else "no (needs AVX512-BF16)")
+        info["kernel_amx"] = ("AMX-BF16 present: FASTDECODE_AMX=1 puts the scores (bf16 KV and queries, GQA 2..16) "
+                              "on the tiles; off by default until measured here" if "amx-bf16" in feats
+                              else "no (needs AMX-BF16: Xeon Sapphire Rapids or later)")
         info["kernel_tune"] = ("at R-worker start (FASTDECODE_KERNEL_TUNE=0: off)" if tune.tune_enabled()
                                else "off (FASTDECODE_KERNEL_TUNE=0): the first candidate runs")
     except Exception as e:  # a broken build must still let info report the rest

@@ -18,12 +18,14 @@ Environment: FASTDECODE_ISA (rworker.isa), FASTDECODE_THREADS / FASTDECODE_PIN=0
 FASTDECODE_SPIN_US (how long idle workers spin before sleeping, default 50), FASTDECODE_RESERVE_PAGES=0
 (`reserve` takes nothing: decode pages come by extents, for measurements), FASTDECODE_EXTENT_PAGES
 (pages per head an unreserved sequence takes when it outgrows its pages, default 8; 1: one at a time),
-FASTDECODE_PREFETCH (0/off, 1/on, scattered: see KVStore.prefetch).
+FASTDECODE_PREFETCH (0/off, 1/on, scattered: see KVStore.prefetch), FASTDECODE_AMX (0/off, 1/on,
+emulate: see KVStore.amx).
 """
 from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 
@@ -42,7 +44,8 @@ class KVCapacityError(MemoryError):
 class KVStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bf16",
                  threads: int | None = None, scale: float | None = None, capacity_bytes: int | None = None,
-                 isa: str | None = None, v_tile: int | None = None, prefetch: bool | str | None = None):
+                 isa: str | None = None, v_tile: int | None = None, prefetch: bool | str | None = None,
+                 amx: bool | str | None = None):
         kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
         if kv_dtype not in _ITEMSIZE:
             raise ValueError(f"kv_dtype must be 'bf16', 'fp16' or 'fp32', got {kv_dtype!r}")
@@ -65,6 +68,24 @@ class KVStore:
                                    int(capacity_bytes or 0), n, pin_cpus(n), spin_us, self._layout(v_tile))
         if prefetch is not None:
             self.prefetch = prefetch
+        if amx is not None:
+            self.amx = amx
+        else:
+            self._amx_from_env()
+
+    def _amx_from_env(self) -> None:
+        """FASTDECODE_AMX asks for the AMX scores on every store of the process: "1"/"on" where the
+        CPU has them (a job whose nodes differ keeps running: a store without falls back, with a
+        warning), "emulate" (tests), "0"/"off" or unset: off."""
+        env = os.environ.get("FASTDECODE_AMX", "").strip().lower()
+        if env in ("", "0", "off"):
+            return
+        if env not in ("1", "on", "emulate"):
+            raise ValueError(f"FASTDECODE_AMX must be 0/off, 1/on or emulate, got {env!r}")
+        try:
+            self.amx = "emulate" if env == "emulate" else "on"
+        except ValueError as e:
+            warnings.warn(f"FASTDECODE_AMX={env}: {e}; the AMX scores stay off", RuntimeWarning, stacklevel=3)
 
     def _layout(self, v_tile: int | None) -> int:
         """The V run layout: v_tile if given (must be one this ISA build has), else
@@ -199,6 +220,28 @@ class KVStore:
         self._st.prefetch = prefetch_code(mode)
 
     @property
+    def amx(self) -> str:
+        """The scores as AMX tile products (csrc/avx512/amx.h): "off" (the default), "on" (the
+        AMX-BF16 instructions: Sapphire Rapids and later, Linux >= 5.16) or "emulate" (the same
+        tile addressing in plain C++, for tests on any CPU). They replace the AVX512-BF16 scores, so
+        they serve bf16 KV with bf16 queries, GQA ratios 2..16 and head dims padded to a multiple of
+        32; other calls keep their path. Outputs differ from the vdpbf16ps path only in the order
+        of fp32 sums. Setting a mode this store cannot run raises ValueError."""
+        return AMX_MODES[self._st.amx] if hasattr(self._st, "amx") else "off"
+
+    @amx.setter
+    def amx(self, mode: bool | str) -> None:
+        if isinstance(mode, (bool, np.bool_)):
+            mode = "on" if mode else "off"
+        if mode not in AMX_MODES:
+            raise ValueError(f"amx must be one of {AMX_MODES} or a bool, got {mode!r}")
+        if not hasattr(self._st, "amx"):        # an old build's store (bench/kernel_ab.py)
+            if mode != "off":
+                raise ValueError(f"amx={mode!r}: this store's build has no AMX scores")
+            return
+        self._st.amx = AMX_MODES.index(mode)
+
+    @property
     def threads(self) -> int:
         return self._st.threads
 
@@ -217,11 +260,13 @@ class KVStore:
 
     def __repr__(self) -> str:
         return (f"KVStore(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"kv_dtype={self.kv_dtype}, isa={self.isa}, v_tile={self.v_tile}, prefetch={self.prefetch}, threads={self.threads}, "
+                f"kv_dtype={self.kv_dtype}, isa={self.isa}, v_tile={self.v_tile}, prefetch={self.prefetch}, amx={self.amx}, "
+                f"threads={self.threads}, "
                 f"seqs={self.num_seqs()}, bytes_used={self.bytes_used()})")
 
 
 PREFETCH_MODES = ("off", "on", "scattered")     # the C++ store's codes 0, 1, 2
+AMX_MODES = ("off", "on", "emulate")            # the C++ store's codes AMX_OFF, AMX_HW, AMX_EMU
 
 
 def prefetch_code(mode: bool | str) -> int:

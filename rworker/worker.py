@@ -97,7 +97,8 @@ class RWorker:
         self.send_json({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpus": cpus,
                         "threads": self.store.threads, "isa": self.store.isa, "capacity_bytes": capacity,
                         "page_tokens": int(self.store.page_tokens), "wait_policy": self.policy,
-                        "kernel": kernel.describe(), "kernel_choice": kernel.as_dict()})
+                        "kernel": kernel.describe() + (f", AMX scores {self.store.amx}" if self.store.amx != "off" else ""),
+                        "kernel_choice": {**kernel.as_dict(), "amx": self.store.amx}})
 
     def send_json(self, obj: dict) -> None:
         payload = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)

@@ -32,16 +32,24 @@ from rworker.kvstore import KVCapacityError  # noqa: E402
 # (rworker.isa.EMULATED: the AVX-512 branch's logic is then tested on CPUs without AVX-512 too)
 # A build with a second V layout under measurement (V_TILE_ALT, simd.h) is tested in both:
 # "<isa>+vt<N>" opens its stores with v_tile=N.
+# The AMX scores (csrc/avx512/amx.h) replace the AVX512-BF16 ones: "<isa>+amx" opens its stores
+# with amx="emulate" wherever that path runs, "<isa>+amxhw" with the instructions on an AMX CPU.
 _BASE = [i for i in isa_mod.available_isas() if i in ("portable", "avx2", "avx512")] + isa_mod.emulated_isas()
-ISAS = _BASE + [f"{i}+vt{isa_mod.load(i).V_TILE_ALT}" for i in _BASE
-                if isa_mod.load(i).V_TILE_ALT != isa_mod.load(i).V_TILE]
+_DP = [i for i in _BASE if i == "avx512emu" or (i == "avx512" and "avx512bf16" in isa_mod.cpu_features())]
+ISAS = (_BASE + [f"{i}+vt{isa_mod.load(i).V_TILE_ALT}" for i in _BASE
+                 if isa_mod.load(i).V_TILE_ALT != isa_mod.load(i).V_TILE]
+        + [f"{i}+amx" for i in _DP]
+        + [f"{i}+amxhw" for i in _DP if i == "avx512" and "amx-bf16" in isa_mod.cpu_features()])
 DTYPES = ["fp32", "bf16", "fp16"]
 
 
 def open_store(*args, isa: str, **kw) -> KVStore:
-    """KVStore on one ISA path ("avx512emu", or "avx512emu+vt32" for its second V layout, 32-dim tiles)."""
-    name, _, vt = isa.partition("+vt")
-    return KVStore(*args, isa=name, v_tile=int(vt) if vt else None, **kw)
+    """KVStore on one ISA path ("avx512emu", or "avx512emu+vt32" for its second V layout, 32-dim
+    tiles, or "avx512+amx" for the emulated AMX scores, "avx512+amxhw" for the instructions)."""
+    name, _, amx = isa.partition("+amx")        # "avx512+amxhw" -> "avx512", "hw"
+    name, _, vt = name.partition("+vt")
+    amx_mode = None if "+amx" not in isa else "on" if amx == "hw" else "emulate"
+    return KVStore(*args, isa=name, v_tile=int(vt) if vt else None, amx=amx_mode, **kw)
 
 
 def rand(rng, shape, scale=1.0):
@@ -428,6 +436,65 @@ def test_v_tile_must_be_a_layout_of_the_build(monkeypatch):
         KVStore(1, 1, 64, v_tile=bad)
     monkeypatch.setenv("FASTDECODE_VTILE", "7")            # a measurement knob: ignored where absent
     assert KVStore(1, 1, 64).v_tile == mod.V_TILE
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i.endswith("+amx")])
+@pytest.mark.parametrize("g,D,takes_amx", [(4, 128, True), (3, 64, True), (16, 96, True), (2, 64, True),
+                                           (1, 128, False), (4, 80, False), (20, 64, False)])
+def test_amx_scores_where_they_apply(isa, g, D, takes_amx):
+    """The AMX path serves bf16 KV with bf16 queries for GQA ratios 2..16 and Dp % 32 == 0 (its
+    outputs then differ from the vdpbf16ps path in the order of fp32 sums, within the fp32 bound
+    against the reference); every other call keeps the vdpbf16ps path to the bit."""
+    rng = np.random.default_rng(g * 100 + D)
+    Hkv = 2
+    stores = [open_store(1, Hkv, D, "bf16", threads=2, isa=i) for i in (isa.split("+")[0], isa)]
+    assert [st.amx for st in stores] == ["off", "emulate"]
+    mirror = Mirror()
+    lengths = [1, 31, 33, 700, 1100]                 # partial pages, split-KV chunks
+    for sid, n in enumerate(lengths):
+        k, v = rand(rng, (n, Hkv, D)), rand(rng, (n, Hkv, D))
+        for st in stores:
+            st.append(0, [sid] * n, k, v)
+        mirror.add(0, [sid] * n, k, v)
+    ids = list(range(len(lengths)))
+    q = f32_to_bf16_bits(rand(rng, (len(ids), Hkv * g, D)))
+    ref_path, amx_path = (st.attend(0, ids, q) for st in stores)
+    check(stores[1], mirror, 0, ids, q, amx_path, "bf16")
+    assert np.array_equal(ref_path, amx_path) != takes_amx
+    qf = rand(rng, (len(ids), Hkv * g, D))             # fp32 queries: never the AMX path
+    assert np.array_equal(*(st.attend(0, ids, qf) for st in stores))
+
+
+def test_amx_modes_and_errors(monkeypatch):
+    """amx: "on" only where the CPU has AMX-BF16, "emulate" only where the AVX512-BF16 scores run;
+    FASTDECODE_AMX asks every store, and falls back with a warning where it cannot."""
+    has_hw = "amx-bf16" in isa_mod.cpu_features() and "avx512" in isa_mod.available_isas()
+    with pytest.raises(ValueError, match="amx must be one of"):
+        KVStore(1, 1, 64, isa="portable", amx="fast")
+    with pytest.raises(ValueError, match="portable build has no AMX"):
+        KVStore(1, 1, 64, isa="portable", amx="emulate")
+    assert KVStore(1, 1, 64, isa="portable", amx=False).amx == "off"
+    if _DP:
+        st = KVStore(1, 1, 64, isa=_DP[0], amx="emulate")
+        assert st.amx == "emulate" and "amx=emulate" in repr(st)
+        st.amx = False
+        assert st.amx == "off"
+    if not has_hw:
+        for isa in _DP:
+            with pytest.raises(ValueError, match="no AMX-BF16"):
+                KVStore(1, 1, 64, isa=isa, amx="on")
+    monkeypatch.setenv("FASTDECODE_AMX", "sometimes")
+    with pytest.raises(ValueError, match="FASTDECODE_AMX must be"):
+        KVStore(1, 1, 64, isa="portable")
+    monkeypatch.setenv("FASTDECODE_AMX", "on")
+    if has_hw:
+        assert KVStore(1, 1, 64, isa="avx512").amx == "on"
+    else:
+        with pytest.warns(RuntimeWarning, match="FASTDECODE_AMX=on: .*stay off"):
+            assert KVStore(1, 1, 64, isa="portable").amx == "off"
+    monkeypatch.setenv("FASTDECODE_AMX", "emulate")
+    for isa in _DP:
+        assert KVStore(1, 1, 64, isa=isa).amx == "emulate"
 
 
 # ---------------------------------------------------------------------------------------------

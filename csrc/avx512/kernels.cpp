@@ -175,6 +175,10 @@ static std::vector<std::string> cpu_features() {
         unsigned a71 = 0, b71 = 0, c71 = 0, d71 = 0;
         if (a7 >= 1 && __get_cpuid_count(7, 1, &a71, &b71, &c71, &d71) && os_avx512 && (a71 >> 5 & 1))
             f.push_back("avx512bf16");
+        if ((xcr0 & (3ull << 17)) == (3ull << 17)) {   // the OS saves tile config + data
+            if (d7 >> 24 & 1) f.push_back("amx-tile");
+            if (d7 >> 22 & 1) f.push_back("amx-bf16");
+        }
     }
 #endif
     return f;
@@ -389,6 +393,13 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
             [](PyStore& s, int e) { s.st.set_extent_pages(e); })
         .def_property_readonly("page_bytes", [](PyStore& s) { return s.st.page_bytes(); })
         .def_property_readonly("v_tile", [](PyStore& s) { return s.st.v_tile(); })
+        .def_property(
+            "amx", [](PyStore& s) { return s.st.amx(); },
+            [](PyStore& s, int mode) {
+                py::gil_scoped_release nogil;
+                s.st.set_amx(mode);
+            },
+            "scores as AMX tile products: 0 off, 1 the instructions, 2 their emulation (tests)")
         .def_property(
             "prefetch", [](PyStore& s) { return s.st.prefetch(); },
             [](PyStore& s, int mode) {

@@ -43,6 +43,9 @@
 #include "common.h"
 #include "pool.h"
 #include "simd.h"
+#if defined(FD_HAVE_DPBF16)
+#include "amx.h"
+#endif
 
 namespace FD_NS {
 
@@ -137,6 +140,11 @@ private:
 // run lost a little there, as if it kept the hardware from training on it (bench/KERNEL_NOTES.md, 15)
 enum { PF_OFF = 0, PF_ALL = 1, PF_SCATTERED = 2 };
 
+// scores as AMX tile products (amx.h): off (the default until measured on AMX hardware), the
+// instructions, or their emulation (tests). An A tile holds up to 16 query heads.
+enum { AMX_OFF = 0, AMX_HW = 1, AMX_EMU = 2 };
+constexpr int AMX_ROWS_MAX = 16;
+
 // FASTDECODE_PREFETCH: 0 / off, 1 / on (the default), scattered
 static inline int prefetch_mode_env() {
     const char* e = getenv("FASTDECODE_PREFETCH");
@@ -186,6 +194,23 @@ public:
     }
 
     int v_tile() const { return vtile_; }
+    int amx() const { return amx_; }
+    // AMX tile products for the scores (amx.h): hardware where the CPU and the OS allow it, the
+    // emulation (tests) in any build that has the AVX512-BF16 scores, or off
+    void set_amx(int mode) {
+        if (mode != AMX_OFF) {
+#if defined(FD_HAVE_DPBF16)
+            if (mode != AMX_EMU && mode != AMX_HW) throw std::invalid_argument("amx: bad mode");
+            if (mode == AMX_HW && !amx_usable())
+                throw std::invalid_argument("amx: this CPU has no AMX-BF16, or the kernel gave this process no tile state");
+            if (!use_dp_) throw std::invalid_argument("amx: the AMX scores replace the AVX512-BF16 ones, which this store does not use");
+#else
+            throw std::invalid_argument("amx: the " FD_ISA_NAME " build has no AMX scores (the avx512 build has)");
+#endif
+        }
+        std::lock_guard<std::mutex> lk(mu_);
+        amx_ = mode;
+    }
     int prefetch() const { return prefetch_.load(std::memory_order_relaxed); }
     void set_prefetch(int mode) {
         if (mode != PF_OFF && mode != PF_ALL && mode != PF_SCATTERED) throw std::invalid_argument("bad prefetch mode");
@@ -528,6 +553,7 @@ private:
     struct Call {
         int layer, g, Hq;
         bool dp;          // bf16 dot-product path (bf16 q, bf16 K, CPU has AVX512-BF16)
+        int amx;          // scores as AMX tile products (AMX_HW / AMX_EMU, amx.h) or AMX_OFF
         const void* q;
         int qdt;
         void* out;
@@ -540,7 +566,11 @@ private:
         check_heads(Hq);
         if (n == 0) return;
         const int g = Hq / Hkv_;
-        Call C{layer, g, Hq, use_dp_ && dt_ == BF16 && qdt == BF16, q, qdt, out, odt, {}};
+        const bool dp = use_dp_ && dt_ == BF16 && qdt == BF16;
+        // AMX where the tiles fit: 32-dim steps, 2..16 heads per group (one head: a tile product
+        // does 1/16 of its work, and vdpbf16ps is faster)
+        const int amx = dp && Dp_ % 32 == 0 && g >= 2 && g <= AMX_ROWS_MAX ? amx_ : AMX_OFF;
+        Call C{layer, g, Hq, dp, amx, q, qdt, out, odt, {}};
         C.seqs.resize(n);
 
         // 1. resolve sequences and build the work list
@@ -620,7 +650,14 @@ private:
             std::fill(l_of(j), l_of(j + 1), 0.f);
         }
 
-        // 2. stream the chunk page by page
+        // 2. stream the chunk page by page (AMX: this thread's tiles configured for g rows first;
+        //    another library in the process may have configured them otherwise since the last item)
+#if defined(FD_HAVE_DPBF16)
+        if (C.amx == AMX_EMU) AmxEmu::config(scores_tile_config(g));
+#if defined(FD_HAVE_AMX_HW)
+        if (C.amx == AMX_HW) AmxHw::config(scores_tile_config(g));
+#endif
+#endif
         const int pf_mode = prefetch_.load(std::memory_order_relaxed);
         const size_t run_bytes = (size_t)P * Dp * isz_;
         const auto& pages = s.pages[C.layer];
@@ -643,7 +680,12 @@ private:
             }
             // 2b. scores of every query head of the group: one pass over the K run
 #if defined(FD_HAVE_DPBF16)
-            if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
+#if defined(FD_HAVE_AMX_HW)
+            if (C.amx == AMX_HW) scores_page_amx<AmxHw>(kr, Dp, qw, sc, g, S, pf);
+            else
+#endif
+            if (C.amx == AMX_EMU) scores_page_amx<AmxEmu>(kr, Dp, qw, sc, g, S, pf);
+            else if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
             else
 #endif
                 scores_page(dt_, kr, Dp, qf, g, S, pf);
@@ -659,6 +701,13 @@ private:
 #endif
                 pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_, vtile_);
         }
+
+#if defined(FD_HAVE_DPBF16)
+        if (C.amx == AMX_EMU) AmxEmu::release();
+#if defined(FD_HAVE_AMX_HW)
+        if (C.amx == AMX_HW) AmxHw::release();   // tile state back to init: cheaper context switches
+#endif
+#endif
 
         // 3. single chunk: normalise and write; else publish the partial, last one merges
         const size_t oisz = dtype_size(C.odt);
@@ -712,6 +761,7 @@ private:
     std::atomic<int> prefetch_{prefetch_mode_env()};
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
+    int amx_ = AMX_OFF;  // bf16-q scores as AMX tile products: AMX_HW, AMX_EMU (amx.h) or off
     int vtile_ = V_TILE;      // V run layout: token-major (0) or tiles of this many dims (simd.h)
     // pages per head a sequence takes when it outgrows its pages unreserved (FASTDECODE_EXTENT_PAGES)
     int extent_ = getenv("FASTDECODE_EXTENT_PAGES") ? std::max(1, atoi(getenv("FASTDECODE_EXTENT_PAGES"))) : 8;

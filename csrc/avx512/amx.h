@@ -1,0 +1,214 @@
+// AMX scores: bf16 K with bf16 queries as tile products (Intel AMX-BF16: Sapphire Rapids and later).
+//
+// The K run's word rows are already the layout of an AMX B tile: word w of token t holds dims
+// (2w, 2w+1), a word row holds PT = 32 tokens at a 128-byte stride, so 16 word rows x the first
+// (or last) 16 tokens is a 16-row x 64-byte B tile straight from the page. The g query heads of a
+// KV group are the A tile (g rows x 32 dims of bf16), and one tdpbf16ps adds 32 dims of all g x 16
+// scores. A page's scores take 2 * Dp / 32 tile products instead of g * Dp vdpbf16ps, and they run
+// on the tile unit, leaving the vector pipes to the V pass (PV, softmax). Products of bf16 values
+// are exact in fp32, so the result differs from the vdpbf16ps path only in the order of the fp32
+// sums (and denormal products flushed to zero, as vdpbf16ps does too).
+//
+// Tiles (a fixed configuration per GQA ratio g, loaded at the start of each work item):
+//   tmm0 A  q        [g][32 dims] bf16     64 B per row, row stride Dp * 2 bytes
+//   tmm1 B  K words  [16 rows][16 tokens]  tokens 0-15 of 16 word rows, row stride PT * 4 bytes
+//   tmm2 B  K words  [16 rows][16 tokens]  tokens 16-31
+//   tmm3 C  scores   [g][16] fp32          tokens 0-15
+//   tmm4 C  scores   [g][16] fp32          tokens 16-31
+//
+// Two implementations of the same tile operations, each one instruction (the addressing is
+// shared, in scores_page_amx, so the emulation tests it for both):
+//   AmxHw   the instructions (needs cpuid AMX-TILE + AMX-BF16, the OS's tile state in XCR0, and
+//           Linux's per-process permission: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA))
+//   AmxEmu  plain C++ over thread-local tile registers, following the instructions' definition:
+//           the test suite runs the AMX path's addressing on CPUs without AMX (FASTDECODE_AMX=emulate)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(FD_AVX512) && !defined(FD_SIMDE_AVX512)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
+namespace FD_NS {
+
+// ============================================================================
+// tile configuration (ldtilecfg's 64-byte operand, palette 1)
+// ============================================================================
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};   // bytes per row of tile i
+    uint8_t rows[16] = {};     // rows of tile i
+};
+static_assert(sizeof(TileConfig) == 64 && offsetof(TileConfig, colsb) == 16 && offsetof(TileConfig, rows) == 48,
+              "ldtilecfg reads palette at byte 0, colsb at 16, rows at 48");
+
+static inline TileConfig scores_tile_config(int g) {
+    TileConfig c;
+    const uint8_t r[5] = {(uint8_t)g, 16, 16, (uint8_t)g, (uint8_t)g};
+    for (int i = 0; i < 5; ++i) {
+        c.rows[i] = r[i];
+        c.colsb[i] = 64;
+    }
+    return c;
+}
+
+// ============================================================================
+// AmxHw: the instructions (the native AVX-512 build only)
+// ============================================================================
+
+#if defined(FD_AVX512) && !defined(FD_SIMDE_AVX512)
+#define FD_HAVE_AMX_HW 1
+#define FD_TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+struct AmxHw {
+    FD_TARGET_AMX static void config(const TileConfig& c) { _tile_loadconfig(&c); }
+    FD_TARGET_AMX static void release() { _tile_release(); }
+    FD_TARGET_AMX static void zero_c() {
+        _tile_zero(3);
+        _tile_zero(4);
+    }
+    FD_TARGET_AMX static void load_a(const void* p, size_t stride) { _tile_loadd(0, p, stride); }
+    FD_TARGET_AMX static void load_b0(const void* p, size_t stride) { _tile_loadd(1, p, stride); }
+    FD_TARGET_AMX static void load_b1(const void* p, size_t stride) { _tile_loadd(2, p, stride); }
+    FD_TARGET_AMX static void dot() {   // C0 += A . B0, C1 += A . B1
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_dpbf16ps(4, 0, 2);
+    }
+    FD_TARGET_AMX static void store_c0(void* p, size_t stride) { _tile_stored(3, p, stride); }
+    FD_TARGET_AMX static void store_c1(void* p, size_t stride) { _tile_stored(4, p, stride); }
+};
+
+// cpuid leaf 7: EDX bit 24 AMX-TILE, bit 22 AMX-BF16; XCR0 bits 17-18 (XTILECFG, XTILEDATA)
+static inline bool cpu_has_amx_bf16() {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;   // OSXSAVE
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return ((d >> 24) & 1) && ((d >> 22) & 1);
+}
+
+// Linux hands out the 8 KB tile state only on request, once per process (kernel 5.16+); a tile
+// instruction without it faults. Asked on first use; false if the CPU or the kernel says no.
+static inline bool amx_usable() {
+    static const bool ok = [] {
+        if (!cpu_has_amx_bf16()) return false;
+#if defined(__linux__)
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+        return false;
+#endif
+    }();
+    return ok;
+}
+#else
+static inline bool amx_usable() { return false; }
+#endif
+
+// ============================================================================
+// AmxEmu: the same operations in plain C++ (tests on CPUs without AMX)
+// ============================================================================
+
+struct AmxEmu {
+    struct Regs {
+        TileConfig cfg;
+        alignas(64) uint8_t t[8][16][64];
+    };
+    static Regs& regs() {
+        thread_local Regs r;
+        return r;
+    }
+    static void config(const TileConfig& c) {
+        regs().cfg = c;
+        std::memset(regs().t, 0, sizeof(regs().t));
+    }
+    static void release() { regs().cfg = TileConfig{}; }
+    static void load(int i, const void* p, size_t stride) {
+        auto& r = regs();
+        for (int row = 0; row < r.cfg.rows[i]; ++row)
+            std::memcpy(r.t[i][row], static_cast<const char*>(p) + row * stride, r.cfg.colsb[i]);
+    }
+    static void store(int i, void* p, size_t stride) {
+        auto& r = regs();
+        for (int row = 0; row < r.cfg.rows[i]; ++row)
+            std::memcpy(static_cast<char*>(p) + row * stride, r.t[i][row], r.cfg.colsb[i]);
+    }
+    static float bf16_at(const uint8_t* row, int k) {
+        uint16_t h;
+        std::memcpy(&h, row + 2 * k, 2);
+        uint32_t u = (uint32_t)h << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    // tdpbf16ps c += a . b: c[m][n] += a[m][2k] b[k][2n] + a[m][2k+1] b[k][2n+1], k along a's row
+    static void dpbf16(int ci, int ai, int bi) {
+        auto& r = regs();
+        for (int m = 0; m < r.cfg.rows[ci]; ++m) {
+            float c[16];
+            std::memcpy(c, r.t[ci][m], 64);
+            for (int k = 0; k < r.cfg.colsb[ai] / 4; ++k)
+                for (int n = 0; n < r.cfg.colsb[ci] / 4; ++n) {
+                    c[n] += bf16_at(r.t[ai][m], 2 * k) * bf16_at(r.t[bi][k], 2 * n);
+                    c[n] += bf16_at(r.t[ai][m], 2 * k + 1) * bf16_at(r.t[bi][k], 2 * n + 1);
+                }
+            std::memcpy(r.t[ci][m], c, 64);
+        }
+    }
+    static void zero_c() {
+        std::memset(regs().t[3], 0, sizeof(regs().t[3]));
+        std::memset(regs().t[4], 0, sizeof(regs().t[4]));
+    }
+    static void load_a(const void* p, size_t stride) { load(0, p, stride); }
+    static void load_b0(const void* p, size_t stride) { load(1, p, stride); }
+    static void load_b1(const void* p, size_t stride) { load(2, p, stride); }
+    static void dot() {
+        dpbf16(3, 0, 1);
+        dpbf16(4, 0, 2);
+    }
+    static void store_c0(void* p, size_t stride) { store(3, p, stride); }
+    static void store_c1(void* p, size_t stride) { store(4, p, stride); }
+};
+
+// ============================================================================
+// scores of one page for all g heads of a group (g <= 16, Dp % 32 == 0)
+// ============================================================================
+
+// the tile operations of Tiles (AmxHw or AmxEmu) configured for g rows by the caller;
+// qw [g][Dp/2] words: the group's queries as bf16 pairs; S [g][PT] gets scores * sc;
+// pf: the next page, whose K run is prefetched a share per 32 dims
+template <class Tiles>
+static void scores_page_amx(const char* K, int Dp, const uint32_t* qw, float sc, int g, float* S, const char* pf) {
+    const int steps = Dp / 32;                       // 32 dims = 16 word rows per tile product
+    const int lines = k_run_lines(BF16, Dp);
+    constexpr size_t krow = PT * 4;                  // bytes from one K word row to the next
+    Tiles::zero_c();
+    for (int s = 0; s < steps; ++s) {
+        if (pf) prefetch_share(pf, lines, s, steps);
+        const char* k = K + (size_t)s * 16 * krow;      // word rows 16s .. 16s+15
+        Tiles::load_a(qw + (size_t)s * 16, (size_t)Dp * 2);   // g query rows, dims 32s .. 32s+31
+        Tiles::load_b0(k, krow);                        // tokens 0-15
+        Tiles::load_b1(k + 64, krow);                   // tokens 16-31
+        Tiles::dot();
+    }
+    Tiles::store_c0(S, krow);                           // S [g][PT]: a row of PT floats = krow bytes
+    Tiles::store_c1(S + 16, krow);
+    const __m512 vs = _mm512_set1_ps(sc);
+    for (int j = 0; j < g; ++j) {
+        float* Sj = S + (size_t)j * PT;
+        _mm512_storeu_ps(Sj, _mm512_mul_ps(_mm512_loadu_ps(Sj), vs));
+        _mm512_storeu_ps(Sj + 16, _mm512_mul_ps(_mm512_loadu_ps(Sj + 16), vs));
+    }
+}
+
+}  // namespace FD_NS
