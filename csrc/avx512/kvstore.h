@@ -567,8 +567,8 @@ private:
         if (n == 0) return;
         const int g = Hq / Hkv_;
         const bool dp = use_dp_ && dt_ == BF16 && qdt == BF16;
-        // AMX where the tiles fit: 32-dim steps, 2..16 heads per group (one head: a tile product
-        // does 1/16 of its work, and vdpbf16ps is faster)
+        // AMX where the tiles fit: 32-dim steps, 2..16 heads per group (one head would fill 1/16
+        // of every tile product, for the cost of a full one: MHA stays on vdpbf16ps)
         const int amx = dp && Dp_ % 32 == 0 && g >= 2 && g <= AMX_ROWS_MAX ? amx_ : AMX_OFF;
         Call C{layer, g, Hq, dp, amx, q, qdt, out, odt, {}};
         C.seqs.resize(n);
