@@ -3,15 +3,15 @@
 #   bench/gpu_box.sh STAGE...     stages: setup tests kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to bench/results/ and, after every stage, into
 # $OUT/results.tar.gz (when $OUT is set) so that a cut run still returns what it finished.
-# A lent session has 30 minutes of device time and 10 per call; the open questions, in order:
-#   call 1: setup tests soverhead   (~5 min: CUDA tests incl. CUDA graphs; S-overhead with graphs, depths 1-3)
-#   call 2: fidelity                (~6 min: plan vs measured with the chain hand-off term, issue 4)
-#   call 3: kernel vtile e2e8b      (~9 min: 16-core kernel vs read BW, AVX2 versions 7-8 on the Xeon too;
-#                                    AVX-512 V in tiles of 32 and in token pairs vs token-major, A/B in one
-#                                    process; GQA end-to-end)
-#   call 4: e2e7b pageruns          (~6 min: R-worker scaling 1..14; page layouts x prefetch off/scattered/on)
-#   call 5: roofline amx            (~7 min: compute vs memory bound per shape, one core and 16; the AMX
-#                                    tile scores: their tests on the hardware, then A/B against vdpbf16ps)
+# A lent session has 30 minutes of device time (start-up included) and 10 per call: not enough for
+# every stage, so the calls go by what each issue still lacks, one call per issue first:
+#   call 1: setup tests soverhead   (~5 min, issue 5: CUDA tests incl. CUDA graphs; S-overhead, depths 1-3)
+#   call 2: fidelity                (~6 min, issue 4: plan vs measured with the chain hand-off term)
+#   call 3: amx kernel              (~7 min, issue 3: the AMX tile scores' tests on the instructions and
+#                                    their A/B against vdpbf16ps; the 16-core kernel vs read BW, AVX2 too)
+#   call 4: e2e8b e2e7b             (~5 min, issue 5: GQA end-to-end; R-worker scaling 1..14)
+#   then, while time lasts: vtile (V tiles of 32 / token pairs vs token-major), pageruns (page layouts x
+#   prefetch modes), roofline (compute vs memory bound per shape, one core and 16)
 # A fresh machine needs `setup` again (it builds the extension).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,12 +60,10 @@ roofline)    # issue 3: which of compute and memory bounds each shape, per core 
     stage roofline16 150 $PY bench/compute_roofline.py --label h100-box-16core --threads 16 --rounds 3 ;;
 amx)         # issue 3: scores as AMX tile products (csrc/avx512/amx.h, FASTDECODE_AMX), never run on AMX
              # hardware before: first the kvstore tests on the instructions ("+amxhw" ids), then the A/B
-             # against the vdpbf16ps scores with compute alone (one core's L2), one core and 16 from DRAM
+             # against the vdpbf16ps scores with compute alone (one core's L2), then on 16 cores from DRAM
     stage amxtests 150 $PY -m pytest -q -p no:cacheprovider tests/test_kvstore.py -k amx
     stage amxl2 100 $PY bench/kernel_ab.py --amx off,on --isa avx512 --threads 1 --kv-kb 700 \
         --label h100-box-1core-l2-amx --contexts 1024 --dtypes bf16 --rounds 6
-    stage amx1 120 $PY bench/kernel_ab.py --amx off,on --isa avx512 --threads 1 --label h100-box-1core-amx \
-        --contexts 1024,4096 --dtypes bf16 --min-mb 512 --rounds 4
     stage amx16 150 $PY bench/kernel_ab.py --amx off,on --isa avx512 --label h100-box-amx \
         --contexts 128,1024,4096 --dtypes bf16 --min-mb 512 --rounds 6 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
