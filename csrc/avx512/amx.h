@@ -17,7 +17,7 @@
 //   tmm4 C  scores   [g][16] fp32          tokens 16-31
 //
 // Two implementations of the same tile operations, each one instruction (the addressing is
-// shared, in scores_page_amx, so the emulation tests it for both):
+// shared, in scores_page_tiles, so the emulation tests it for both):
 //   AmxHw   the instructions (needs cpuid AMX-TILE + AMX-BF16, the OS's tile state in XCR0, and
 //           Linux's per-process permission: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA))
 //   AmxEmu  plain C++ over thread-local tile registers, following the instructions' definition:
@@ -28,12 +28,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(FD_AVX512) && !defined(FD_SIMDE_AVX512)
-#include <cpuid.h>
-#if defined(__linux__)
+#if defined(FD_AVX512) && !defined(FD_SIMDE_AVX512) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#endif
 #endif
 
 namespace FD_NS {
@@ -86,22 +83,12 @@ struct AmxHw {
     FD_TARGET_AMX static void store_c1(void* p, size_t stride) { _tile_stored(4, p, stride); }
 };
 
-// cpuid leaf 7: EDX bit 24 AMX-TILE, bit 22 AMX-BF16; XCR0 bits 17-18 (XTILECFG, XTILEDATA)
-static inline bool cpu_has_amx_bf16() {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;   // OSXSAVE
-    uint32_t lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return false;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    return ((d >> 24) & 1) && ((d >> 22) & 1);
-}
-
 // Linux hands out the 8 KB tile state only on request, once per process (kernel 5.16+); a tile
-// instruction without it faults. Asked on first use; false if the CPU or the kernel says no.
+// instruction without it faults. Asked on first use; false if the CPU (cpuid AMX-TILE and AMX-BF16,
+// XCR0's tile bits: cpu_features) or the kernel says no.
 static inline bool amx_usable() {
     static const bool ok = [] {
-        if (!cpu_has_amx_bf16()) return false;
+        if (!cpu_has("amx-tile") || !cpu_has("amx-bf16")) return false;
 #if defined(__linux__)
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
         return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -188,7 +175,7 @@ struct AmxEmu {
 // qw [g][Dp/2] words: the group's queries as bf16 pairs; S [g][PT] gets scores * sc;
 // pf: the next page, whose K run is prefetched a share per 32 dims
 template <class Tiles>
-static void scores_page_amx(const char* K, int Dp, const uint32_t* qw, float sc, int g, float* S, const char* pf) {
+static void scores_page_tiles(const char* K, int Dp, const uint32_t* qw, float sc, int g, float* S, const char* pf) {
     const int steps = Dp / 32;                       // 32 dims = 16 word rows per tile product
     const int lines = k_run_lines(BF16, Dp);
     constexpr size_t krow = PT * 4;                  // bytes from one K word row to the next
@@ -209,6 +196,35 @@ static void scores_page_amx(const char* K, int Dp, const uint32_t* qw, float sc,
         _mm512_storeu_ps(Sj, _mm512_mul_ps(_mm512_loadu_ps(Sj), vs));
         _mm512_storeu_ps(Sj + 16, _mm512_mul_ps(_mm512_loadu_ps(Sj + 16), vs));
     }
+}
+
+// ============================================================================
+// by mode (AMX_HW, AMX_EMU): what a work item of the attention driver calls
+// ============================================================================
+
+// the calling thread's tiles for g heads, before the item's first page (another library in the
+// process may have configured them otherwise since the last item)
+static inline void amx_begin(int mode, int g) {
+#if defined(FD_HAVE_AMX_HW)
+    if (mode == AMX_HW) return AmxHw::config(scores_tile_config(g));
+#endif
+    AmxEmu::config(scores_tile_config(g));
+}
+
+// after the item's last page: tile state back to init (cheaper context switches)
+static inline void amx_end(int mode) {
+#if defined(FD_HAVE_AMX_HW)
+    if (mode == AMX_HW) return AmxHw::release();
+#endif
+    AmxEmu::release();
+}
+
+static inline void scores_page_amx(int mode, const char* K, int Dp, const uint32_t* qw, float sc, int g, float* S,
+                                   const char* pf) {
+#if defined(FD_HAVE_AMX_HW)
+    if (mode == AMX_HW) return scores_page_tiles<AmxHw>(K, Dp, qw, sc, g, S, pf);
+#endif
+    scores_page_tiles<AmxEmu>(K, Dp, qw, sc, g, S, pf);
 }
 
 }  // namespace FD_NS

@@ -112,7 +112,13 @@ struct AlignedBuf {
 
 inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
+// a feature of cpu_features() (kernels.cpp: the CPU has it and the OS saves its state), by name
+bool cpu_has(const char* feature);
 // AVX512-BF16 usable: cpuid leaf 7 subleaf 1 EAX bit 5, with the OS saving ZMM state
-bool cpu_has_avx512bf16();
+inline bool cpu_has_avx512bf16() { return cpu_has("avx512bf16"); }
+
+// scores as AMX tile products (amx.h): off (the default until measured on AMX hardware), the
+// instructions, or their emulation (tests); every build knows the modes, the avx512 ones run them
+enum { AMX_OFF = 0, AMX_HW = 1, AMX_EMU = 2 };
 
 }  // namespace FD_NS

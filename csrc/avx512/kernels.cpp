@@ -184,9 +184,9 @@ static std::vector<std::string> cpu_features() {
     return f;
 }
 
-bool cpu_has_avx512bf16() {
+bool cpu_has(const char* feature) {
     for (auto& f : cpu_features())
-        if (f == "avx512bf16") return true;
+        if (f == feature) return true;
     return false;
 }
 

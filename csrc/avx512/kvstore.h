@@ -140,9 +140,7 @@ private:
 // run lost a little there, as if it kept the hardware from training on it (bench/KERNEL_NOTES.md, 15)
 enum { PF_OFF = 0, PF_ALL = 1, PF_SCATTERED = 2 };
 
-// scores as AMX tile products (amx.h): off (the default until measured on AMX hardware), the
-// instructions, or their emulation (tests). An A tile holds up to 16 query heads.
-enum { AMX_OFF = 0, AMX_HW = 1, AMX_EMU = 2 };
+// an AMX A tile holds up to 16 query heads (amx.h)
 constexpr int AMX_ROWS_MAX = 16;
 
 // FASTDECODE_PREFETCH: 0 / off, 1 / on (the default), scattered
@@ -650,13 +648,9 @@ private:
             std::fill(l_of(j), l_of(j + 1), 0.f);
         }
 
-        // 2. stream the chunk page by page (AMX: this thread's tiles configured for g rows first;
-        //    another library in the process may have configured them otherwise since the last item)
+        // 2. stream the chunk page by page (AMX: this thread's tiles configured for g rows first)
 #if defined(FD_HAVE_DPBF16)
-        if (C.amx == AMX_EMU) AmxEmu::config(scores_tile_config(g));
-#if defined(FD_HAVE_AMX_HW)
-        if (C.amx == AMX_HW) AmxHw::config(scores_tile_config(g));
-#endif
+        if (C.amx) amx_begin(C.amx, g);
 #endif
         const int pf_mode = prefetch_.load(std::memory_order_relaxed);
         const size_t run_bytes = (size_t)P * Dp * isz_;
@@ -680,11 +674,7 @@ private:
             }
             // 2b. scores of every query head of the group: one pass over the K run
 #if defined(FD_HAVE_DPBF16)
-#if defined(FD_HAVE_AMX_HW)
-            if (C.amx == AMX_HW) scores_page_amx<AmxHw>(kr, Dp, qw, sc, g, S, pf);
-            else
-#endif
-            if (C.amx == AMX_EMU) scores_page_amx<AmxEmu>(kr, Dp, qw, sc, g, S, pf);
+            if (C.amx) scores_page_amx(C.amx, kr, Dp, qw, sc, g, S, pf);
             else if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
             else
 #endif
@@ -703,10 +693,7 @@ private:
         }
 
 #if defined(FD_HAVE_DPBF16)
-        if (C.amx == AMX_EMU) AmxEmu::release();
-#if defined(FD_HAVE_AMX_HW)
-        if (C.amx == AMX_HW) AmxHw::release();   // tile state back to init: cheaper context switches
-#endif
+        if (C.amx) amx_end(C.amx);
 #endif
 
         // 3. single chunk: normalise and write; else publish the partial, last one merges
