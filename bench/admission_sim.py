@@ -23,7 +23,8 @@ import os
 
 import numpy as np
 
-from fastdecode.admission import FifoAdmission, StabilizedAdmission, simulate
+from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
+from fastdecode.sched.simulate import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B = 64

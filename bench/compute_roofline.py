@@ -37,7 +37,7 @@ from kernel_bench import ITEMSIZE, MODELS, best_time, bf16_bits_to_f32, fill_sto
 
 from rworker import KVStore  # noqa: E402
 from rworker import isa as isa_mod  # noqa: E402
-from rworker._threads import pin_cpus  # noqa: E402
+from rworker.host.threads import pin_cpus  # noqa: E402
 from rworker.kvstore import V_PAIRS  # noqa: E402
 from rworker.roofline import compute_bound_gbps, page_ops  # noqa: E402
 

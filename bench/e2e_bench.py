@@ -68,7 +68,7 @@ def run_hf(args, prompt):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fastdecode.model_source import random_config_dict
+    from fastdecode.model.source import random_config_dict
     cfg = random_config_dict(args.model)
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}, torch_dtype="bfloat16")
     dev = args.hf_device

@@ -64,7 +64,7 @@ def run_hf(texts: list[str], new_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fastdecode.model_source import resolve_model
+    from fastdecode.model.source import resolve_model
     src = resolve_model("smollm2-135m")
     d, f = os.path.dirname(src.path), os.path.basename(src.path)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)

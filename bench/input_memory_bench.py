@@ -39,11 +39,11 @@ from types import SimpleNamespace
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from fastdecode import report  # noqa: E402
-from fastdecode.engine import RequestError  # noqa: E402
-from fastdecode.generate import BatchJob  # noqa: E402
-from fastdecode.sampling_params import CompletionOutput, RequestOutput  # noqa: E402
-from fastdecode.stats import Reservoir, StepRecorder  # noqa: E402
+from fastdecode.batch import report  # noqa: E402
+from fastdecode.engine.llm_engine import RequestError  # noqa: E402
+from fastdecode.batch.generate import BatchJob  # noqa: E402
+from fastdecode.engine.sampling_params import CompletionOutput, RequestOutput  # noqa: E402
+from fastdecode.engine.stats import Reservoir, StepRecorder  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SAMPLE_EVERY = 10_000

@@ -56,7 +56,7 @@ from kernel_bench import ITEMSIZE, MODELS, best_time, bf16_bits_to_f32, fill_sto
 
 from rworker import KVStore  # noqa: E402
 from rworker import isa as isa_mod  # noqa: E402
-from rworker._threads import default_threads, pin_cpus  # noqa: E402
+from rworker.host.threads import default_threads, pin_cpus  # noqa: E402
 
 
 def load_old(build_dir: str, isa: str):

@@ -42,7 +42,7 @@ from kernel_ref import attention_ref, bf16_bits_to_f32, f32_to_bf16_bits  # noqa
 from rworker import KVStore  # noqa: E402
 from rworker import isa as isa_mod  # noqa: E402
 from rworker.bench import largest_cache_bytes  # noqa: E402
-from rworker._threads import default_threads, pin_cpus  # noqa: E402
+from rworker.host.threads import default_threads, pin_cpus  # noqa: E402
 
 # name: (num_kv_heads, num_query_heads, head_dim, layers)
 MODELS = {

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--mem", default="24M", help="KV bytes of the (one, local) R-worker")
     ap.add_argument("--instruction", default="Answer briefly.", help="put before every question")
     args = ap.parse_args()
-    from rworker.capacity import parse_bytes
+    from rworker.host.capacity import parse_bytes
     mem = parse_bytes(args.mem)
     messages = [[{"role": "user", "content": f"{args.instruction} {QUESTIONS[i % len(QUESTIONS)]}"}]
                 for i in range(args.requests)]

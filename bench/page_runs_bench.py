@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_bench import MODELS, best_time, fill_store, random_block  # noqa: E402
 
 from rworker import KVStore  # noqa: E402
-from rworker._threads import default_threads, pin_cpus  # noqa: E402
+from rworker.host.threads import default_threads, pin_cpus  # noqa: E402
 
 LAYOUTS = ("prompt", "decode", "extents", "reserved")
 

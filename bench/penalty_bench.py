@@ -20,9 +20,9 @@ import time
 import numpy as np
 import torch
 
-from fastdecode.runner import penalties_of
-from fastdecode.sampling_params import SamplingParams
-from fastdecode.sequence import Request, Sequence
+from fastdecode.engine.runner import penalties_of
+from fastdecode.engine.sampling_params import SamplingParams
+from fastdecode.engine.sequence import Request, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,5 +1,5 @@
 """Does prefill cost per prompt token separate into (prompt length) + (chunk size)? The profile
-used to assume so (fastdecode/profile.py). Times profile.time_prefill for each prompt length at
+used to assume so (fastdecode/sizing/measure.py). Times measure.time_prefill for each prompt length at
 1 .. N prompts per chunk (local mode, one process, --rounds interleaved passes) and writes
 bench/results/prefill_chunk_<label>.json: ms per prompt token, per round.
 
@@ -25,8 +25,9 @@ def main() -> None:
                     help="PROMPT_LEN:COUNTS;... (counts of prompts per chunk)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    from fastdecode import profile
-    from fastdecode.engine import EngineArgs, LLMEngine
+    from fastdecode.sizing import measure
+    from fastdecode.engine.args import EngineArgs
+    from fastdecode.engine.llm_engine import LLMEngine
 
     plan = [(int(p), [int(c) for c in counts.split(",")])
             for p, counts in (item.split(":") for item in args.prompts.split(";"))]
@@ -36,7 +37,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for p, counts in plan:
             for c in counts:
-                ms[f"{p}x{c}"].append(round(profile.time_prefill(engine, p, c * p) * 1e3, 4))
+                ms[f"{p}x{c}"].append(round(measure.time_prefill(engine, p, c * p) * 1e3, 4))
             print(p, {c: ms[f"{p}x{c}"][-1] for c in counts}, flush=True)
     engine.close()
     result = {"label": args.label, "host": platform.node(), "model": args.model, "kv_dtype": args.kv_dtype,

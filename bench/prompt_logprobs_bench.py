@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastdecode import LLM, SamplingParams
-from fastdecode.runner import PROMPT_LOGPROB_BLOCK
+from fastdecode.engine.runner import PROMPT_LOGPROB_BLOCK
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,6 @@
 """How many sequences R-worker memory holds under each --kv-reserve policy: measured against plan.
 
-`fastdecode plan` prices the capacity check per reservation policy (fastdecode/sizing.py
+`fastdecode plan` prices the capacity check per reservation policy (fastdecode/sizing/model.py
 held_tokens): full holds prompt + S tokens per sequence in whole pages, grow on average
 prompt + S/2 + 1.5 pages (half a page of rounding, the next token, a page of admission headroom).
 This bench runs equal-length requests (EOS ignored, so every sequence lives S steps) through the
@@ -23,8 +23,9 @@ import time
 import numpy as np
 
 from fastdecode import LLM, SamplingParams
-from fastdecode.sizing import RWorkerProfile, sequences_on_worker
-from rworker.capacity import parse_bytes
+from fastdecode.sizing.schema import RWorkerProfile
+from fastdecode.sizing.model import sequences_on_worker
+from rworker.host.capacity import parse_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

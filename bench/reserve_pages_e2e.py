@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from generate_bench import batch_file, prompts  # noqa: E402
 
 from rworker import KVStore  # noqa: E402
-from rworker._threads import pin_cpus  # noqa: E402
+from rworker.host.threads import pin_cpus  # noqa: E402
 
 SMOLLM_KV_BYTES_PER_TOKEN = KVStore(30, 3, 64, "bf16", threads=1).kv_bytes_per_token()   # all 30 layers
 

@@ -28,14 +28,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fastdecode.engine import EngineArgs, LLMEngine
+from fastdecode.engine.args import EngineArgs
+from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.ops import SPartOps
-from fastdecode.profile import fake_sequences, first_layers, median_time, pcie_bandwidth
+from fastdecode.engine.harness import fake_sequences, first_layers, median_time
+from fastdecode.sizing.measure import pcie_bandwidth
 from fastdecode.rpart.loopback import LoopbackBackend
-from fastdecode.runner import ModelRunner
-from fastdecode.sampler import SamplingBatch, sample
-from fastdecode.sampling_params import SamplingParams
+from fastdecode.engine.runner import ModelRunner
+from fastdecode.engine.sampler import SamplingBatch, sample
+from fastdecode.engine.sampling_params import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 
-from fastdecode.sizing import GPU_PRESETS, MODEL_PRESETS, predict, stated_profile
+from fastdecode.sizing.hardware import GPU_PRESETS, stated_profile
+from fastdecode.sizing.schema import MODEL_PRESETS
+from fastdecode.sizing.model import predict
 
 # ---- stated hardware (assumptions, not measurements)
 GPU = GPU_PRESETS["a10"]          # datasheet: 125 dense bf16 TFLOP/s, 600 GB/s GDDR6, 24 GB

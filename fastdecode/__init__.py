@@ -10,11 +10,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": ("fastdecode.llm", "LLM"),
-    "SamplingParams": ("fastdecode.sampling_params", "SamplingParams"),
-    "RequestOutput": ("fastdecode.sampling_params", "RequestOutput"),
-    "CompletionOutput": ("fastdecode.sampling_params", "CompletionOutput"),
-    "Logprob": ("fastdecode.sampling_params", "Logprob"),
-    "EngineArgs": ("fastdecode.engine", "EngineArgs"),
+    "SamplingParams": ("fastdecode.engine.sampling_params", "SamplingParams"),
+    "RequestOutput": ("fastdecode.engine.sampling_params", "RequestOutput"),
+    "CompletionOutput": ("fastdecode.engine.sampling_params", "CompletionOutput"),
+    "Logprob": ("fastdecode.engine.sampling_params", "Logprob"),
+    "EngineArgs": ("fastdecode.engine.args", "EngineArgs"),
 }
 __all__ = list(_LAZY)
 

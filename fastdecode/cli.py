@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from . import mpi_env
+from fastdecode.launch import mpi_env
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -31,8 +31,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _pipeline_depth(text: str) -> int:
+    from rworker.protocol.control import MAX_MINIBATCHES
+    v = _positive_int(text)
+    if v > MAX_MINIBATCHES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_MINIBATCHES} mini-batches in flight, got {v}")
+    return v
+
+
 def _bytes(text: str) -> int:
-    from rworker.capacity import parse_bytes
+    from rworker.host.capacity import parse_bytes
     try:
         return parse_bytes(text)
     except ValueError as e:
@@ -72,7 +80,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may stay silent before the job aborts naming it")
-    p.add_argument("--pipeline-depth", type=_positive_int, default=2,
+    p.add_argument("--pipeline-depth", type=_pipeline_depth, default=2,
                    help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
                         "others (1 = S and R take turns)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -130,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions (median)")
     pr.add_argument("--prompt-lens", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
                     help="comma-separated prompt lengths for the prefill cost (default 16,128,512,1024,2048)")
-    from .plan import add_parser as add_plan_parser
+    from fastdecode.sizing.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     sub.add_parser("info", help="versions, ISA path, MPI, devices")
     return parser
@@ -164,8 +172,8 @@ def validate_generate(args) -> None:
 
 def check_model(args) -> None:
     """The model's config is readable and servable, and --max-model-len fits it."""
-    from .config import ConfigError
-    from .model_source import read_config, resolve_model
+    from fastdecode.model.config import ConfigError
+    from fastdecode.model.source import read_config, resolve_model
     try:
         read_config(resolve_model(args.model)).resolve_max_model_len(args.max_model_len)
     except ConfigError as e:
@@ -221,7 +229,7 @@ def cmd_generate(args) -> int:
 
 
 def engine_args(args):
-    from .engine import EngineArgs
+    from fastdecode.engine.args import EngineArgs
     return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                       attn_probs=args.attn_probs,
                       max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
@@ -236,9 +244,9 @@ def engine_args(args):
 def run_s_worker(args, comm) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
-    from .engine import LLMEngine
-    from .generate import print_summary, run_generate
-    from .interrupt import StopRequest
+    from fastdecode.engine.llm_engine import LLMEngine
+    from fastdecode.batch.generate import print_summary, run_generate
+    from fastdecode.batch.interrupt import StopRequest
 
     # installed before the (long) model load and kept to the exit: a signal at any point after
     # this is a clean stop, never the default action (which would end rank 0 without a report)
@@ -261,8 +269,8 @@ def validate_model(args) -> None:
 def run_profile_s_worker(args, comm) -> int:
     import json as _json
 
-    from .engine import LLMEngine
-    from .profile import run_profile
+    from fastdecode.engine.llm_engine import LLMEngine
+    from fastdecode.sizing.profile import run_profile
 
     engine = LLMEngine(engine_args(args), comm)
     try:
@@ -283,12 +291,12 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .plan import run
+    from fastdecode.sizing.plan import run
     return run(args)
 
 
 def cmd_info(args) -> int:
-    from .info import collect, render
+    from fastdecode.launch.info import collect, render
     print(render(collect()))
     return EXIT_OK
 
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
     if args.command in ("generate", "profile"):
-        from . import supervise
+        from fastdecode.launch import supervise
         if supervise.should_supervise():      # under a launcher: a dead rank gets named
             return supervise.run_supervised(sys.argv[1:] if argv is None else argv)
     handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "info": cmd_info}

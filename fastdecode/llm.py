@@ -10,10 +10,11 @@ import atexit
 import sys
 from collections.abc import Sequence as Seq
 
-from . import mpi_env
-from .engine import EngineArgs, LLMEngine, RequestError
-from .progress import Progress
-from .sampling_params import RequestOutput, SamplingParams
+from fastdecode.launch import mpi_env
+from fastdecode.engine.args import EngineArgs
+from fastdecode.engine.llm_engine import LLMEngine, RequestError
+from fastdecode.batch.progress import Progress
+from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
 
 
 class LLM:

@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
-from .kvstore import KVStore
+from rworker.kvstore import KVStore
+from rworker.protocol.kvformat import kv_itemsize
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def largest_cache_bytes() -> int:
@@ -63,7 +63,7 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype
     (v_tile, prefetch: rworker.tune)."""
     rng = np.random.default_rng(seed)
     target_bytes = target_bytes or default_target_bytes()
-    token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZE[kv_dtype]          # K and V of one token, one layer
+    token_bytes = 2 * num_kv_heads * head_dim * kv_itemsize(kv_dtype)          # K and V of one token, one layer
     long_len = max(64, int(target_bytes // (seqs * token_bytes)))
     points = []
     for length in (32, long_len):

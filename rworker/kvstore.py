@@ -14,7 +14,7 @@ count, and the history of other sequences' appends/frees (split points depend on
 Calls on one store from several threads are serialized (a mutex in C++); every call that touches
 KV data releases the GIL.
 
-Environment: FASTDECODE_ISA (rworker.isa), FASTDECODE_THREADS / FASTDECODE_PIN=0 (rworker._threads),
+Environment: FASTDECODE_ISA (rworker.isa), FASTDECODE_THREADS / FASTDECODE_PIN=0 (rworker/host/threads.py),
 FASTDECODE_SPIN_US (how long idle workers spin before sleeping, default 50), FASTDECODE_RESERVE_PAGES=0
 (`reserve` takes nothing: decode pages come by extents, for measurements), FASTDECODE_EXTENT_PAGES
 (pages per head an unreserved sequence takes when it outgrows its pages, default 8; 1: one at a time),
@@ -29,10 +29,10 @@ import warnings
 
 import numpy as np
 
-from . import isa as _isa
-from ._threads import default_threads, pin_cpus
+from rworker import isa as _isa
+from rworker.protocol.kvformat import DTYPE_BYTES, KV_DTYPES
+from rworker.host.threads import default_threads, pin_cpus
 
-_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 V_PAIRS = -2      # the V layout "token pairs" (csrc/avx512/simd.h), where the build has it
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -47,7 +47,7 @@ class KVStore:
                  isa: str | None = None, v_tile: int | None = None, prefetch: bool | str | None = None,
                  amx: bool | str | None = None):
         kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
-        if kv_dtype not in _ITEMSIZE:
+        if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be 'bf16', 'fp16' or 'fp32', got {kv_dtype!r}")
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if int(val) != val or val < 1:
@@ -194,7 +194,7 @@ class KVStore:
         return self._st.bytes_reserved()
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _ITEMSIZE[self.kv_dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
 
     @property
     def page_tokens(self) -> int:

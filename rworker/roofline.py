@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .bench import ITEMSIZE
-
-PAGE_TOKENS = 32
+from rworker.protocol.kvformat import KV_DTYPES, PAGE_TOKENS, kv_itemsize
 
 
 @dataclass(frozen=True)
@@ -39,9 +37,9 @@ class PageOps:
 def page_ops(group: int, head_dim: int, kv_dtype: str, bf16_dot: bool, v_pairs: bool = False) -> PageOps:
     """Multiply-add instructions of one page (AVX-512 path). bf16_dot: the scores take vdpbf16ps
     (bf16 KV, bf16 q, a CPU with AVX512-BF16); v_pairs: V in token pairs (needs bf16_dot's conditions)."""
-    if group < 1 or head_dim < 1 or kv_dtype not in ITEMSIZE:
+    if group < 1 or head_dim < 1 or kv_dtype not in KV_DTYPES:
         raise ValueError(f"page_ops: group {group} and head_dim {head_dim} must be >= 1, kv_dtype one of "
-                         f"{sorted(ITEMSIZE)}, got {kv_dtype!r}")
+                         f"{sorted(KV_DTYPES)}, got {kv_dtype!r}")
     if (bf16_dot or v_pairs) and kv_dtype != "bf16":
         raise ValueError(f"page_ops: vdpbf16ps needs bf16 KV, got {kv_dtype}")
     if v_pairs and not bf16_dot:
@@ -50,7 +48,7 @@ def page_ops(group: int, head_dim: int, kv_dtype: str, bf16_dot: bool, v_pairs: 
     gd = group * dp
     return PageOps(scores_dot=gd if bf16_dot else 0, scores_fma=0 if bf16_dot else 2 * gd,
                    pv_dot=gd if v_pairs else 0, pv_fma=0 if v_pairs else 2 * gd,
-                   kv_bytes=2 * PAGE_TOKENS * dp * ITEMSIZE[kv_dtype])
+                   kv_bytes=2 * PAGE_TOKENS * dp * kv_itemsize(kv_dtype))
 
 
 def compute_bound_gbps(ops: PageOps, fma_per_ns: float, dot_per_ns: float) -> float:

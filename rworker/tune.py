@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import isa as _isa
-from .bench import default_target_bytes
-from .kvstore import V_PAIRS, KVStore
+from rworker import isa as _isa
+from rworker.protocol.kvformat import kv_itemsize
+from rworker.bench import default_target_bytes
+from rworker.kvstore import V_PAIRS, KVStore
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 CONTEXT = 1024                # tokens per probe sequence: the contexts the targets name
 MAX_WORKING_SET = 256 << 20   # bytes per probe store: the ">= 256 MB", past this VM's 32 MiB L3
                               # (the GPU box's 300 MB L3 holds part of it: a compute-leaning test, as there)
@@ -141,7 +141,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
         return KernelChoice(cands[0][0], cands[0][1], tuned=False)
     t_start = time.perf_counter()
     rng = np.random.default_rng(seed)
-    token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZE[kv_dtype]        # K and V, one layer
+    token_bytes = 2 * num_kv_heads * head_dim * kv_itemsize(kv_dtype)        # K and V, one layer
     want = working_set_bytes or min(default_target_bytes(), MAX_WORKING_SET)
     seqs = max(2 * (threads or 1), -(-want // (CONTEXT * token_bytes)))
     nbytes = seqs * CONTEXT * token_bytes

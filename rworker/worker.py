@@ -1,6 +1,6 @@
 """The R-worker's MPI loop: hold the KV-cache, append K/V, attend, return O. Never imports torch.
 
-Rank 0 (the S-worker) drives everything; see protocol.py for the message order. A step's data
+Rank 0 (the S-worker) drives everything; rworker.protocol.control gives the message order. A step's data
 messages have sizes known from its control message, so the next mini-batch's receive is posted
 before the current one is attended.
 """
@@ -10,23 +10,22 @@ import json
 import os
 import signal
 import socket
-import struct
 import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from . import faults
-from . import protocol as P
-from .capacity import default_capacity_bytes
-from ._threads import physical_cpus
-from .cores import bind, rworker_cpus
-from .kvstore import KVStore
-from .progress import Progressor
-from .tune import open_tuned_store
-from .wait import PeerTimeout, abort_job, choose_policy, node_layout, wait_message
-
+from rworker.host import faults
+from rworker.host.capacity import default_capacity_bytes
+from rworker.host.cores import bind, rworker_cpus
+from rworker.host.progressor import Progressor
+from rworker.host.threads import physical_cpus
+from rworker.host.wait import PeerTimeout, abort_job, choose_policy, node_layout, wait_message
+from rworker.kvstore import KVStore
+from rworker.protocol import control as P
+from rworker.protocol.wire import split_kv, split_qkv
+from rworker.tune import open_tuned_store
 
 class RWorker:
     def __init__(self, comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
@@ -74,30 +73,28 @@ class RWorker:
                 self.progress.close()
                 return
             else:
-                raise ValueError(f"protocol error: unknown control kind {kind}")
+                raise P.ProtocolError(f"protocol error: unknown control kind {kind}")
 
     def hello(self, hdr: np.ndarray, body: np.ndarray) -> None:
-        num_layers, num_kv_heads, head_dim, kv_code, num_heads = (int(x) for x in hdr)
-        scale = struct.unpack("<d", struct.pack("<q", int(body[0])))[0]
+        h = P.parse_hello(hdr, body)
         # R-workers on one node split its memory (the S-worker, if here, is covered by the reserve)
         # and, unless the launcher bound each rank, its cores (around what the S-worker keeps)
         r_here = self.ranks_here - (1 if self.s_worker_here else 0)
-        s_cores = int(body[3]) if self.s_worker_here and body.size > 3 else 0
-        cpus = rworker_cpus(self.r_index, r_here, s_cores)
+        cpus = rworker_cpus(self.r_index, r_here, h.s_cores if self.s_worker_here else 0)
         bind(cpus)
-        threads = self.threads_arg or (int(body[1]) or None) or len(physical_cpus(cpus))
-        capacity = self.capacity_arg or int(body[2]) or default_capacity_bytes(share=max(r_here, 1))
+        threads = self.threads_arg or h.threads or len(physical_cpus(cpus))
+        capacity = self.capacity_arg or h.capacity_bytes or default_capacity_bytes(share=max(r_here, 1))
         # the V layout and prefetch that stream fastest on these cores (a few seconds; rworker.tune)
-        bf16_probs = body.size > 4 and bool(body[4])     # the job allows V pairs (--attn-probs bf16)
-        self.store, kernel = open_tuned_store(num_layers, num_heads, num_kv_heads, head_dim, P.KV_DTYPES[kv_code],
-                                              threads, capacity, scale=scale, bf16_probs=bf16_probs)
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.num_layers = num_layers
+        self.store, kernel = open_tuned_store(h.num_layers, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_dtype,
+                                              threads, capacity, scale=h.scale, bf16_probs=h.bf16_probs)
+        self.num_heads, self.num_kv_heads, self.head_dim = h.num_heads, h.num_kv_heads, h.head_dim
+        self.num_layers = h.num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)
+        amx = f", AMX scores {self.store.amx}" if self.store.amx != "off" else ""
         self.send_json({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpus": cpus,
-                        "threads": self.store.threads, "isa": self.store.isa, "capacity_bytes": capacity,
-                        "page_tokens": int(self.store.page_tokens), "wait_policy": self.policy,
-                        "kernel": kernel.describe() + (f", AMX scores {self.store.amx}" if self.store.amx != "off" else ""),
+                        "protocol": P.VERSION, "threads": self.store.threads, "isa": self.store.isa,
+                        "capacity_bytes": capacity, "page_tokens": int(self.store.page_tokens),
+                        "wait_policy": self.policy, "kernel": kernel.describe() + amx,
                         "kernel_choice": {**kernel.as_dict(), "amx": self.store.amx}})
 
     def send_json(self, obj: dict) -> None:
@@ -107,7 +104,7 @@ class RWorker:
     # ------------------------------------------------------------------ profile: kernel cost, link echo
 
     def profile(self, hdr: np.ndarray) -> None:
-        from .bench import measure_attention
+        from rworker.bench import measure_attention
         result = measure_attention(self.num_heads, self.num_kv_heads, self.head_dim, self.store.kv_dtype,
                                    self.store.threads, seqs=int(hdr[0]), target_bytes=int(hdr[1]),
                                    v_tile=self.store.v_tile, prefetch=self.store.prefetch)
@@ -122,27 +119,23 @@ class RWorker:
                 self.comm.Recv([buf, MPI.BYTE], source=0, tag=P.TAG_PING)
                 self.comm.Send([buf, MPI.BYTE], dest=0, tag=P.TAG_PING)
 
-    def _layers(self, hdr: np.ndarray) -> int:
-        """Layers a PREFILL/DECODE step covers: header word c, 0 meaning all of them."""
-        layers = int(hdr[2]) or self.num_layers
+    def _layers(self, announced: int) -> int:
+        """Layers a PREFILL/DECODE step covers, 0 meaning all of them."""
+        layers = announced or self.num_layers
         if not 0 < layers <= self.num_layers:
-            raise ValueError(f"protocol error: a step over {layers} layers (the model has {self.num_layers})")
+            raise P.ProtocolError(f"protocol error: a step over {layers} layers (the model has {self.num_layers})")
         return layers
 
     # ------------------------------------------------------------------ prefill: append prompt K/V
 
     def prefill(self, hdr: np.ndarray, body: np.ndarray) -> None:
         """Append the prompt K/V of each layer; the next layer's message is received meanwhile."""
-        rows, act, layers = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])], self._layers(hdr)
-        ids = body[:rows].copy()
-        nres = int(hdr[3])
-        if nres < 0 or body.size < rows + 2 * nres:
-            raise ValueError(f"protocol error: PREFILL announces {rows} rows and {nres} reservations, "
-                             f"its body has {body.size} words")
-        if nres:    # pages for each sequence's whole reservation now: one run per (layer, head)
-            self.store.reserve(body[rows:rows + nres], body[rows + nres:rows + 2 * nres])
-        kv = self.num_kv_heads * self.head_dim
-        bufs = [np.empty(2 * rows * kv, dtype=act) for _ in range(2)]
+        msg = P.parse_prefill(hdr, body)
+        layers, rows = self._layers(msg.layers), len(msg.row_ids)
+        if len(msg.reserve_ids):    # pages for each sequence's whole reservation now: one run per (layer, head)
+            self.store.reserve(msg.reserve_ids, msg.reserve_tokens)
+        hkv, d = self.num_kv_heads, self.head_dim
+        bufs = [np.empty(2 * rows * hkv * d, dtype=msg.act_dtype) for _ in range(2)]
         tickets = [self.progress.track([self.comm.Irecv(bufs[0], source=0, tag=P.TAG_KV)], self.s_name), None]
         for layer in range(layers):
             cur = layer % 2
@@ -150,26 +143,26 @@ class RWorker:
                 tickets[1 - cur] = self.progress.track(
                     [self.comm.Irecv(bufs[1 - cur], source=0, tag=P.TAG_KV)], self.s_name)
             self.progress.wait(tickets[cur], self.timeout)
-            k = bufs[cur][: rows * kv].reshape(rows, self.num_kv_heads, self.head_dim)
-            v = bufs[cur][rows * kv:].reshape(rows, self.num_kv_heads, self.head_dim)
-            self.store.append(layer, ids, k, v)
+            k, v = split_kv(bufs[cur], rows, hkv, d)
+            self.store.append(layer, msg.row_ids, k, v)
 
     # ------------------------------------------------------------------ decode: append + attend per layer
 
     def decode(self, step: int, hdr: np.ndarray, body: np.ndarray) -> None:
         """Per layer, per mini-batch: receive [q|k|v], append + attend, send O back. Every
         mini-batch's next message is already posted while this one is attended."""
-        n_mb, act, layers = int(hdr[0]), P.ACT_DTYPES[int(hdr[1])], self._layers(hdr)
-        counts = body[:n_mb]
-        offsets = np.concatenate([[0], np.cumsum(counts)]) + n_mb
-        ids = [body[offsets[m]:offsets[m + 1]].copy() for m in range(n_mb)]
+        msg = P.parse_decode(hdr, body)
+        layers, ids = self._layers(msg.layers), msg.ids
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        inbufs = [np.empty(int(c) * (hq + 2 * hkv) * d, dtype=act) for c in counts]
-        outbufs = [np.empty((int(c), hq, d), dtype=act) for c in counts]
-        active = [m for m in range(n_mb) if counts[m] > 0]     # the S-worker sends nothing for empty ones
+        inbufs = [np.empty(len(x) * (hq + 2 * hkv) * d, dtype=msg.act_dtype) for x in ids]
+        outbufs = [np.empty((len(x), hq, d), dtype=msg.act_dtype) for x in ids]
+        active = [m for m, x in enumerate(ids) if len(x)]     # the S-worker sends nothing for empty ones
         prog = self.progress
-        recvs = {m: prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m)], self.s_name)
-                 for m in active}
+
+        def post_recv(m: int):
+            return prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.tag_qkv(m))], self.s_name)
+
+        recvs = {m: post_recv(m) for m in active}
         sends = {}
         t_step = time.perf_counter()
         attend_s = idle_s = 0.0        # idle: blocked on the S-worker's next rows (not R-part work)
@@ -178,19 +171,15 @@ class RWorker:
                 t = time.perf_counter()
                 prog.wait(recvs[m], self.timeout)
                 idle_s += time.perf_counter() - t
-                n = int(counts[m])
-                q = inbufs[m][: n * hq * d].reshape(n, hq, d)
-                k = inbufs[m][n * hq * d: n * (hq + hkv) * d].reshape(n, hkv, d)
-                v = inbufs[m][n * (hq + hkv) * d:].reshape(n, hkv, d)
+                q, k, v = split_qkv(inbufs[m], len(ids[m]), hq, hkv, d)
                 if m in sends:
                     prog.wait(sends[m], self.timeout)   # the previous layer's O has left this buffer
                 t = time.perf_counter()
                 self.store.append_attend(layer, ids[m], q, k, v, out=outbufs[m])
                 attend_s += time.perf_counter() - t
-                sends[m] = prog.track([self.comm.Isend(outbufs[m], dest=0, tag=P.TAG_OUT + m)], self.s_name)
+                sends[m] = prog.track([self.comm.Isend(outbufs[m], dest=0, tag=P.tag_out(m))], self.s_name)
                 if layer + 1 < layers:
-                    recvs[m] = prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.TAG_QKV + m)],
-                                          self.s_name)
+                    recvs[m] = post_recv(m)
         for t in sends.values():
             prog.wait(t, self.timeout)
         busy_s = time.perf_counter() - t_step - idle_s

@@ -36,7 +36,7 @@ def llm():
 
 @pytest.fixture(scope="session")
 def smollm_source():
-    from fastdecode.model_source import resolve_model
+    from fastdecode.model.source import resolve_model
     return resolve_model("smollm2-135m")
 
 

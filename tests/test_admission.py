@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fastdecode.admission import (FifoAdmission, StabilizedAdmission, earliest_step,
-                                  projected_workload, simulate)
+from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission, projected_workload
+from fastdecode.sched.simulate import earliest_step, simulate
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -214,7 +214,7 @@ def test_grow_page_overhead_counts_against_capacity_not_w_lim():
     """Under --kv-reserve grow a sequence holds its last page half full, the next token's slot and
     a page of admission headroom beyond its tokens: 48.5 tokens at 32-token pages. Capacity
     holds fewer sequences by that, and the tokens the projection may reach leave room for it."""
-    from fastdecode.placement import Placement
+    from fastdecode.sched.placement import Placement
     from fastdecode.rpart.base import WorkerInfo
 
     workers = [WorkerInfo(1, "h", 1, "avx2", 10 ** 6, page_tokens=32)]
@@ -328,11 +328,11 @@ def test_early_eos_learnt_lengths_keep_the_batch_full(seed):
 def test_scheduler_reports_ages_and_finished_sequences_to_the_controller():
     """The engine's side of learnt lengths: running sequences carry their age, and every
     finished one is observed (EOS stop vs max_tokens) but not one aborted without a reason."""
-    from fastdecode.placement import Placement
+    from fastdecode.sched.placement import Placement
     from fastdecode.rpart.base import WorkerInfo
-    from fastdecode.sampling_params import SamplingParams
-    from fastdecode.scheduler import Scheduler
-    from fastdecode.sequence import Request, Sequence
+    from fastdecode.engine.sampling_params import SamplingParams
+    from fastdecode.sched.scheduler import Scheduler
+    from fastdecode.engine.sequence import Request, Sequence
 
     class Spy(StabilizedAdmission):
         def admit(self, step, waiting, running, capacity_tokens=None):
@@ -366,7 +366,7 @@ def test_stabilize_lengths_flag_reaches_the_controller(flag, learns):
     from types import SimpleNamespace
 
     from fastdecode.cli import build_parser, engine_args
-    from fastdecode.engine import LLMEngine
+    from fastdecode.engine.llm_engine import LLMEngine
 
     args = build_parser().parse_args(["generate", "-i", "in.jsonl", "-o", "out.jsonl", "--schedule", "stabilized",
                                  "--max-batch", "64"] + flag)

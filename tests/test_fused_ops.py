@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from fastdecode.model import ops  # noqa: E402
 from fastdecode.model import triton_ops as tri  # noqa: E402
-from fastdecode.rpart.wire import WireLayout  # noqa: E402
+from fastdecode.rpart.base import TorchWireLayout as WireLayout  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -137,8 +137,8 @@ def test_model_layer_fused_vs_torch():
     and logits with the fused kernels and with the torch code: the same function (norm-wise
     within a few bf16 roundings), every packed element written."""
     from fastdecode.model.llama import LlamaSPart
-    from fastdecode.model_source import read_config, resolve_model
-    from fastdecode.weights import load_weights
+    from fastdecode.model.source import read_config, resolve_model
+    from fastdecode.model.weights import load_weights
 
     source = resolve_model("random:smollm2-135m:layers=2")
     config = read_config(source)

@@ -49,7 +49,7 @@ def run_ids(tmp_path, requests, ranks):
 @pytest.fixture(scope="module")
 def hf_reference(hf_smollm):
     tok, model = hf_smollm
-    from fastdecode.engine import LLMEngine  # noqa: F401  (import check only)
+    from fastdecode.engine.llm_engine import LLMEngine  # noqa: F401  (import check only)
     eos = [tok.eos_token_id]
     refs = []
     for r in GREEDY:
@@ -70,8 +70,8 @@ def runs(tmp_path_factory):
 
 def test_weights_equal_hf_gguf_loader(smollm_source, hf_smollm):
     """Our dequantization + Q/K un-permutation gives exactly HF's tensors."""
-    from fastdecode.model_source import read_config
-    from fastdecode.weights import load_weights
+    from fastdecode.model.source import read_config
+    from fastdecode.model.weights import load_weights
     _, model = hf_smollm
     ours = load_weights(smollm_source, read_config(smollm_source), torch.float32)
     theirs = model.state_dict()

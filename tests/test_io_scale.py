@@ -8,8 +8,8 @@ from collections import Counter
 
 from conftest import batch_line, read_output, run_fastdecode
 
-from fastdecode.output import OutputWriter, repair_tail
-from fastdecode.resume import DONE, DUP, NEW, ResumeIndex
+from fastdecode.batch.output import OutputWriter, repair_tail
+from fastdecode.batch.resume import DONE, DUP, NEW, ResumeIndex
 
 
 def malformed(i: int) -> tuple[str, str]:
@@ -121,7 +121,7 @@ def test_step_recorder_keeps_bounded_evenly_spaced_rows_and_exact_totals(monkeyp
     """Millions of steps: the rows kept for --stats-json are bounded; totals cover every step."""
     from types import SimpleNamespace
 
-    from fastdecode import stats
+    from fastdecode.engine import stats
     monkeypatch.setattr(stats, "MAX_ROWS", 64)
     rec = stats.StepRecorder(2)
     runner = SimpleNamespace(last_s_time=0.01, last_r_wait=0.0)

@@ -10,7 +10,7 @@ import pytest
 
 from rworker import available_isas, cpu_features, selected_isa
 from rworker import isa as isa_mod
-from rworker._threads import cpu_set, default_threads, physical_cpus, pin_cpus
+from rworker.host.threads import cpu_set, default_threads, physical_cpus, pin_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X86 = platform.machine().lower() in ("x86_64", "amd64")

@@ -50,10 +50,11 @@ def _final_states(runner, model, seqs):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_graph_path_matches_the_plain_path(device):
-    from fastdecode.engine import EngineArgs, LLMEngine
-    from fastdecode.profile import fake_sequences
+    from fastdecode.engine.args import EngineArgs
+    from fastdecode.engine.llm_engine import LLMEngine
+    from fastdecode.engine.harness import fake_sequences
     from fastdecode.rpart.loopback import LoopbackBackend
-    from fastdecode.runner import ModelRunner
+    from fastdecode.engine.runner import ModelRunner
 
     dtype = "float32" if device == "cpu" else "bfloat16"
     engine = LLMEngine(EngineArgs(model=SMALL, device=device, dtype=dtype, max_batch=4096))
@@ -80,7 +81,8 @@ def test_graph_path_matches_the_plain_path(device):
 
 
 def test_cuda_graphs_on_a_cpu_s_worker_run_eagerly(capsys):
-    from fastdecode.engine import EngineArgs, LLMEngine
+    from fastdecode.engine.args import EngineArgs
+    from fastdecode.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineArgs(model=SMALL, device="cpu", cuda_graphs=True))
     assert engine.runner.graphs is None
     assert "--cuda-graphs needs a CUDA S-worker" in capsys.readouterr().err

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fastdecode.admission import _grid, largest_prefix_expected, projected_workload
-from fastdecode.length_model import LengthModel
+from fastdecode.sched.admission import _grid, largest_prefix_expected, projected_workload
+from fastdecode.sched.length_model import LengthModel
 
 
 def model_of(obs, min_events=1):

@@ -109,7 +109,7 @@ def test_frequency_and_presence_penalties_follow_openai_formula(llm, hf_smollm):
 def test_penalties_apply_equals_numpy_reference(seed):
     """Penalties.apply on random logits and histories (some rows unpenalized, some with empty
     histories, repeated tokens, signs of both kinds) against the formula in float64."""
-    from fastdecode import sampler
+    from fastdecode.engine import sampler
     rng = np.random.default_rng(seed)
     n, vocab = 11, 50
     logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
@@ -170,7 +170,7 @@ def test_sampling_params_validate_new_fields():
 # ---------------------------------------------------------------------------- batch files
 
 def test_request_fields_map_to_sampling_params():
-    from fastdecode.batch_io import parse_line
+    from fastdecode.batch.jsonl import parse_line
     chat = parse_line(1, batch_line("c", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                           "top_logprobs": 3, "frequency_penalty": 0.5}, "/v1/chat/completions"))
     assert chat.error is None and chat.params.logprobs == 3 and chat.params.frequency_penalty == 0.5
@@ -210,7 +210,7 @@ def test_request_fields_map_to_sampling_params():
     ({"prompt": "hi", "skip_special_tokens": "no"}, "/v1/completions", "skip_special_tokens must be bool"),
 ])
 def test_unsupported_or_bad_fields_get_a_400_naming_them(body, url, needle):
-    from fastdecode.batch_io import parse_line
+    from fastdecode.batch.jsonl import parse_line
     line = parse_line(1, batch_line("x", body, url))
     assert line.error is not None and needle in str(line.error)
 

@@ -64,7 +64,7 @@ def test_tiny_hf_models_greedy_identical(tiny_models, hf_smollm, name):
 
 def teacher_forced_top1(engine, prompts: list[list[int]], forced: list[list[int]]) -> list[np.ndarray]:
     """Our greedy choice at every position while feeding the given continuation (teacher forcing)."""
-    from fastdecode.sampling_params import SamplingParams
+    from fastdecode.engine.sampling_params import SamplingParams
     steps = len(forced[0])
     reqs = [engine.add_request(i, f"tf{i}", None, p, SamplingParams(max_tokens=steps + 1, temperature=0,
                                                                      ignore_eos=True))
@@ -87,7 +87,8 @@ def teacher_forced_top1(engine, prompts: list[list[int]], forced: list[list[int]
 
 def test_bf16_kv_teacher_forced_top1_agreement(hf_smollm):
     """bf16 KV vs HF fp32: top-1 agreement >= 99% over >= 2,000 teacher-forced positions."""
-    from fastdecode.engine import EngineArgs, LLMEngine
+    from fastdecode.engine.args import EngineArgs
+    from fastdecode.engine.llm_engine import LLMEngine
     tok, model = hf_smollm
     starts = ["The history of", "My favourite recipe", "Scientists have discovered", "Dear diary, today",
               "The best way to learn", "In the year 2050", "Once upon a time", "The ocean is",

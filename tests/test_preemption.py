@@ -22,8 +22,8 @@ class FifoAll:
 
 
 def make_seq(seq_id, prompt_len, max_tokens):
-    from fastdecode.sampling_params import SamplingParams
-    from fastdecode.sequence import Request, Sequence
+    from fastdecode.engine.sampling_params import SamplingParams
+    from fastdecode.engine.sequence import Request, Sequence
     req = Request(seq_id, str(seq_id), None, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 0)
     seq = Sequence(seq_id, req, 0, max_tokens)
     req.sequences.append(seq)
@@ -32,10 +32,10 @@ def make_seq(seq_id, prompt_len, max_tokens):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_grow_reservations_stay_within_capacity_and_everyone_finishes(seed):
-    from fastdecode.placement import Placement
+    from fastdecode.sched.placement import Placement
     from fastdecode.rpart.base import WorkerInfo
-    from fastdecode.scheduler import Scheduler
-    from fastdecode.sequence import Status
+    from fastdecode.sched.scheduler import Scheduler
+    from fastdecode.engine.sequence import Status
     rng = random.Random(seed)
     caps = [rng.randint(6, 14) * PAGE for _ in range(rng.randint(1, 3))]       # tokens per worker
     workers = [WorkerInfo(w + 1, "h", 1, "avx2", cap * 8, page_tokens=PAGE) for w, cap in enumerate(caps)]

@@ -36,7 +36,8 @@ def check_position(pos: dict, token: int, want: np.ndarray, k: int, where) -> No
 
 @pytest.mark.parametrize("block_rows", [None, 3])    # 3: the LM head runs over the prompt in blocks of 3 rows
 def test_prompt_logprobs_equal_hf_log_softmax(llm, hf_smollm, monkeypatch, block_rows):
-    from fastdecode import SamplingParams, runner
+    from fastdecode import SamplingParams
+    from fastdecode.engine import runner
     if block_rows is not None:
         monkeypatch.setattr(runner, "PROMPT_LOGPROB_BLOCK", block_rows * llm.engine.config.vocab_size)
     tok, model = hf_smollm
@@ -102,7 +103,7 @@ def test_logit_bias_greedy_equals_reference(llm, hf_smollm, repetition):
 
 def test_logit_bias_out_of_vocabulary_is_a_request_error(llm):
     from fastdecode import SamplingParams
-    from fastdecode.engine import RequestError
+    from fastdecode.engine.llm_engine import RequestError
     vocab = llm.engine.config.vocab_size
     with pytest.raises(RequestError, match=f"logit_bias token id {vocab} "):
         llm.engine.add_request(0, "r", "hi", [1, 2], SamplingParams(logit_bias={vocab: 1.0}))

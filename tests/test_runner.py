@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from fastdecode.runner import split_by_r_load
-from fastdecode.sampler import SamplingBatch
-from fastdecode.sampling_params import SamplingParams
+from fastdecode.engine.runner import split_by_r_load
+from fastdecode.engine.sampler import SamplingBatch
+from fastdecode.engine.sampling_params import SamplingParams
 
 
 @settings(max_examples=200, deadline=None)

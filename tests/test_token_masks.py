@@ -18,7 +18,7 @@ def hf_last_logits(model, seq: list[int]) -> np.ndarray:
 
 
 def test_bad_word_sequences_and_banned_tokens():
-    from fastdecode.token_masks import bad_word_sequences, banned_tokens
+    from fastdecode.engine.token_masks import bad_word_sequences, banned_tokens
     vocab = {"cat": [5], " cat": [7], "hot dog": [1, 2], " hot dog": [3, 1, 2], "x": [9], " x": [9]}
     seqs = bad_word_sequences(lambda text: vocab[text], ["cat", "  hot dog", "x"])
     assert seqs == [(5,), (7,), (1, 2), (3, 1, 2), (9,)]         # leading blanks folded, duplicates once
@@ -29,7 +29,7 @@ def test_bad_word_sequences_and_banned_tokens():
 
 
 def test_allowed_tokens_mask_keeps_only_allowed_logits():
-    from fastdecode.sampler import AllowedTokens
+    from fastdecode.engine.sampler import AllowedTokens
     rng = np.random.default_rng(0)
     logits = torch.from_numpy(rng.standard_normal((6, 50)).astype(np.float32))
     before = logits.clone()
@@ -48,7 +48,7 @@ def test_allowed_tokens_mask_keeps_only_allowed_logits():
 def test_bans_that_empty_the_allowed_set_are_lifted_for_the_step():
     """bad_words / min_tokens bans that leave a row none of its allowed tokens: allowed_token_ids wins
     for that step (never a sample from all -inf); other rows keep their bans."""
-    from fastdecode.sampler import AllowedTokens, SamplingBatch, sample
+    from fastdecode.engine.sampler import AllowedTokens, SamplingBatch, sample
     rng = np.random.default_rng(1)
     logits = torch.from_numpy(rng.standard_normal((3, 40)).astype(np.float32))
     cols = np.array([[0, 0, 1, 0], [0, 0, 1, 0], [1.0, 0, 1, 0]])          # rows 0, 1 greedy; row 2 samples
@@ -129,7 +129,7 @@ def test_sampled_tokens_stay_inside_the_masks(llm):
 
 def test_mask_request_errors(llm):
     from fastdecode import SamplingParams
-    from fastdecode.engine import RequestError
+    from fastdecode.engine.llm_engine import RequestError
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     with pytest.raises(RequestError, match=f"allowed_token_ids: token id {vocab} "):
         eng.add_request(0, "a", "hi", [1, 2], SamplingParams(allowed_token_ids=[5, vocab]))
@@ -146,7 +146,7 @@ def test_mask_request_errors(llm):
 
 
 def test_batch_bodies_carry_the_masks():
-    from fastdecode.batch_io import parse_line
+    from fastdecode.batch.jsonl import parse_line
     line = parse_line(1, batch_line("m", {"messages": [{"role": "user", "content": "hi"}], "bad_words": ["a b"],
                                           "allowed_token_ids": [3, 4]}, "/v1/chat/completions"))
     assert line.error is None and line.params.bad_words == ["a b"] and line.params.allowed_token_ids == [3, 4]

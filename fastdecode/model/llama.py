@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from .ops import SPartOps, apply_rope
+from fastdecode.model.config import ModelConfig
+from fastdecode.model.ops import SPartOps, apply_rope
 
 
 class Rope:
@@ -111,7 +111,7 @@ class LlamaSPart:
 
     def qkv_packed(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout,
                    out: torch.Tensor) -> None:
-        """As qkv(), written straight into `out` in the wire layout (rpart.wire.WireLayout)."""
+        """As qkv(), written straight into `out` in the wire layout (rpart.base.TorchWireLayout)."""
         self.rope_pack(self.qkv_proj(i, x), cos, sin, layout, out)
 
     def rope_pack(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, out: torch.Tensor) -> None:

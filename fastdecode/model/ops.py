@@ -16,7 +16,7 @@ import torch.nn.functional as F
 @functools.lru_cache(maxsize=None)
 def _triton_ops():
     try:
-        from . import triton_ops
+        from fastdecode.model import triton_ops
     except Exception:      # noqa: BLE001 - no triton (CPU installs) or a broken one: torch code
         return None
     return triton_ops
@@ -91,7 +91,7 @@ class SPartOps:
     def rope_pack(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, out: torch.Tensor,
                   hq: int, hkv: int, d: int) -> None:
         """qkv: [n, (Hq + 2 Hkv) D] projections, cos/sin: [n, 1, D] float32 -> `out` (1-D, the
-        wire layout of `layout`, a rpart.base.WireLayout) holds RoPE'd q, k and v."""
+        wire layout of `layout`, a rpart.base.TorchWireLayout) holds RoPE'd q, k and v."""
         n = qkv.shape[0]
         if self.tri is not None and qkv.is_contiguous():
             self.tri.rope_pack(qkv, cos.reshape(n, d), sin.reshape(n, d), layout.row_offsets(qkv.device),

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rworker.protocol.wire import WireLayout
+
 
 @dataclass(slots=True)
 class WorkerInfo:
@@ -46,7 +48,7 @@ class RBackend:
     def prefill_end(self) -> None: ...
 
     # decode: one row per sequence; per mini-batch its seq ids and per-worker counts. Per layer the
-    # S-part writes a mini-batch's q|k|v rows in the wire layout (rpart.wire.WireLayout of the
+    # S-part writes a mini-batch's q|k|v rows in the wire layout (TorchWireLayout of the
     # counts) into decode_buffer(...), hands it over with decode_submit and gets O [n, Hq, D]
     # back from decode_wait.
     def decode_begin(self, minibatches: list[tuple[np.ndarray, list[int]]], layers: int = 0) -> None: ...
@@ -79,3 +81,17 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype != torch.float32:
         t = t.float()
     return t.numpy()
+
+
+class TorchWireLayout(WireLayout):
+    """The wire layout with its row offsets uploaded once per device, for the fused packing kernel."""
+
+    def __init__(self, counts: list[int], hq: int, hkv: int, d: int):
+        super().__init__(counts, hq, hkv, d)
+        self._device_offsets: dict[torch.device, torch.Tensor] = {}
+
+    def row_offsets(self, device: torch.device) -> torch.Tensor:
+        """[rows, 3] int64 on `device` (a synchronous copy: the runner asks before queueing kernels)."""
+        if device not in self._device_offsets:
+            self._device_offsets[device] = torch.from_numpy(self.offsets()).to(device)
+        return self._device_offsets[device]

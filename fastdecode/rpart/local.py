@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from rworker.capacity import default_capacity_bytes
+from rworker.host.capacity import default_capacity_bytes
 from rworker.tune import open_tuned_store
 
-from ..config import ModelConfig
-from .base import RBackend, StepStats, WorkerInfo, as_numpy
-from .wire import WireLayout
+from fastdecode.model.config import ModelConfig
+from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo, as_numpy
+from rworker.protocol.wire import split_qkv
 
 
 class LocalBackend(RBackend):
@@ -62,8 +62,8 @@ class LocalBackend(RBackend):
     def decode_submit(self, layer, mb, packed):
         device = packed.device
         ids = self._mb_ids[mb]
-        q, k, v = WireLayout([len(ids)], self.num_heads, self.store.num_kv_heads, self.store.head_dim).views(
-            packed.cpu())[0]                                # one worker: q | k | v of all rows
+        q, k, v = split_qkv(packed.cpu(), len(ids), self.num_heads, self.store.num_kv_heads,
+                            self.store.head_dim)            # one worker: q | k | v of all rows
         args = (layer, ids, as_numpy(q), as_numpy(k), as_numpy(v))
         self._out[mb] = (self._pool.submit(self._attend, *args) if self._pool else self._attend(*args), device)
 

@@ -6,14 +6,14 @@ runs no attention and sends nothing: a mini-batch's output is "back" as soon as 
 host memory. bench/s_overhead_bench.py times the engine's real decode step through it (RoPE,
 packing, staging, Python per mini-batch: everything the S-worker does per layer) against the
 pure dense GEMMs. With transfers=False it moves nothing at all: the S-part's own compute, which
-`fastdecode profile` tables as T_S(B) on a GPU (the copies belong to the link, DESIGN.md §4).
+`fastdecode profile` tables as T_S(B) on a GPU (the copies belong to the link: docs/design.md, "The sizing model").
 """
 from __future__ import annotations
 
 import torch
 
-from .base import RBackend, StepStats, WorkerInfo
-from .staging import HostBuffer, Stager
+from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo
+from fastdecode.rpart.staging import HostBuffer, Stager
 
 
 class LoopbackBackend(RBackend):

@@ -2,7 +2,7 @@
 
 Only buffer-based (uppercase) nonblocking mpi4py calls on preallocated host buffers that are
 reused across layers and steps. Per layer and mini-batch each R-worker gets one message
-[q | k | v] of its rows (rpart.wire: the S-part writes the whole buffer in one pass) and returns
+[q | k | v] of its rows (rworker.protocol.wire: the S-part writes the whole buffer in one pass) and returns
 one [n, Hq, D], received straight into its rows of a double-buffered output (the gather copies
 nothing). A Progressor thread keeps messages moving while the S-part computes the other
 mini-batch. `bytes_sent/bytes_received` count payload.
@@ -10,22 +10,22 @@ mini-batch. `bytes_sent/bytes_received` count payload.
 from __future__ import annotations
 
 import json
-import struct
 import time
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from rworker import protocol as P
-from rworker.progress import Progressor
-from rworker.wait import wait_message
+from rworker.host.progressor import Progressor
+from rworker.host.wait import wait_message
+from rworker.protocol import control as P
+from rworker.protocol.kvformat import ACT_CODES
 
-from ..config import ModelConfig
-from .base import RBackend, StepStats, WorkerInfo
-from .staging import HostBuffer, Stager
+from fastdecode.model.config import ModelConfig
+from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo
+from fastdecode.rpart.staging import HostBuffer, Stager
 
-ACT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+ACT_CODE = {torch.float32: ACT_CODES[np.dtype(np.float32)], torch.bfloat16: ACT_CODES[np.dtype(np.uint16)]}
 AUTO_FIRST_S = 900.0      # before any step was timed (first steps warm caches and allocate)
 AUTO_MIN_S = 300.0
 
@@ -58,9 +58,8 @@ class MPIBackend(RBackend):
         self.pinned = self.device.type == "cuda"
         self.stager = Stager(self.device)
         self.progress = Progressor()
-        scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-        hello = P.control(P.HELLO, 0, c.num_layers, c.num_kv_heads, c.head_dim, P.KV_CODES[kv_dtype],
-                          c.num_heads, body=[[scale_bits, r_threads or 0, rworker_mem or 0, s_cores, int(bf16_probs)]])
+        hello = P.hello_message(P.Hello(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, kv_dtype, scale,
+                                        r_threads or 0, rworker_mem or 0, s_cores, bf16_probs))
         for r in self.ranks:
             comm.Send([hello, MPI.INT64_T], dest=r, tag=P.TAG_CTRL)
         self.workers = [self._recv_info(r) for r in self.ranks]
@@ -88,6 +87,10 @@ class MPIBackend(RBackend):
 
     def _recv_info(self, r: int) -> WorkerInfo:
         info = self._recv_json(r, self.timeout)
+        if info.get("protocol") != P.VERSION:
+            raise P.ProtocolError(f"rank {r} (R-worker on {info.get('host', '?')}) speaks fastdecode protocol "
+                                  f"version {info.get('protocol', 'unknown')}, rank 0 (S-worker) version "
+                                  f"{P.VERSION}: run the same fastdecode installation on every rank")
         return WorkerInfo(rank=r, host=info["host"], threads=info["threads"], isa=info["isa"],
                           capacity_bytes=info["capacity_bytes"], page_tokens=info.get("page_tokens", 1),
                           pid=info.get("pid", 0), kernel=info.get("kernel", ""))
@@ -98,7 +101,7 @@ class MPIBackend(RBackend):
     def _flush_frees(self) -> None:
         for w, ids in enumerate(self._pending_free):
             if ids:
-                self._send_control(w, P.control(P.FREE, self.step, len(ids), body=[ids]))
+                self._send_control(w, P.free_message(self.step, ids))
                 self._pending_free[w] = []
 
     def _wait(self, ticket) -> None:
@@ -118,8 +121,8 @@ class MPIBackend(RBackend):
             if n:
                 s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
                 r0, r1 = res_bounds[w], res_bounds[w + 1]
-                body = [row_ids[s:e], np.asarray(res_ids[r0:r1]), np.asarray(res_tokens[r0:r1])]
-                self._send_control(w, P.control(P.PREFILL, self.step, n, code, layers, r1 - r0, body=body))
+                self._send_control(w, P.prefill_message(self.step, row_ids[s:e], code, layers,
+                                                        np.asarray(res_ids[r0:r1]), np.asarray(res_tokens[r0:r1])))
 
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
@@ -173,15 +176,13 @@ class MPIBackend(RBackend):
             for w in range(len(self.ranks)):
                 per_worker_ids[w].append(ids[slot.bounds[w]:slot.bounds[w + 1]])
         for w in range(len(self.ranks)):
-            counts = [len(x) for x in per_worker_ids[w]]
-            self._send_control(w, P.control(P.DECODE, self.step, len(minibatches), code, layers,
-                                            body=[counts] + per_worker_ids[w]))
+            self._send_control(w, P.decode_message(self.step, per_worker_ids[w], code, layers))
         self._stat_reqs = [self.comm.Irecv(self._stat_bufs[w], source=r, tag=P.TAG_INFO)
                            for w, r in enumerate(self.ranks)]
         self._step_start = time.perf_counter()
 
     def decode_buffer(self, layer, mb, numel, device, dtype):
-        """Where the S-part writes this mini-batch's packed q|k|v rows (rpart.wire layout): the
+        """Where the S-part writes this mini-batch's packed q|k|v rows (protocol.wire layout): the
         host send buffer itself on a CPU S-worker, device memory on a GPU."""
         slot = self._slots[mb]
         self._wait(slot.send_ticket)                  # the previous layer's rows have left the buffer
@@ -202,7 +203,7 @@ class MPIBackend(RBackend):
         for w, r in enumerate(self.ranks):
             s, e = int(b[w]), int(b[w + 1])
             if s < e:
-                recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.TAG_OUT + mb))
+                recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.tag_out(mb)))
                 names.append(self._names[w])
                 self.bytes_received += out_rows[s:e].nbytes
 
@@ -211,7 +212,7 @@ class MPIBackend(RBackend):
             for w, r in enumerate(self.ranks):
                 s, e = int(b[w]), int(b[w + 1])
                 if s < e:
-                    sends.append(self.comm.Isend(slot.send.array[s * row_in:e * row_in], dest=r, tag=P.TAG_QKV + mb))
+                    sends.append(self.comm.Isend(slot.send.array[s * row_in:e * row_in], dest=r, tag=P.tag_qkv(mb)))
             return sends
 
         self.bytes_sent += n * row_in * slot.send.array.itemsize

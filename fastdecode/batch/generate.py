@@ -1,0 +1,262 @@
+"""`fastdecode generate`: a JSONL batch file in, a JSONL file of completions out, resumable.
+
+Requests are read lazily (a bounded look-ahead beyond what the engine runs), outputs appended
+and flushed as requests finish. A rerun of the same command skips the input lines the output
+already answers (resume.py); a stop request (interrupt.py) ends the loop after the step in
+flight. Only a run that got through the whole input rewrites the file at the end: in input
+order (--sort-output), or in file order less the rows that answer no line.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from contextlib import ExitStack
+
+from fastdecode.batch import report
+from fastdecode.batch.jsonl import BatchLine, error_line, read_lines, success_line
+from fastdecode.engine.llm_engine import LLMEngine, RequestError
+from fastdecode.batch.interrupt import StopRequest
+from fastdecode.batch.output import OutputWriter, rewrite
+from fastdecode.batch.progress import Progress
+from fastdecode.batch.resume import DONE, DUP, ResumeIndex
+
+
+def count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+class BatchRunner:
+    """Feeds input lines to the engine and writes one output row per line."""
+
+    def __init__(self, engine: LLMEngine, input_path: str, writer: OutputWriter, index: ResumeIndex,
+                 stop: StopRequest | None = None, lookahead: int | None = None):
+        self.engine = engine
+        self.writer, self.index, self.stop = writer, index, stop
+        self.lookahead = lookahead or max(2 * engine.args.max_batch, 64)
+        self.lines = read_lines(input_path)
+        self.exhausted = False
+        self.interrupted = False
+        self.pending: dict[int, BatchLine] = {}    # request index -> its line
+        self.num_requests = 0                      # served this run
+        self.errors: Counter[str] = Counter()      # error rows this run, by code
+
+    @property
+    def num_errors(self) -> int:
+        return sum(self.errors.values())
+
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.requested
+
+    def _write(self, line_no: int, obj: dict, code: str | None) -> None:
+        off, length = self.writer.write(obj)
+        self.index.record(line_no, off, length, code)
+
+    def _error(self, line: BatchLine, code: str, message: str) -> None:
+        self._write(line.line_no, error_line(line.custom_id, code, message), code)
+        self.errors[code] += 1
+
+    def _submit(self, line: BatchLine) -> None:
+        state, first = self.index.claim(line.line_no, line.custom_id)
+        if state == DONE:
+            return
+        if state == DUP:     # every later line with a used custom_id is this error (resume.py relies on it)
+            also = f"; the line also has this problem: {line.error}" if line.error is not None else ""
+            self._error(line, "duplicate_custom_id",
+                        f"line {line.line_no}: custom_id {line.custom_id!r} was used on line {first}{also}")
+            return
+        if line.error is not None:
+            self._error(line, line.error.code, str(line.error))
+            return
+        tok = self.engine.tokenizer
+        try:
+            if line.is_chat:
+                prompt, ids = None, tok.encode_chat(line.messages)
+            elif isinstance(line.prompt, list):
+                prompt, ids = None, line.prompt
+            else:
+                prompt, ids = line.prompt, tok.encode(line.prompt)
+        except Exception as e:  # a chat template may raise on odd role orders, etc.
+            self._error(line, "invalid_prompt", f"cannot tokenize: {type(e).__name__}: {e}")
+            return
+        try:
+            req = self.engine.add_request(line.line_no, line.custom_id, prompt, ids, line.params)
+        except RequestError as e:
+            self._error(line, e.code, str(e))
+            return
+        self.pending[req.index] = line
+
+    def _refill(self) -> None:
+        sched = self.engine.scheduler
+        while not self.exhausted and len(sched.waiting) < self.lookahead and not self._stopping():
+            line = next(self.lines, None)
+            if line is None:
+                self.exhausted = True
+            else:
+                self._submit(line)
+
+    def _success(self, line: BatchLine, req) -> dict:
+        eng, tok = self.engine, self.engine.tokenizer
+        echo = None
+        if line.echo:
+            echo = req.prompt if req.prompt is not None else tok.decode(req.prompt_ids, False)
+        return success_line(line.custom_id, line.is_chat, eng.source.name, eng.output_of(req), len(req.prompt_ids),
+                            req.params.logprobs or 0, echo, line.echo_only, tok.token_text(req.prompt_ids[0]))
+
+    def done_lines(self) -> int:
+        return self.index.skipped + self.num_requests + self.num_errors
+
+    def run(self, progress: Progress) -> bool:
+        """Serve until the input is done or a stop is requested; True if stopped early."""
+        eng = self.engine
+        reported = 0
+
+        def tick():
+            nonlocal reported
+            now = self.done_lines()
+            progress.update(now - reported, eng.num_output_tokens)
+            reported = now
+
+        while True:
+            if not self._stopping():
+                self._refill()
+            tick()
+            if self.exhausted and not eng.has_unfinished():
+                break                      # complete, even if a stop came during the last step
+            if self._stopping():
+                self.interrupted = True
+                break
+            if not eng.has_unfinished():
+                continue
+            for req in eng.step():
+                line = self.pending.pop(req.index)
+                self._write(line.line_no, self._success(line, req), None)
+                self.num_requests += 1
+            self.writer.sync()
+            tick()
+        return self.interrupted
+
+
+def finalize_output(writer: OutputWriter, index: ResumeIndex, sort: bool) -> int:
+    """After a complete run: rewrite the file if it has rows that answer no input line, or (sort)
+    is out of input order. Returns the rows dropped."""
+    writer.close()
+    dropped = index.dropped()
+    if dropped or (sort and not index.in_input_order()):
+        rewrite(writer.path, index.ranges(sort))
+    return dropped
+
+
+def throughput_line(summary: dict) -> str:
+    wall = summary["wall_s"] or 1e-9
+    return (f"Throughput: {summary['requests'] / wall:.2f} requests/s, "
+            f"{(summary['output_tokens'] + summary['prompt_tokens']) / wall:.2f} total tokens/s, "
+            f"{summary['output_tokens'] / wall:.2f} output tokens/s")
+
+
+def print_summary(summary: dict) -> None:
+    print(throughput_line(summary), flush=True)
+    if summary.get("errors"):
+        print(f"fastdecode: {summary['errors']} request line(s) could not be served (see their error field)",
+              file=sys.stderr, flush=True)
+
+
+def run_summary(runner: BatchRunner, wall: float) -> dict:
+    """This run's numbers (the --stats-json summary, and `this_run` in the report)."""
+    eng = runner.engine
+    out = eng.recorder.summary(wall, eng.num_output_tokens, eng.num_prompt_tokens, eng.token_gaps.values())
+    out.update(requests=runner.num_requests, errors=runner.num_errors,
+               requests_per_s=round(runner.num_requests / wall, 4) if wall else None,
+               preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens)
+    return out
+
+
+class BatchJob:
+    """One run of `generate`: open (resume), run, close the engine, finish (rewrite, report)."""
+
+    def __init__(self, input_path: str, output_path: str, overwrite: bool = False, index_dir: str | None = None,
+                 stop: StopRequest | None = None):
+        self.input_path, self.output_path = input_path, output_path
+        self.stop = stop
+        self.writer = OutputWriter(output_path, overwrite=overwrite)
+        self.index = ResumeIndex(index_dir)
+        try:      # a stop during a long scan leaves the index incomplete: run() then serves nothing
+            self.index.load(output_path, self.writer.start_size, stop=lambda: stop is not None and stop.requested)
+        except BaseException:
+            self.close()
+            raise
+        self.total_lines = count_lines(input_path)      # streamed; for the progress total and messages
+        if self.index.prior_rows:
+            rows = self.index.prior_rows - self.index.junk
+            print(f"fastdecode: resuming: {rows} of {self.total_lines} requests already in {output_path}",
+                  file=sys.stderr, flush=True)
+        self.runner: BatchRunner | None = None
+        self.wall = 0.0
+
+    def run(self, engine: LLMEngine, show_progress: bool = True) -> bool:
+        total = self.total_lines
+        self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop)
+        start = time.perf_counter()
+        with Progress(total, enabled=show_progress) as progress:
+            interrupted = self.runner.run(progress)
+        self.wall = time.perf_counter() - start
+        self.writer.close()
+        if interrupted:
+            print(f"fastdecode: interrupted by {self.stop.name}: {self.done_lines()} of {total} requests done; "
+                  f"rerun the same command to resume", file=sys.stderr, flush=True)
+        return interrupted
+
+    def done_lines(self) -> int:
+        """Input lines answered in the output now: this run's rows, the earlier rows it matched,
+        and the earlier done rows of lines it did not reach (an interrupted run)."""
+        return sum(self.index.codes(pending_prior=True).values())
+
+    def finish(self, sort: bool) -> int:
+        """After the engine is closed: the final rewrite of a complete run; rows dropped."""
+        if self.runner is None or self.runner.interrupted:
+            return 0
+        dropped = finalize_output(self.writer, self.index, sort)
+        if dropped:
+            print(f"fastdecode: {self.output_path}: dropped {dropped} line(s) that answer no input line "
+                  f"({self.index.superseded + self.index.retried} superseded by a retry, "
+                  f"{self.index.junk} not output rows)", file=sys.stderr, flush=True)
+        return dropped
+
+    def close(self) -> None:
+        self.writer.close()
+        self.index.close()
+
+    def __enter__(self) -> BatchJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool]:
+    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, interrupted).
+    The engine is closed on every path, and before the final rewrite (which may take a while)."""
+    path = args.summary_json or report.default_path(args.output)
+    closed = []
+
+    def close_engine() -> None:          # once: a second SHUTDOWN would reach R-workers that are gone
+        if not closed:
+            closed.append(True)
+            engine.close()
+
+    with ExitStack() as stack:
+        stack.callback(close_engine)
+        job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
+                                           index_dir=args.index_dir, stop=stop))
+        rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
+        try:
+            interrupted = job.run(engine, show_progress=not args.quiet)
+        except BaseException as e:
+            report.failed(path, rep, e)
+            raise
+        close_engine()
+        dropped = job.finish(sort=args.sort_output)
+        summary = run_summary(job.runner, job.wall)
+        report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
+    return summary, interrupted

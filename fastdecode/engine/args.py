@@ -1,0 +1,82 @@
+"""What a job asks of the engine (EngineArgs, vLLM's name), and the defaults resolved against
+the machine: device, dtypes, batch and prefill limits.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from fastdecode.model.config import ModelConfig
+from rworker.protocol.control import MAX_MINIBATCHES
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str = "smollm2-135m"
+    device: str = "auto"              # auto | cpu | cuda[:i]
+    dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16
+    attn_probs: str = "fp32"          # fp32 | bf16: R-workers may round attention probabilities to bf16
+                                      # for the PV product (V in token pairs) where their tune finds it faster
+    max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
+    max_prefill_tokens: int | None = None  # prompt tokens per prefill step (8192 on CPU, up to 32768 on CUDA)
+    max_model_len: int | None = None  # longest prompt + generation (default: the model's context)
+    kv_reserve: str = "full"          # full: reserve each sequence's worst case | grow: page by page, preempt
+    seed: int = 0                     # seeds requests that name none
+    s_threads: int | None = None      # torch threads on the S-worker (CPU)
+    r_threads: int | None = None      # kernel threads per R-worker
+    rworker_mem: int | None = None    # KV bytes per R-worker (default: available memory less a reserve)
+    timeout: float | None = None      # seconds an R-worker may stay silent before the job aborts
+    schedule: str = "fifo"            # fifo | stabilized (load-stabilizing admission, docs/design.md)
+    target_batch: int | None = None   # stabilized: B (default max_batch)
+    admit_every: int | None = None    # stabilized: F steps between micro-batches (default S/16)
+    max_gen: int | None = None        # stabilized: S (default: estimated from requests' max_tokens)
+    learn_lengths: bool = True        # stabilized: project with lengths learnt from finished sequences
+    pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
+    cuda_graphs: bool = False         # CUDA S-worker: replay each layer's dense work from a CUDA graph
+    cuda_graph_max_rows: int = 2048   # largest mini-batch run from graphs (larger ones run eagerly)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelConfig,
+                         dtype: torch.dtype) -> EngineArgs:
+    """Check the pipeline depth (the protocol's mini-batch limit) and fill in max_batch and
+    max_prefill_tokens. A GPU S-worker exists to run thousands of rows
+    per step and large prefill chunks; the chunk is capped so that its activations (about
+    hidden*6 + intermediate*3 values per token, the largest live at once) take at most a quarter
+    of the free device memory."""
+    if not 1 <= args.pipeline_depth <= MAX_MINIBATCHES:
+        raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {args.pipeline_depth}")
+    cuda = device.type == "cuda"
+    max_batch = args.max_batch or (4096 if cuda else 256)
+    prefill = args.max_prefill_tokens
+    if prefill is None:
+        prefill = 8192
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(device)
+            per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
+            prefill = int(min(32768, max(8192, free // 4 // per_token)))
+    return dataclasses.replace(args, max_batch=max_batch, max_prefill_tokens=prefill)
+
+
+def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype, str]:
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    dtype = (torch.float32 if device.type == "cpu" else torch.bfloat16) if args.dtype == "auto" \
+        else names[args.dtype]
+    kv = args.kv_dtype
+    if kv == "auto":
+        kv = "fp32" if dtype == torch.float32 else "bf16"
+    if args.attn_probs not in ("fp32", "bf16"):
+        raise ValueError(f"attn_probs must be 'fp32' or 'bf16', got {args.attn_probs!r}")
+    if args.attn_probs == "bf16" and kv != "bf16":
+        raise ValueError(f"--attn-probs bf16 needs bf16 KV (--kv-dtype bf16), not {kv}"
+                         + (" ('auto' is fp32 for a float32 model)" if args.kv_dtype == "auto" else ""))
+    return dtype, kv

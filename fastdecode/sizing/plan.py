@@ -1,0 +1,240 @@
+"""`fastdecode plan`: R-workers needed, step latency, tokens/s and the bounding side, before a job.
+
+From a measured profile (`--profile profile.json`) or stated hardware (`--gpu-profile`,
+`--cpu-bw`, `--cpu-mem`, `--link-bw`, `--model`); stated flags given with a profile replace
+those parts of it (what-if). Without --batch it sweeps B and marks the knee of E(B).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from rworker.protocol.kvformat import DTYPE_BYTES
+from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
+from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
+from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
+from fastdecode.sizing.model import predict
+
+SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
+KV_DTYPES = ["bf16", "fp16", "fp32", "fp8", "int8"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="predict R-workers needed, latency and throughput",
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_argument_group("hardware and model")
+    src.add_argument("--profile", help="profile JSON written by `fastdecode profile`")
+    src.add_argument("--gpu-profile", help=f"GPU preset ({', '.join(GPU_PRESETS)}) or a JSON file "
+                     "with name, peak_tflops, mem_bw_GBps, mem_GB")
+    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}) or an HF config.json")
+    src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s")
+    src.add_argument("--cpu-mem", type=float, help="memory of one R-worker, GB [stated default: 256]")
+    src.add_argument("--cpu-eff", type=float, default=0.66,
+                     help="fraction of --cpu-bw the attention kernel reaches")
+    src.add_argument("--rworker-overhead-us", type=float, help="fixed cost per attention call [20]")
+    src.add_argument("--link-bw", type=float, help="S<->R link bandwidth, GB/s [stated default: 12.5]")
+    src.add_argument("--link-latency", type=float, help="S<->R one-way latency, us [stated default: 10]")
+    tgt = p.add_argument_group("target")
+    tgt.add_argument("--context", type=int, default=1024, help="generation length S (tokens)")
+    tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length (tokens)")
+    tgt.add_argument("--batch", type=int, help="batch B; omitted: a sweep over B")
+    tgt.add_argument("--rworkers", type=int, help="R-workers P; omitted: the number needed")
+    tgt.add_argument("--pipeline-depth", type=int, default=2, help="mini-batches in flight (1 = no pipeline)")
+    tgt.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens per prefill chunk [one admitted micro-batch, B/16 prompts, "
+                          "up to the profile's largest chunk]")
+    tgt.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype [model dtype]")
+    tgt.add_argument("--kv-reserve", choices=KV_RESERVE, default="full",
+                     help="how the run reserves KV (generate's --kv-reserve): full holds each sequence's "
+                          "prompt + S from admission on, grow only what it has filled (about half)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+class PlanError(ValueError):
+    pass
+
+
+def _load_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"cannot read {path}: {e}") from None
+
+
+def _model(name: str) -> ModelDims:
+    if name in MODEL_PRESETS:
+        return MODEL_PRESETS[name]
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        raise PlanError(f"unknown model {name!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor a config.json")
+    try:
+        return ModelDims.from_hf_config(_load_json(path), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+    except KeyError as e:
+        raise PlanError(f"{path}: missing {e}") from None
+
+
+def _gpu(name: str) -> GpuSpec:
+    if name in GPU_PRESETS:
+        return GPU_PRESETS[name]
+    if not os.path.isfile(name):
+        raise PlanError(f"unknown GPU {name!r}: not a preset ({', '.join(GPU_PRESETS)}) nor a JSON file")
+    try:
+        return from_known_keys(GpuSpec, _load_json(name))
+    except TypeError as e:
+        raise PlanError(f"{name}: {e}") from None
+
+
+def build_profile(args) -> Profile:
+    """The profile to plan with: measured, stated, or measured with stated parts replaced."""
+    stated_link = dict(link_bw_GBps=args.link_bw or 12.5, link_latency_us=(
+        10.0 if args.link_latency is None else args.link_latency))
+    overhead = 20.0 if args.rworker_overhead_us is None else args.rworker_overhead_us
+    if not args.profile:
+        missing = [f for f, v in (("--gpu-profile", args.gpu_profile), ("--model", args.model),
+                                  ("--cpu-bw", args.cpu_bw)) if v is None]
+        if missing:
+            raise PlanError(f"give --profile, or stated hardware (missing {' '.join(missing)})")
+        return stated_profile(_gpu(args.gpu_profile), _model(args.model), args.cpu_bw,
+                              args.cpu_mem or 256.0, cpu_attn_eff=args.cpu_eff,
+                              call_overhead_us=overhead,
+                              kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype] if args.kv_dtype else None,
+                              **stated_link)
+    try:
+        prof = Profile.from_dict(_load_json(args.profile))
+    except (TypeError, KeyError, ValueError) as e:
+        raise PlanError(f"{args.profile}: not a fastdecode profile ({e})") from None
+    if args.model:
+        model = _model(args.model)
+        if not args.gpu_profile and dataclasses.replace(model, name="") != dataclasses.replace(prof.model, name=""):
+            raise PlanError(f"the profile's S-part was measured for {prof.model.name}; "
+                            f"give --gpu-profile to plan {model.name}")
+        prof.model = model
+    if args.gpu_profile:
+        prof.s_worker = s_worker_from_spec(_gpu(args.gpu_profile), prof.model)
+    for w in prof.r_workers:
+        if args.cpu_bw is not None:
+            w.seconds_per_kv_byte = 1.0 / (args.cpu_bw * 1e9 * args.cpu_eff)
+        if args.cpu_mem is not None:
+            w.capacity_bytes = args.cpu_mem * 1e9 * 0.9
+        if args.rworker_overhead_us is not None:
+            w.call_overhead_s = overhead * 1e-6
+    if args.link_bw is not None or args.link_latency is not None:    # the measured table no longer holds
+        prof.link = dataclasses.replace(
+            prof.link, message_bytes=[], message_time_s=[],
+            bandwidth_Bps=prof.link.bandwidth_Bps if args.link_bw is None else args.link_bw * 1e9,
+            latency_s=prof.link.latency_s if args.link_latency is None else args.link_latency * 1e-6)
+    if args.kv_dtype:
+        prof.kv_dtype_bytes = DTYPE_BYTES[args.kv_dtype]
+    return prof
+
+
+def _check(args) -> None:
+    for flag, v, lo in (("--context", args.context, 1), ("--prompt-len", args.prompt_len, 0),
+                        ("--batch", args.batch, 1), ("--rworkers", args.rworkers, 1),
+                        ("--pipeline-depth", args.pipeline_depth, 1), ("--prefill-chunk", args.prefill_chunk, 1)):
+        if v is not None and v < lo:
+            raise PlanError(f"{flag} must be >= {lo} (got {v})")
+    for flag, v in (("--cpu-bw", args.cpu_bw), ("--cpu-mem", args.cpu_mem), ("--link-bw", args.link_bw),
+                    ("--cpu-eff", args.cpu_eff)):
+        if v is not None and not v > 0:
+            raise PlanError(f"{flag} must be > 0 (got {v})")
+    for flag, v in (("--link-latency", args.link_latency), ("--rworker-overhead-us", args.rworker_overhead_us)):
+        if v is not None and v < 0:
+            raise PlanError(f"{flag} must be >= 0 (got {v})")
+
+
+def _row(prof: Profile, batch: int, args) -> dict:
+    pred = predict(prof, batch, args.context, args.prompt_len, args.rworkers, args.pipeline_depth, args.prefill_chunk,
+                   args.kv_reserve)
+    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk, args.kv_reserve)
+    row = {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s, "tokens_per_s_depth1": flat.tokens_per_s}
+    if args.kv_reserve == "full" and pred.bound == "capacity":      # what the other policy would hold
+        row["batch_run_if_grow"] = predict(prof, batch, args.context, args.prompt_len, pred.rworkers,
+                                           args.pipeline_depth, args.prefill_chunk, "grow").batch_run
+    return row
+
+
+def _header(prof: Profile, knee: int, depth: int) -> list[str]:
+    m, w, link = prof.model, prof.r_workers[0], prof.link
+    kvb = m.kv_bytes_per_token_layer(prof.kv_dtype_bytes)
+    lines = [f"model {m.name}: {m.num_layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, "
+             f"KV {kvb * m.num_layers / 1024:.0f} KiB/token ({prof.kv_dtype_bytes} B/elem)",
+             f"S-worker {prof.s_worker.device}: E(B) reaches 90% of its best at B = {knee // depth} per S-part "
+             f"call, so B = {knee} with {depth} mini-batch(es)",
+             f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "
+             f"{w.call_overhead_s * 1e6:.0f} us/call"
+             + (f" (+{len(prof.r_workers) - 1} more profiled)" if len(prof.r_workers) > 1 else ""),
+             f"link: {link.bandwidth_Bps / 1e9:.1f} GB/s, {link.latency_s * 1e6:.0f} us"
+             + (f", {link.hop_s * 1e6:.0f} us of hand-offs per layer in a mini-batch's chain" if link.hop_s else "")]
+    mem = prof.s_worker.mem_bytes
+    if mem and m.weight_bytes() > mem:
+        lines.append(f"warning: weights {m.weight_bytes() / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")
+    return lines
+
+
+def _fmt_p(row) -> str:
+    return "-" if row["rworkers_needed"] is None else str(row["rworkers_needed"])
+
+
+def run(args) -> int:
+    try:
+        _check(args)
+        prof = build_profile(args)
+        knee = prof.s_worker.knee() * args.pipeline_depth     # each mini-batch at the knee
+        batches = [args.batch] if args.batch else sorted(set(SWEEP + [knee]))
+        rows = [_row(prof, b, args) for b in batches]
+    except (PlanError, ValueError) as e:
+        print(f"fastdecode plan: error: {e}", file=sys.stderr)
+        return 2
+    pick = rows[0] if args.batch else next(r for r in rows if r["batch"] == knee)
+    if args.json:
+        out = {**pick, "knee_batch": knee, "model": prof.model.name, "s_worker": prof.s_worker.device,
+               "profile_source": prof.source}
+        if not args.batch:
+            out["sweep"] = rows
+        print(json.dumps(out, indent=1))
+        return 0
+    print("\n".join(_header(prof, knee, args.pipeline_depth)))
+    print(f"target: generation S = {args.context}, prompt {args.prompt_len} -> average KV "
+          f"{args.prompt_len + args.context / 2:g} tokens/sequence; pipeline depth {args.pipeline_depth}; "
+          f"--kv-reserve {args.kv_reserve}")
+    if args.batch:
+        r = pick
+        print(f"batch {r['batch']}" + (f" (memory holds {r['batch_run']})" if r["batch_run"] < r["batch"] else "")
+              + f": KV {r['kv_tokens_needed']:,.0f} tokens reserved of {r['kv_tokens_capacity']:,.0f} on "
+              f"{r['rworkers']} R-workers; R-workers needed: {_fmt_p(r)}")
+        if "batch_run_if_grow" in r:
+            print(f"  (with --kv-reserve grow, sequences reserve as they grow: memory holds {r['batch_run_if_grow']})")
+        print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms, R {r['r_layer_s'] * 1e3:.3f} ms, "
+              f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
+        if r["prefill_s"]:
+            print(f"prefill of {r['batch_run'] * args.prompt_len / args.context:,.0f} prompt tokens per step: "
+                  f"{r['prefill_s'] * 1e3:.1f} ms on the S-worker")
+        print(f"step latency {r['step_latency_s'] * 1e3:.1f} ms (depth 1: {r['step_latency_depth1_s'] * 1e3:.1f} ms), "
+              f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_depth1']:,.0f} at depth 1), "
+              f"{r['step_latency_s'] * 1e3:.1f} ms/token per sequence; bound: {r['bound']}")
+        return 0
+    print(f"{'batch':>7} {'E(B)':>6} {'P need':>6} {'P':>5} {'S ms':>8} {'R ms':>8} {'link ms':>8} "
+          f"{'step ms':>9} {'tokens/s':>10} {'bound':>8}")
+    for r in rows:
+        print(f"{r['batch']:>7} {r['efficiency']:>6.0%} {_fmt_p(r):>6} {r['rworkers']:>5} "
+              f"{r['s_layer_s'] * 1e3:>8.3f} {r['r_layer_s'] * 1e3:>8.3f} {r['link_layer_s'] * 1e3:>8.3f} "
+              f"{r['step_latency_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10,.0f} {r['bound']:>8}"
+              + ("  <- knee" if r["batch"] == knee else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fastdecode")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

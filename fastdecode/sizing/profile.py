@@ -1,0 +1,118 @@
+"""`fastdecode profile`: measure what the sizing model needs on the machines at hand.
+
+- T_S(B): the S-worker's part of one layer and the rest of a step (LM head, sampling, host
+  bookkeeping), over a batch grid: on a CPU its busy time in the engine's own decode step on the
+  job's R-workers, over short sequences; on a GPU the device's time for the same step (the
+  host only queues work there);
+- prefill: seconds per prompt token over a prompt-length grid and over a chunk-size grid (the
+  engine's prefill);
+- each R-worker's attention cost: seconds per call and per KV byte as paid inside the engine's
+  decode steps over the first one and two layers (append, MPI, the S-worker beside it), with the
+  kernel alone kept for reference (every rank under mpirun);
+- the S<->R link: one-way time by message size (echo round trip / 2), and on a GPU the pinned
+  device<->host copy bandwidth each way (PCIe), which every row crosses twice.
+The result is a `fastdecode-profile/1` JSON that `fastdecode plan --profile` reads.
+"""
+from __future__ import annotations
+
+import platform
+import time
+
+import numpy as np
+import torch
+
+from fastdecode.engine.llm_engine import LLMEngine
+from fastdecode.sizing.measure import (S_PART_MAX_STEPS, S_PART_PROMPT, pcie_bandwidth, prompts_that_fit,
+                                       time_chain_hop, time_prefill_grids, time_r_part_in_step, time_s_part,
+                                       time_s_part_device)
+from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
+from rworker.protocol.kvformat import kv_itemsize
+
+CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
+LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 22, 16 << 20, 64 << 20]
+
+
+def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
+                r_target_bytes: int = 0, link_sizes: list[int] | None = None, repeats: int = 3,
+                prompt_lens: list[int] | None = None, log=print) -> Profile:
+    """Measure the S-worker, every R-worker and the link on the engine's machines."""
+    s_worker = profile_s_worker(engine, batches, repeats, prompt_lens, log)
+    r_workers = profile_r_workers(engine, r_seqs, r_target_bytes, log)
+    link = profile_link(engine, link_sizes or LINK_SIZES, repeats, log)
+    c = engine.config
+    dims = ModelDims(name=engine.source.name, num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads,
+                     kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
+                     vocab=c.vocab_size, dtype_bytes=torch.finfo(engine.dtype).bits // 8)
+    notes = (f"measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}; S-worker {s_worker.device}; "
+             f"{len(r_workers)} R-worker(s); kv {engine.kv_dtype}")
+    prof = Profile(model=dims, s_worker=s_worker, r_workers=r_workers, link=link,
+                   kv_dtype_bytes=kv_itemsize(engine.kv_dtype), source="measured", notes=notes)
+    link.hop_s = time_chain_hop(engine, prof, log=log)
+    return prof
+
+
+def profile_s_worker(engine: LLMEngine, batches: list[int] | None, repeats: int,
+                     prompt_lens: list[int] | None, log) -> SWorkerProfile:
+    """T_S(B) over the batch grid (as far as the R-workers' memory holds the timing's sequences
+    on a CPU S-worker), and the prefill tables."""
+    cuda = engine.device.type == "cuda"
+    grid = sorted(batches or (GPU_GRID if cuda else CPU_GRID))
+    if not cuda:            # the CPU S-part is timed on the job's R-workers: its sequences must fit there
+        fit = prompts_that_fit(engine, S_PART_PROMPT + 2 + S_PART_MAX_STEPS)
+        if grid[0] > fit:
+            raise ValueError(f"the R-workers' memory holds {fit} sequences of the S-part timing, fewer than "
+                             f"B={grid[0]} (--rworker-mem too small for --batches)")
+        if grid[-1] > fit:
+            log(f"S-part  B={','.join(str(b) for b in grid if b > fit)} left out: the R-workers' memory "
+                f"holds {fit} sequences (--rworker-mem)")
+            grid = [b for b in grid if b <= fit]
+    layer_s, head_s = [], []
+    for b in grid:
+        ls, hs = time_s_part_device(engine, b, repeats) if cuda else time_s_part(engine, b, repeats)
+        layer_s.append(ls)
+        head_s.append(hs)
+        log(f"S-part  B={b:>6}: {ls * 1e3:8.3f} ms/layer, head {hs * 1e3:8.3f} ms")
+    prefill = time_prefill_grids(engine, prompt_lens, log)
+    device = (torch.cuda.get_device_name(engine.device) if cuda
+              else f"cpu:{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads")
+    mem = torch.cuda.get_device_properties(engine.device).total_memory if cuda else 0
+    return SWorkerProfile(device=device, batch_grid=grid, layer_time_s=layer_s, head_time_s=head_s,
+                          mem_bytes=float(mem), **prefill)
+
+
+def profile_r_workers(engine: LLMEngine, r_seqs: int, r_target_bytes: int, log) -> list[RWorkerProfile]:
+    """Each R-worker's kernel timed alone, and its cost inside the decode step (what the model uses)."""
+    r_raw = engine.backend.profile_workers(r_seqs, r_target_bytes)
+    in_step = time_r_part_in_step(engine, r_seqs, r_target_bytes or max(r["samples"][-1][0] for r in r_raw))
+    r_workers = []
+    for i, r in enumerate(r_raw):
+        per_byte, per_call = in_step[i] if in_step else (r["seconds_per_kv_byte"], r["call_overhead_s"])
+        log(f"R-worker rank {r['rank']} ({r['host']}, {r['threads']} threads): kernel alone "
+            f"{r['bandwidth_GBps']:.2f} GB/s, {r['call_overhead_s'] * 1e6:.1f} us per call"
+            + (f"; in the decode step {1e-9 / per_byte:.2f} GB/s, {per_call * 1e6:.1f} us per call" if in_step else ""))
+        r_workers.append(RWorkerProfile(name=f"rank{r['rank']}@{r['host']}", seconds_per_kv_byte=per_byte,
+                                        call_overhead_s=per_call,
+                                        capacity_bytes=float(r["capacity_bytes"] or 0), threads=r["threads"],
+                                        kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"],
+                                        page_tokens=int(engine.backend.workers[i].page_tokens)))
+    return r_workers
+
+
+def profile_link(engine: LLMEngine, sizes: list[int], repeats: int, log) -> LinkProfile:
+    """One-way message times S <-> R by size (the median over R-workers), and on a GPU the device's
+    copy bandwidth each way. In local mode there is no link: nothing is tabulated."""
+    one_way = np.array(engine.backend.ping(sizes, repeats=max(repeats, 5)))     # [workers, sizes]
+    times = np.median(one_way, axis=0)
+    latency = float(times[0])
+    span = times[-1] - times[0]
+    bandwidth = (sizes[-1] - sizes[0]) / span if span > 0 else 1e15
+    log(f"link: {latency * 1e6:.1f} us latency, {bandwidth / 1e9:.2f} GB/s")
+    measured = span > 0
+    d2h, h2d = pcie_bandwidth(engine.device)
+    if d2h:
+        log(f"device<->host copies: {d2h / 1e9:.1f} GB/s to the host, {h2d / 1e9:.1f} GB/s to the device")
+    return LinkProfile(latency_s=latency, bandwidth_Bps=float(bandwidth),
+                       message_bytes=list(sizes) if measured else [],
+                       message_time_s=[float(t) for t in times] if measured else [],
+                       device_d2h_Bps=d2h, device_h2d_Bps=h2d)

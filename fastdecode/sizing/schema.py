@@ -1,0 +1,232 @@
+"""The `fastdecode-profile/1` schema: the model's shape and what each part of the machine costs.
+
+`fastdecode profile` measures these, `sizing.hardware` builds them from stated hardware, and
+`sizing.model` predicts from them. JSON round-trips through to_json/from_json; keys a part does
+not know are ignored (forward compatible).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from fastdecode.model.presets import PRESETS
+from rworker.protocol.kvformat import DTYPE_BYTES
+
+SCHEMA = "fastdecode-profile/1"
+
+
+# ---------------------------------------------------------------- model shape
+
+@dataclass(slots=True)
+class ModelDims:
+    name: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2            # weights and activations
+
+    def layer_flops_per_token(self) -> float:
+        """S-part of one layer: QKV, O and the 3 SwiGLU matrices, 2 FLOPs per MAC."""
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        return 2.0 * (qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.intermediate)
+
+    def layer_weight_bytes(self) -> float:
+        return self.layer_flops_per_token() / 2 * self.dtype_bytes
+
+    def weight_bytes(self) -> float:
+        return self.num_layers * self.layer_weight_bytes() + 2 * self.vocab * self.hidden * self.dtype_bytes
+
+    def kv_bytes_per_token_layer(self, kv_dtype_bytes: int) -> int:
+        return 2 * self.kv_heads * self.head_dim * kv_dtype_bytes
+
+    def to_rworker_bytes_per_token(self) -> int:
+        """Q, K, V of one token of one layer, S-worker -> R-worker."""
+        return (self.heads + 2 * self.kv_heads) * self.head_dim * self.dtype_bytes
+
+    def from_rworker_bytes_per_token(self) -> int:
+        return self.heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, name: str = "config.json") -> "ModelDims":
+        heads = cfg["num_attention_heads"]
+        return cls(name=name, num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                   heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                   dtype_bytes=DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2))
+
+
+
+MODEL_PRESETS = {name: ModelDims.from_hf_config(cfg, name) for name, cfg in PRESETS.items()}
+
+
+# ---------------------------------------------------------------- profile schema
+
+@dataclass(slots=True)
+class SWorkerProfile:
+    device: str
+    batch_grid: list[int]           # batch sizes measured, ascending
+    layer_time_s: list[float]       # S-part of one layer at each batch (s)
+    head_time_s: list[float]        # LM head + sampling, once per step, at each batch (s)
+    mem_bytes: float = 0.0          # device memory, 0 = unknown
+    prefill_prompt_len: list[int] = field(default_factory=list)   # prompt lengths measured, ascending
+    prefill_token_s: list[float] = field(default_factory=list)    # whole-model prefill, s per prompt token
+    prefill_chunk: int = 0          # tokens per prefill chunk of the prompt-length table (0: unknown)
+    prefill_chunk_grid: list[int] = field(default_factory=list)   # chunk sizes measured, ascending ...
+    prefill_chunk_token_s: list[float] = field(default_factory=list)  # ... s per token at prefill_chunk_prompt_len
+    prefill_chunk_prompt_len: int = 0
+
+    def _interp(self, values: list[float], batch: float) -> float:
+        """log-log between grid points; below the grid flat (weights are read anyway), above
+        linear in B (compute-bound)."""
+        grid = np.asarray(self.batch_grid, dtype=np.float64)
+        t = np.asarray(values, dtype=np.float64)
+        if batch <= grid[0]:
+            return float(t[0])
+        if batch >= grid[-1]:
+            return float(t[-1] * batch / grid[-1])
+        if (t <= 0).any():      # e.g. a head time not measured (0): no logs
+            return float(np.interp(batch, grid, t))
+        return float(np.exp(np.interp(np.log(batch), np.log(grid), np.log(t))))
+
+    def layer_time(self, batch: float) -> float:
+        return self._interp(self.layer_time_s, batch)
+
+    def head_time(self, batch: float) -> float:
+        return self._interp(self.head_time_s, batch)
+
+    def prefill_time_per_token(self, prompt_len: float, chunk: float | None = None) -> float | None:
+        """Measured prefill cost per prompt token (all layers, prompt attention included),
+        linear in the prompt length between grid points, flat outside; None when not measured.
+
+        The table holds chunks of `prefill_chunk` tokens. A prompt token costs attention over its
+        prompt (grows with prompt_len) plus dense layers over the chunk's rows (depends on the
+        chunk: on a GPU small chunks waste the GEMMs, on a CPU big ones spill the caches). With a
+        chunk-size table (measured at a short prompt, where the dense part dominates) a `chunk`
+        other than the table's adds the dense part's difference: t(p, c) = t(p, c0) + u(c) - u(c0),
+        u linear in log(chunk) between grid points, flat outside."""
+        if not self.prefill_prompt_len:
+            return None
+        t = float(np.interp(prompt_len, self.prefill_prompt_len, self.prefill_token_s))
+        if chunk is None or not self.prefill_chunk_grid or self.prefill_chunk <= 0:
+            return t
+        grid, cost = np.log(self.prefill_chunk_grid), self.prefill_chunk_token_s
+        shift = np.interp(np.log(max(chunk, 1.0)), grid, cost) - np.interp(np.log(self.prefill_chunk), grid, cost)
+        return max(t + float(shift), 0.05 * t)
+
+    def efficiency(self, batch: float) -> float:
+        """E(B) = B / T(B): tokens per second through one layer."""
+        return batch / self.layer_time(batch)
+
+    def knee(self, frac: float = 0.9) -> int:
+        """Smallest batch whose E(B) reaches `frac` of the best E over the grid."""
+        bs = np.unique(np.geomspace(self.batch_grid[0], self.batch_grid[-1], 400).round()).astype(int)
+        e = np.array([self.efficiency(b) for b in bs])
+        return int(bs[np.argmax(e >= frac * e.max())])
+
+
+@dataclass(slots=True)
+class RWorkerProfile:
+    name: str
+    seconds_per_kv_byte: float      # attention cost per KV byte read (s/B)
+    call_overhead_s: float          # fixed cost per attention call (one layer, one mini-batch)
+    capacity_bytes: float           # KV bytes it may hold
+    threads: int = 0
+    kernel_seconds_per_kv_byte: float = 0.0   # the attention kernel timed alone (reference; 0: not measured)
+    page_tokens: int = 1            # KV pages of this many tokens per (sequence, layer): reservations round up
+
+    def bandwidth(self) -> float:
+        return 1.0 / self.seconds_per_kv_byte
+
+
+@dataclass(slots=True)
+class LinkProfile:
+    latency_s: float
+    bandwidth_Bps: float
+    message_bytes: list[int] = field(default_factory=list)    # measured sizes, ascending
+    message_time_s: list[float] = field(default_factory=list)  # one-way time for each
+    # a GPU S-worker's own hop between device and host memory (PCIe), bytes/s each way; 0 = none
+    device_d2h_Bps: float = 0.0
+    device_h2d_Bps: float = 0.0
+    # per layer, what one mini-batch's chain S -> link -> R -> link takes beyond its parts:
+    # waiting ranks waking up, progress threads polling, the device event -> MPI hand-off
+    hop_s: float = 0.0
+
+    def device_time(self, to_host_bytes: float, to_device_bytes: float) -> float:
+        t = to_host_bytes / self.device_d2h_Bps if self.device_d2h_Bps > 0 else 0.0
+        return t + (to_device_bytes / self.device_h2d_Bps if self.device_h2d_Bps > 0 else 0.0)
+
+    def time(self, nbytes: float) -> float:
+        """One-way time of a message: measured table where given (linear between points),
+        latency + size / bandwidth elsewhere."""
+        if nbytes <= 0:
+            return 0.0
+        if self.message_bytes and self.message_bytes[0] <= nbytes <= self.message_bytes[-1]:
+            return float(np.interp(nbytes, self.message_bytes, self.message_time_s))
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(slots=True)
+class Profile:
+    model: ModelDims
+    s_worker: SWorkerProfile
+    r_workers: list[RWorkerProfile]
+    link: LinkProfile
+    kv_dtype_bytes: int = 2
+    source: str = "measured"        # or "stated"
+    notes: str = ""
+
+    def workers(self, count: int) -> list[RWorkerProfile]:
+        """`count` R-workers: the profiled ones, repeated in order when more are asked for."""
+        return [self.r_workers[i % len(self.r_workers)] for i in range(count)]
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        """Keys a part does not know (measurement metadata, raw samples) are ignored."""
+        if d.get("schema", SCHEMA) != SCHEMA:
+            raise ValueError(f"profile schema {d.get('schema')!r} is not {SCHEMA!r}")
+        if not d.get("r_workers"):
+            raise ValueError("profile lists no r_workers")
+        s = from_known_keys(SWorkerProfile, d["s_worker"])
+        if len(s.batch_grid) < 1 or not (len(s.batch_grid) == len(s.layer_time_s) == len(s.head_time_s)):
+            raise ValueError("s_worker: batch_grid, layer_time_s and head_time_s must have equal, nonzero length")
+        if list(s.batch_grid) != sorted(s.batch_grid) or min(s.layer_time_s) <= 0:
+            raise ValueError("s_worker: batch_grid must ascend and layer times be positive")
+        if len(s.prefill_prompt_len) != len(s.prefill_token_s) or \
+                list(s.prefill_prompt_len) != sorted(s.prefill_prompt_len):
+            raise ValueError("s_worker: prefill_prompt_len must ascend and match prefill_token_s in length")
+        if len(s.prefill_chunk_grid) != len(s.prefill_chunk_token_s) or \
+                list(s.prefill_chunk_grid) != sorted(s.prefill_chunk_grid) or min(s.prefill_chunk_grid, default=1) < 1:
+            raise ValueError("s_worker: prefill_chunk_grid must ascend from >= 1 and match prefill_chunk_token_s in length")
+        workers = [from_known_keys(RWorkerProfile, w) for w in d["r_workers"]]
+        if any(w.seconds_per_kv_byte <= 0 or w.capacity_bytes < 0 for w in workers):
+            raise ValueError("r_workers: seconds_per_kv_byte must be > 0 and capacity_bytes >= 0")
+        link = from_known_keys(LinkProfile, d["link"])
+        if link.bandwidth_Bps <= 0 or len(link.message_bytes) != len(link.message_time_s):
+            raise ValueError("link: bandwidth must be > 0, message_bytes and message_time_s equal length")
+        return cls(model=from_known_keys(ModelDims, d["model"]), s_worker=s, r_workers=workers, link=link,
+                   kv_dtype_bytes=d.get("kv_dtype_bytes", 2), source=d.get("source", "measured"),
+                   notes=d.get("notes", ""))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        return cls.from_dict(json.loads(text))
+
+
+def from_known_keys(cls, d: dict):
+    """cls(**d) without the keys cls does not have (forward-compatible JSON)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+

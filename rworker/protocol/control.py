@@ -1,0 +1,196 @@
+"""Control messages between the S-worker (rank 0) and the R-workers: fixed-layout int64 arrays,
+built and parsed here and nowhere else. numpy only; no pickle.
+
+Per engine step the S-worker sends each R-worker, in this order:
+  1. one control message (TAG_CTRL): a header, then the id arrays it announces;
+  2. the data messages the header implies, with sizes known from it (so the receiver pre-posts
+     them; their layout is rworker.protocol.wire):
+       PREFILL: per layer one message [k rows | v rows]                (TAG_KV)
+       DECODE:  per layer, per mini-batch m one message [q | k | v]    (tag_qkv(m))
+     and gets back per (layer, mini-batch m) the attention output [n, Hq, D]   (tag_out(m)).
+Replies that are not activations (HELLO's roster entry, a PROFILE result) are JSON on TAG_INFO;
+a decode step ends with the worker's float64 stats [attend_s, busy_s, kv_bytes, step] on TAG_INFO.
+
+Header: [MAGIC, VERSION, kind, step, a, b, c, d, e]; a..e mean what each builder below says.
+Every message carries the version, so ranks running different fastdecode versions stop at the
+first message, each naming both versions, instead of misreading each other.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
+
+MAGIC = 0x46444543          # "FDEC"
+VERSION = 2                 # bump on any change to a message's layout or meaning
+
+# ---------------------------------------------------------------- tags
+
+TAG_CTRL, TAG_KV, TAG_INFO, TAG_PING = 1, 2, 3, 4
+MAX_MINIBATCHES = 64        # pipeline depth limit: per-mini-batch tags come from disjoint ranges
+TAG_QKV_BASE = 100
+TAG_OUT_BASE = TAG_QKV_BASE + MAX_MINIBATCHES
+
+
+def tag_qkv(mb: int) -> int:
+    """Tag of mini-batch mb's [q | k | v] rows, S -> R."""
+    return TAG_QKV_BASE + _minibatch(mb)
+
+
+def tag_out(mb: int) -> int:
+    """Tag of mini-batch mb's attention output, R -> S."""
+    return TAG_OUT_BASE + _minibatch(mb)
+
+
+def _minibatch(mb: int) -> int:
+    if not 0 <= mb < MAX_MINIBATCHES:
+        raise ProtocolError(f"mini-batch {mb} is outside 0..{MAX_MINIBATCHES - 1} (pipeline depth is at most "
+                            f"{MAX_MINIBATCHES})")
+    return mb
+
+# ---------------------------------------------------------------- header
+
+HELLO, PREFILL, DECODE, FREE, SHUTDOWN, ABORT, PROFILE, PING = 1, 2, 3, 4, 5, 6, 7, 8
+KIND_NAMES = {HELLO: "HELLO", PREFILL: "PREFILL", DECODE: "DECODE", FREE: "FREE",
+              SHUTDOWN: "SHUTDOWN", ABORT: "ABORT", PROFILE: "PROFILE", PING: "PING"}
+HEADER_WORDS = 9
+
+
+class ProtocolError(ValueError):
+    """A message this rank cannot read: another version, or a malformed header or body."""
+
+
+def control(kind: int, step: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0, e: int = 0,
+            body: list | None = None) -> np.ndarray:
+    """A control message: int64[HEADER_WORDS + body words]."""
+    head = np.array([MAGIC, VERSION, kind, step, a, b, c, d, e], dtype=np.int64)
+    parts = [head] + [np.asarray(p, dtype=np.int64).ravel() for p in (body or [])]
+    return np.concatenate(parts)
+
+
+def parse(msg: np.ndarray, sender: str = "rank 0 (S-worker)") -> tuple[int, int, np.ndarray, np.ndarray]:
+    """-> (kind, step, header words a..e, body). ProtocolError on a foreign or other-version message."""
+    if msg.shape[0] < 2 or msg[0] != MAGIC:
+        raise ProtocolError(f"protocol error: a control message from {sender} without the magic word "
+                            f"({msg[:HEADER_WORDS].tolist()})")
+    if msg[1] != VERSION:
+        raise ProtocolError(f"{sender} speaks fastdecode protocol version {int(msg[1])}, this rank version "
+                            f"{VERSION}: run the same fastdecode installation on every rank")
+    if msg.shape[0] < HEADER_WORDS:
+        raise ProtocolError(f"protocol error: a control message of {msg.shape[0]} words from {sender}")
+    return int(msg[2]), int(msg[3]), msg[4:HEADER_WORDS], msg[HEADER_WORDS:]
+
+# ---------------------------------------------------------------- HELLO
+
+
+@dataclass(slots=True)
+class Hello:
+    """What an R-worker needs before it builds its store (the job's model shape and settings)."""
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str               # one of KV_DTYPES
+    scale: float                # softmax scale, usually head_dim ** -0.5
+    threads: int = 0            # kernel threads (0: the R-worker picks)
+    capacity_bytes: int = 0     # KV bytes it may hold (0: the R-worker picks)
+    s_cores: int = 0            # cores the S-worker keeps on the R-worker's node, when it shares one
+    bf16_probs: bool = False    # the job allows V in token pairs (--attn-probs bf16)
+
+
+# a=num_layers b=num_kv_heads c=head_dim d=kv dtype code e=num_heads;
+# body: [scale as float64 bits, threads, capacity_bytes, s_cores, bf16_probs]
+HELLO_BODY_WORDS = 5
+
+
+def hello_message(h: Hello) -> np.ndarray:
+    scale_bits = struct.unpack("<q", struct.pack("<d", h.scale))[0]
+    return control(HELLO, 0, h.num_layers, h.num_kv_heads, h.head_dim, KV_CODES[h.kv_dtype], h.num_heads,
+                   body=[[scale_bits, h.threads, h.capacity_bytes, h.s_cores, int(h.bf16_probs)]])
+
+
+def parse_hello(hdr: np.ndarray, body: np.ndarray) -> Hello:
+    if body.size != HELLO_BODY_WORDS or not 0 <= hdr[3] < len(KV_DTYPES):
+        raise ProtocolError(f"protocol error: HELLO with {body.size} body words (expected {HELLO_BODY_WORDS}) "
+                            f"or kv dtype code {int(hdr[3])}")
+    num_layers, num_kv_heads, head_dim, kv_code, num_heads = (int(x) for x in hdr)
+    scale = struct.unpack("<d", struct.pack("<q", int(body[0])))[0]
+    return Hello(num_layers, num_heads, num_kv_heads, head_dim, KV_DTYPES[kv_code], scale,
+                 threads=int(body[1]), capacity_bytes=int(body[2]), s_cores=int(body[3]), bf16_probs=bool(body[4]))
+
+# ---------------------------------------------------------------- PREFILL
+# a=rows b=act dtype code c=layers in this step (0: all) d=reservations;
+# body: seq_ids[rows] (a prompt's rows consecutive), then d seq ids and d token counts to reserve
+
+
+def prefill_message(step: int, row_ids: np.ndarray, act_code: int, layers: int,
+                    reserve_ids: np.ndarray, reserve_tokens: np.ndarray) -> np.ndarray:
+    return control(PREFILL, step, len(row_ids), act_code, layers, len(reserve_ids),
+                   body=[row_ids, reserve_ids, reserve_tokens])
+
+
+@dataclass(slots=True)
+class Prefill:
+    row_ids: np.ndarray         # [rows] int64
+    act_dtype: type             # numpy dtype of the K/V rows on the wire
+    layers: int                 # 0: all of the model's
+    reserve_ids: np.ndarray     # [d] sequences whose reservation the worker takes as pages now
+    reserve_tokens: np.ndarray  # [d] KV tokens each reserves
+
+
+def parse_prefill(hdr: np.ndarray, body: np.ndarray) -> Prefill:
+    rows, act, layers, nres = int(hdr[0]), int(hdr[1]), int(hdr[2]), int(hdr[3])
+    if rows < 0 or nres < 0 or body.size != rows + 2 * nres or act not in ACT_DTYPES:
+        raise ProtocolError(f"protocol error: PREFILL announces {rows} rows and {nres} reservations "
+                            f"(activation code {act}), its body has {body.size} words")
+    return Prefill(body[:rows].copy(), ACT_DTYPES[act], layers, body[rows:rows + nres],
+                   body[rows + nres:rows + 2 * nres])
+
+# ---------------------------------------------------------------- DECODE
+# a=mini-batches b=act dtype code c=layers in this step (0: all; `fastdecode profile` times the
+# R-part on the first few); body: counts[mini-batches], then each mini-batch's seq ids
+
+
+def decode_message(step: int, ids_per_minibatch: list[np.ndarray], act_code: int, layers: int) -> np.ndarray:
+    n_mb = len(ids_per_minibatch)
+    _minibatch(n_mb - 1)
+    return control(DECODE, step, n_mb, act_code, layers, body=[[len(x) for x in ids_per_minibatch]]
+                   + list(ids_per_minibatch))
+
+
+@dataclass(slots=True)
+class Decode:
+    ids: list[np.ndarray]       # per mini-batch [n_m] int64 (empty: nothing is sent for it)
+    act_dtype: type
+    layers: int
+
+
+def parse_decode(hdr: np.ndarray, body: np.ndarray) -> Decode:
+    n_mb, act, layers = int(hdr[0]), int(hdr[1]), int(hdr[2])
+    if not 0 < n_mb <= MAX_MINIBATCHES or act not in ACT_DTYPES or body.size < n_mb:
+        raise ProtocolError(f"protocol error: DECODE with {n_mb} mini-batches (at most {MAX_MINIBATCHES}), "
+                            f"activation code {act}, {body.size} body words")
+    counts = body[:n_mb]
+    ends = np.cumsum(counts) + n_mb
+    if (counts < 0).any() or body.size != ends[-1]:
+        raise ProtocolError(f"protocol error: DECODE counts {counts.tolist()} do not match its {body.size} body words")
+    starts = ends - counts
+    return Decode([body[s:e].copy() for s, e in zip(starts, ends)], ACT_DTYPES[act], layers)
+
+# ---------------------------------------------------------------- the rest
+#   FREE:     a=n; body: seq_ids[n]
+#   PROFILE:  a=seqs b=target_bytes; the worker times its kernel and sends JSON back (TAG_INFO)
+#   PING:     a=repeats; body: message sizes in bytes; each size is echoed `repeats` times (TAG_PING)
+#   SHUTDOWN / ABORT: no body
+
+
+def free_message(step: int, seq_ids: list[int]) -> np.ndarray:
+    return control(FREE, step, len(seq_ids), body=[seq_ids])
+
+
+def decode_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:
+    """Bytes on the wire per sequence per layer: (S->R: q,k,v, R->S: o)."""
+    return (num_heads + 2 * num_kv_heads) * head_dim * itemsize, num_heads * head_dim * itemsize
