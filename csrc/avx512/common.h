@@ -12,8 +12,8 @@
 
 // Each ISA build gets its own namespace: the three modules can live in one process without any
 // symbol, type or pybind11 registration of one being taken for another's.
-// FD_AVX512: this build runs the AVX-512 branch, natively (-mavx512f) or, in the test-only module
-// _kernels_avx512emu, through SIMDe on an AVX2 CPU (simde_avx512.h).
+// FD_AVX512: this build runs the AVX-512 kernels (simd_avx512.h), natively (-mavx512f) or, in the
+// test-only module _kernels_avx512emu, through SIMDe on an AVX2 CPU (simde_avx512.h).
 #if defined(FD_SIMDE_AVX512)
 #include "simde_avx512.h"
 #define FD_AVX512 1

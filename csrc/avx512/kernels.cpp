@@ -1,7 +1,7 @@
 // kernels.cpp — Python bindings of the R-worker KV store and decode attention.
 //
 // Compiled three times by setup.py (portable / avx2 / avx512 flags) into rworker._kernels_<isa>;
-// FD_MODULE_NAME names the module, the compiler flags pick the simd.h branch. rworker/isa.py
+// FD_MODULE_NAME names the module, the compiler flags pick simd.h's ISA header. rworker/isa.py
 // imports a module only after checking the CPU (and OS) support its instructions: no SIGILL.
 //
 // Every call that touches KV data releases the GIL. Shapes and dtypes are checked here, before
@@ -359,7 +359,7 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
     m.attr("V_TILE") = V_TILE;            // the V layout a store gets by default (simd.h)
     m.attr("V_TILE_ALT") = V_TILE_ALT;    // a second layout under measurement (== V_TILE: none)
 #if defined(FD_HAVE_DPBF16)
-    m.attr("V_PAIRS") = V_PAIRS;          // bf16 KV in token pairs, bf16 probabilities (simd.h; opt-in)
+    m.attr("V_PAIRS") = V_PAIRS;          // bf16 KV in token pairs, bf16 probabilities (simd_avx512.h; opt-in)
 #endif
 
     py::class_<PyStore>(m, "Store", py::module_local())
