@@ -1,7 +1,7 @@
 // arena.h — memory for pages: big chunks that never move, carved into equal pages, reused LIFO.
 //
 // The store's pages (paging.h) come from here, and so does read_bandwidth's buffer
-// (kernels.cpp): the roofline streams memory mapped as the pages are (hugepage-advised).
+// (microbench.cpp): the roofline streams memory mapped as the pages are (hugepage-advised).
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // common.h — dtypes, scalar bf16/fp16 conversions, aligned buffers.
 //
-// Included by every ISA build of kernels.cpp. Nothing in here may use an instruction
+// Included by every ISA build of the kernel sources. Nothing in here may use an instruction
 // beyond the baseline of the module it is compiled into (the compiler flags decide).
 #pragma once
 
@@ -112,7 +112,7 @@ struct AlignedBuf {
 
 inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
-// a feature of cpu_features() (kernels.cpp: the CPU has it and the OS saves its state), by name
+// a feature of cpu_features() (microbench.cpp: the CPU has it and the OS saves its state), by name
 bool cpu_has(const char* feature);
 // AVX512-BF16 usable: cpuid leaf 7 subleaf 1 EAX bit 5, with the OS saving ZMM state
 inline bool cpu_has_avx512bf16() { return cpu_has("avx512bf16"); }
