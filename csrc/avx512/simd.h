@@ -40,8 +40,10 @@
 //   FD_ISA_NAME                          the build's name (the module's ISA attribute)
 //   V_TILE, V_TILE_ALT                   its default V layout and a second one (== V_TILE: none)
 //   L_LANES                              lanes of softmax_page's l
-// and the AVX-512 one, as FD_HAVE_DPBF16, the AVX512-BF16 paths (run only where cpuid has it):
+// and the AVX-512 one, as FD_HAVE_DPBF16, the AVX512-BF16 paths (run only where cpuid has it;
+// the SIMDe test build runs them on any CPU):
 //   scores_page_dp(K, Dp, qw, sc, g, S, pf)   scores_page from bf16 query pairs qw, scaled by sc
+//   V_PAIRS                              a third V layout: bf16 V in token pairs (opt-in)
 //   pv_page_pairs(V, nvalid, Dp, S, g, acc, pf, pf_bytes)   pv_page for the V_PAIRS layout
 //   pairs_in(blk, nr, vrun, s0, Dp)      rows into a V run of token pairs (the store's append)
 #pragma once
