@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 
-KERNEL_SOURCES = ["csrc/avx512/kernels.cpp"]
+KERNEL_SOURCES = ["csrc/avx512/kernels.cpp", "csrc/avx512/microbench.cpp"]   # bindings; CPU probes
 KERNEL_HEADERS = sorted(glob.glob("csrc/avx512/*.h"))  # rebuild when a header changes
 COMMON_FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-pthread"]
 
@@ -59,7 +59,7 @@ ext_modules = [
 
 
 class BuildPerModule(build_ext):
-    """Every module compiles the one kernels.cpp with its own flags, so each gets its own object
+    """Every module compiles the same KERNEL_SOURCES with its own flags, so each gets its own object
     directory: under `build_ext -j N` they would otherwise race for one kernels.o, and a link then
     fails or takes another module's object."""
 

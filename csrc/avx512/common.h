@@ -1,6 +1,6 @@
 // common.h — dtypes, scalar bf16/fp16 conversions, aligned buffers.
 //
-// Included by every ISA build of kernels.cpp. Nothing in here may use an instruction
+// Included by every ISA build of the kernel sources. Nothing in here may use an instruction
 // beyond the baseline of the module it is compiled into (the compiler flags decide).
 #pragma once
 
@@ -12,8 +12,8 @@
 
 // Each ISA build gets its own namespace: the three modules can live in one process without any
 // symbol, type or pybind11 registration of one being taken for another's.
-// FD_AVX512: this build runs the AVX-512 branch, natively (-mavx512f) or, in the test-only module
-// _kernels_avx512emu, through SIMDe on an AVX2 CPU (simde_avx512.h).
+// FD_AVX512: this build runs the AVX-512 kernels (simd_avx512.h), natively (-mavx512f) or, in the
+// test-only module _kernels_avx512emu, through SIMDe on an AVX2 CPU (simde_avx512.h).
 #if defined(FD_SIMDE_AVX512)
 #include "simde_avx512.h"
 #define FD_AVX512 1
@@ -112,7 +112,7 @@ struct AlignedBuf {
 
 inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
-// a feature of cpu_features() (kernels.cpp: the CPU has it and the OS saves its state), by name
+// a feature of cpu_features() (microbench.cpp: the CPU has it and the OS saves its state), by name
 bool cpu_has(const char* feature);
 // AVX512-BF16 usable: cpuid leaf 7 subleaf 1 EAX bit 5, with the OS saving ZMM state
 inline bool cpu_has_avx512bf16() { return cpu_has("avx512bf16"); }

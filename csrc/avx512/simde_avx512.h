@@ -1,4 +1,4 @@
-// simde_avx512.h — the AVX-512 branch of simd.h on a CPU without AVX-512, for tests only.
+// simde_avx512.h — the AVX-512 kernels (simd_avx512.h) on a CPU without AVX-512, for tests only.
 //
 // The module rworker._kernels_avx512emu (built when SIMDe's headers are found, see setup.py) is
 // compiled with AVX2 flags and FD_SIMDE_AVX512: SIMDe (libsimde-dev) implements the _mm512_*

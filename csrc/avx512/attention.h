@@ -1,0 +1,327 @@
+// attention.h — decode attention over a store's pages: work items, the per-item passes, the merge.
+//
+// Work items are (sequence, kv-head, chunk of CH = 512 tokens). One item streams its K/V runs
+// once and serves all g = Hq/Hkv query heads of the group (GQA) with an online softmax in base 2,
+// fp32 accumulators. Items of a multi-chunk sequence write partial (m, l, acc); the item that
+// finishes last merges them in chunk order (log-sum-exp). Chunk boundaries depend only on the
+// sequence length, and an item's arithmetic does not depend on which thread runs it, so a
+// sequence's output is bitwise the same whatever the batch, the thread count or the history.
+//
+// The page passes themselves are simd.h's (one ISA header per build), the AMX scores amx.h's.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "paging.h"
+#include "pool.h"
+#include "simd.h"
+#if defined(FD_HAVE_DPBF16)
+#include "amx.h"
+#endif
+
+namespace FD_NS {
+
+// Software prefetch of the next page while one is computed (simd.h): none, always, or only a
+// page that lies apart from both its neighbours (a run of one). The hardware prefetcher follows a
+// run by itself and cannot know where a scattered page is; a software prefetch at the head of a
+// run lost a little there, as if it kept the hardware from training on it (bench/KERNEL_NOTES.md, 15)
+enum { PF_OFF = 0, PF_ALL = 1, PF_SCATTERED = 2 };
+
+// an AMX A tile holds up to 16 query heads (amx.h)
+constexpr int AMX_ROWS_MAX = 16;
+
+// FASTDECODE_PREFETCH: 0 / off, 1 / on (the default), scattered
+static inline int prefetch_mode_env() {
+    const char* e = getenv("FASTDECODE_PREFETCH");
+    if (!e) return PF_ALL;
+    const std::string v(e);
+    return v == "0" || v == "off" ? PF_OFF : v == "scattered" ? PF_SCATTERED : PF_ALL;
+}
+
+// ============================================================================
+// Attention: one store's attention settings, its work list, the item passes
+// ============================================================================
+
+class Attention : protected Geometry {
+public:
+    static constexpr int P = PT;    // tokens per page
+    static constexpr int CH = 512;  // tokens per split-KV chunk (a multiple of P)
+
+    // ---- settings ---------------------------------------------------------------
+
+    // checks that the geometry's V layout is one this build's V pass reads
+    Attention(const Geometry& geo, double scale) : Geometry(geo), scale_((float)scale) {
+#if defined(FD_HAVE_DPBF16)
+        // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
+        // (the SIMDe test build emulates the instruction, so it takes the path on any CPU)
+#if defined(FD_SIMDE_AVX512)
+        const bool has_dp = true;
+#else
+        const bool has_dp = cpu_has_avx512bf16();
+#endif
+        use_dp_ = has_dp && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
+        if (vtile_ == V_PAIRS && (dt_ != BF16 || !has_dp))
+            throw std::invalid_argument("v_tile: token pairs (V_PAIRS) need bf16 KV and a CPU with AVX512-BF16");
+        const bool pairs = vtile_ == V_PAIRS;
+#else
+        const bool pairs = false;
+#endif
+        if (vtile_ != V_TILE && vtile_ != V_TILE_ALT && !pairs) throw std::invalid_argument("v_tile: not a layout of this build");
+        for (int d = 0; d < Dp_; ++d) apos_.push_back(pairs ? d : apos(dt_, d, Dp_));   // pairs: natural order
+    }
+
+    int amx() const { return amx_; }
+    // AMX tile products for the scores (amx.h): hardware where the CPU and the OS allow it, the
+    // emulation (tests) in any build that has the AVX512-BF16 scores, or off
+    void set_amx(int mode) {
+        if (mode != AMX_OFF) {
+#if defined(FD_HAVE_DPBF16)
+            if (mode != AMX_EMU && mode != AMX_HW) throw std::invalid_argument("amx: bad mode");
+            if (mode == AMX_HW && !amx_usable())
+                throw std::invalid_argument("amx: this CPU has no AMX-BF16, or the kernel gave this process no tile state");
+            if (!use_dp_) throw std::invalid_argument("amx: the AMX scores replace the AVX512-BF16 ones, which this store does not use");
+#else
+            throw std::invalid_argument("amx: the " FD_ISA_NAME " build has no AMX scores (the avx512 build has)");
+#endif
+        }
+        amx_ = mode;
+    }
+    int prefetch() const { return prefetch_.load(std::memory_order_relaxed); }
+    void set_prefetch(int mode) {
+        if (mode != PF_OFF && mode != PF_ALL && mode != PF_SCATTERED) throw std::invalid_argument("bad prefetch mode");
+        prefetch_.store(mode, std::memory_order_relaxed);
+    }
+
+    void check_heads(int Hq) const {
+        if (Hq < Hkv_ || Hq % Hkv_ != 0)
+            throw std::invalid_argument("q has " + std::to_string(Hq) + " heads, not a multiple of num_kv_heads=" +
+                                        std::to_string(Hkv_));
+    }
+
+    // ---- one call: the work list, run on the pool -------------------------------
+
+    // q [n][Hq][D] (qdt F32 or BF16) -> out [n][Hq][D] (odt F32 or BF16), over all stored tokens
+    // of the sequences ids[0..n) at `layer`, on the pool's threads
+    void run(const PageTable& pages, Pool& pool, int layer, int64_t n, const int64_t* ids, const void* q, int qdt,
+             int Hq, void* out, int odt) {
+        pages.check_layer(layer);
+        check_heads(Hq);
+        if (n == 0) return;
+        const int g = Hq / Hkv_;
+        const bool dp = use_dp_ && dt_ == BF16 && qdt == BF16;
+        // AMX where the tiles fit: 32-dim steps, 2..16 heads per group (one head would fill 1/16
+        // of every tile product, for the cost of a full one: MHA stays on vdpbf16ps)
+        const int amx = dp && Dp_ % 32 == 0 && g >= 2 && g <= AMX_ROWS_MAX ? amx_ : AMX_OFF;
+        Call C{layer, g, Hq, dp, amx, q, qdt, out, odt, {}};
+        C.seqs.resize(n);
+
+        // 1. resolve sequences and build the work list
+        items_.clear();
+        int64_t nparts = 0, ncounters = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const Seq* s = pages.find(ids[i]);
+            if (!s) throw std::invalid_argument("unknown sequence id " + std::to_string(ids[i]));
+            int32_t len = s->len[layer];
+            if (len == 0)
+                throw std::invalid_argument("sequence " + std::to_string(ids[i]) + " has no tokens at layer " +
+                                            std::to_string(layer));
+            C.seqs[i] = s;
+            int32_t nc = (len + CH - 1) / CH;
+            for (int h = 0; h < Hkv_; ++h) {
+                int64_t part = nc > 1 ? nparts : -1, ctr = nc > 1 ? ncounters++ : -1;
+                if (nc > 1) nparts += nc;
+                for (int c = 0; c < nc; ++c) items_.push_back({(int32_t)i, h, c, nc, part, ctr});
+            }
+        }
+        // partial slot: [g][Dp] acc, then g m, then g l
+        part_stride_ = (size_t)g * Dp_ + 2 * (size_t)g;
+        if (nparts) parts_.get((size_t)nparts * part_stride_);
+        if (ncounters > (int64_t)ncounters_cap_) {
+            counters_.reset(new std::atomic<int>[ncounters]);
+            ncounters_cap_ = ncounters;
+        }
+        for (int64_t c = 0; c < ncounters; ++c) counters_[c].store(0, std::memory_order_relaxed);
+
+        // 2. run (longest items are already bounded by CH, so plain dynamic order balances)
+        auto body = [&](int64_t w, int64_t next) { run_item(C, items_[w], next < 0 ? nullptr : &items_[next]); };
+        pool.parallel_for((int64_t)items_.size(), body);
+    }
+
+private:
+    struct Item {
+        int32_t i, h, c, nc;   // batch row, kv head, chunk, chunks of this sequence
+        int64_t part;          // first partial slot of this (row, head) if nc > 1, else -1
+        int64_t counter;       // index of the merge counter if nc > 1
+    };
+
+    struct Call {
+        int layer, g, Hq;
+        bool dp;          // bf16 dot-product path (bf16 q, bf16 K, CPU has AVX512-BF16)
+        int amx;          // scores as AMX tile products (AMX_HW / AMX_EMU, amx.h) or AMX_OFF
+        const void* q;
+        int qdt;
+        void* out;
+        int odt;
+        std::vector<const Seq*> seqs;
+    };
+
+    // ---- one work item: (sequence, kv head, chunk) ------------------------------
+
+    // page i of head h of s follows neither `prev` (the page computed now) nor precedes its own
+    // next page in memory: a run of one, which no hardware prefetcher can see coming
+    bool isolated(const Seq& s, int layer, size_t i, int h, const char* prev) const {
+        const auto& pl = s.pages[layer];
+        const char* p = pl[i * Hkv_ + h];
+        if (p == prev + page_bytes_) return false;
+        return (i + 1) * Hkv_ >= pl.size() || pl[(i + 1) * Hkv_ + h] != p + page_bytes_;
+    }
+
+    void run_item(const Call& C, const Item& it, const Item* next) const {
+        const int g = C.g, Dp = Dp_, D = D_;
+        const Seq& s = *C.seqs[it.i];
+        const int32_t len = s.len[C.layer];
+        const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
+
+        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g][L_LANES] | qw [g][Dp/2] words
+        thread_local AlignedBuf buf;
+        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + (size_t)g * (1 + L_LANES) + (size_t)g * Dp / 2 + 64);
+        float* acc = qf + (size_t)g * Dp;
+        float* S = acc + (size_t)g * Dp;
+        float* m = S + (size_t)g * PT;
+        float* l = m + g;
+        uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)g * L_LANES);
+        auto l_of = [&](int j) { return l + (size_t)j * L_LANES; };   // head j's lane sums
+
+        // 1. queries of this group: fp32 pre-scaled so scores are in log2 units, or (bf16 q and
+        //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product
+        const size_t qisz = dtype_size(C.qdt);
+        const char* qbase = static_cast<const char*>(C.q) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * qisz;
+        const float sc = scale_ * LOG2E;
+        for (int j = 0; j < g; ++j) {
+            const char* qj = qbase + (size_t)j * D * qisz;
+            if (C.dp) {
+                uint16_t* h = reinterpret_cast<uint16_t*>(qw + (size_t)j * Dp / 2);
+                std::memcpy(h, qj, (size_t)D * 2);
+                for (int d = D; d < Dp; ++d) h[d] = 0;
+            } else {
+                q_row(qj, C.qdt, D, Dp, sc, qf + (size_t)j * Dp);
+            }
+            std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
+            m[j] = -INFINITY;
+            std::fill(l_of(j), l_of(j + 1), 0.f);
+        }
+
+        // 2. stream the chunk page by page (AMX: this thread's tiles configured for g rows first)
+#if defined(FD_HAVE_DPBF16)
+        if (C.amx) amx_begin(C.amx, g);
+#endif
+        const int pf_mode = prefetch_.load(std::memory_order_relaxed);
+        const size_t run_bytes = (size_t)P * Dp * isz_;
+        const auto& pages = s.pages[C.layer];
+        const int32_t plast = (t1 - 1) / P;
+        for (int32_t tb = t0; tb < t1; tb += P) {
+            const int nvalid = std::min(P, t1 - tb);
+            const int32_t pi = tb / P;
+            const char* kr = pages[(size_t)pi * Hkv_ + it.h];
+            const char* vr = kr + run_bytes;
+
+            // 2a. what to prefetch while this page is computed: the next page of this item, or
+            //     the first page of the item this thread runs next (simd.h: "Software prefetch");
+            //     PF_SCATTERED only a page apart from both neighbours (isolated)
+            const char* pf = nullptr;
+            if (pf_mode != PF_OFF && (pi < plast || next)) {
+                const Seq& ns = pi < plast ? s : *C.seqs[next->i];
+                const int nh = pi < plast ? it.h : next->h;
+                const size_t ni = pi < plast ? (size_t)pi + 1 : (size_t)(next->c * CH / P);
+                if (pf_mode == PF_ALL || isolated(ns, C.layer, ni, nh, kr)) pf = ns.pages[C.layer][ni * Hkv_ + nh];
+            }
+            // 2b. scores of every query head of the group: one pass over the K run
+#if defined(FD_HAVE_DPBF16)
+            if (C.amx) scores_page_amx(C.amx, kr, Dp, qw, sc, g, S, pf);
+            else if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
+            else
+#endif
+                scores_page(dt_, kr, Dp, qf, g, S, pf);
+            // 2c. online softmax; rescale the accumulators when the running max moves
+            for (int j = 0; j < g; ++j) {
+                float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l_of(j));
+                if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
+            }
+            // 2d. acc += p V: one pass over the V run
+#if defined(FD_HAVE_DPBF16)
+            if (vtile_ == V_PAIRS) pv_page_pairs(vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
+            else
+#endif
+                pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_, vtile_);
+        }
+
+#if defined(FD_HAVE_DPBF16)
+        if (C.amx) amx_end(C.amx);
+#endif
+
+        // 3. single chunk: normalise and write; else publish the partial, last one merges
+        const size_t oisz = dtype_size(C.odt);
+        char* obase = static_cast<char*>(C.out) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * oisz;
+        if (it.nc == 1) {
+            for (int j = 0; j < g; ++j)
+                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l_total(l_of(j)), D, obase + (size_t)j * D * oisz, C.odt);
+            return;
+        }
+        float* slot = parts_.p + (size_t)(it.part + it.c) * part_stride_;
+        std::memcpy(slot, acc, sizeof(float) * g * Dp);
+        std::memcpy(slot + (size_t)g * Dp, m, sizeof(float) * g);
+        for (int j = 0; j < g; ++j) slot[(size_t)g * Dp + g + j] = l_total(l_of(j));
+        if (counters_[it.counter].fetch_add(1, std::memory_order_acq_rel) != it.nc - 1) return;
+        merge(it, g, obase, C.odt, acc);
+    }
+
+    // ---- the chunk merge --------------------------------------------------------
+
+    // log-sum-exp merge of nc partials in chunk order (base 2); acc is scratch [g][Dp]
+    void merge(const Item& it, int g, char* obase, int odt, float* acc) const {
+        const int Dp = Dp_;
+        const size_t oisz = dtype_size(odt);
+        const float* first = parts_.p + (size_t)it.part * part_stride_;
+        for (int j = 0; j < g; ++j) {
+            float M = -INFINITY;
+            for (int c = 0; c < it.nc; ++c) M = std::fmax(M, first[c * part_stride_ + (size_t)g * Dp + j]);
+            float* a = acc + (size_t)j * Dp;
+            std::memset(a, 0, sizeof(float) * Dp);
+            float lsum = 0.f;
+            for (int c = 0; c < it.nc; ++c) {
+                const float* sl = first + c * part_stride_;
+                float w = exp2_1(sl[(size_t)g * Dp + j] - M);
+                lsum += w * sl[(size_t)g * Dp + g + j];
+                const float* pa = sl + (size_t)j * Dp;
+                for (int d = 0; d < Dp; ++d) a[d] += w * pa[d];
+            }
+            out_row(a, apos_.data(), 1.f / lsum, D_, obase + (size_t)j * D_ * oisz, odt);
+        }
+    }
+
+    // ---- state ------------------------------------------------------------------
+
+    const float scale_;
+    // software prefetch of the next page (PF_*): FASTDECODE_PREFETCH, default on; set_prefetch (the
+    // R-worker's start-up tune, rworker/tune.py) picks per host, since it pays on some and not others
+    std::atomic<int> prefetch_{prefetch_mode_env()};
+    std::vector<int> apos_;   // [Dp] accumulator index of each dim
+    bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
+    int amx_ = AMX_OFF;  // bf16-q scores as AMX tile products: AMX_HW, AMX_EMU (amx.h) or off
+
+    // per-call scratch, reused
+    std::vector<Item> items_;
+    AlignedBuf parts_;
+    size_t part_stride_ = 0;
+    std::unique_ptr<std::atomic<int>[]> counters_;
+    size_t ncounters_cap_ = 0;
+};
+
+}  // namespace FD_NS

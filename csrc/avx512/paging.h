@@ -1,0 +1,381 @@
+// paging.h — the pages of one R-worker's KV store: arena, page lists, append, reserve, accounting.
+//
+// Layout. A page holds PT = 32 consecutive tokens of one (sequence, layer, kv-head):
+//
+//   page: [ K run: Dw words x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
+//   (the V run in tiles of V_TILE dims where the ISA's V pass wants them: simd.h)
+//   AVX2 runs V in tiles of 16; AVX-512 token-major, or in tiles of 32 with FASTDECODE_VTILE=32
+//
+// (simd.h says why K is word-major). Pages come from an arena of big chunks that never move
+// (hugepage-advised); freed pages go on a LIFO free list and are reused first. New pages of one
+// append are taken head by head, so a prompt's pages of one head are consecutive in memory (one
+// long stream for the hardware prefetcher), and a freed sequence returns its pages so that the
+// next prompt gets them back in the same order. Appending a token writes one K column and one V
+// row per head; nothing is ever copied to grow a sequence. `reserve` takes a sequence's pages for
+// its whole reservation up front, so decode appends land in the same runs as its prompt. A
+// sequence that outgrows its pages unreserved takes an extent (up to E pages per head, while the
+// store keeps 1/8 of its capacity free): one run per E pages instead of one page per 32 decode
+// steps from wherever the free list has one. Pages past a sequence's tokens and reservation are
+// slack, given back (trimmed) when a call needs their room, so the capacity a caller counts in
+// tokens (bytes_committed) is never short.
+//
+// Not thread-safe: the Store (kvstore.h) calls in under its mutex.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "arena.h"
+#include "common.h"
+#include "pool.h"
+#include "simd.h"
+
+namespace FD_NS {
+
+// ============================================================================
+// Geometry: the shape of a store's pages, shared by its page table and its attention
+// ============================================================================
+
+struct Geometry {
+    const int L_, Hkv_, D_, Dp_, dt_;
+    const size_t isz_;
+    const size_t page_bytes_;   // one head's K run + V run
+    const int vtile_;           // V run layout: token-major (0) or tiles of this many dims (simd.h)
+
+    Geometry(int L, int Hkv, int D, int dtype, int vtile)
+        : L_(L), Hkv_(Hkv), D_(D), Dp_((int)round_up(D, 16)), dt_(dtype), isz_(dtype_size(dtype)),
+          page_bytes_(2 * (size_t)PT * round_up(D, 16) * dtype_size(dtype)), vtile_(vtile) {
+        if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
+        if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
+    }
+};
+
+struct Seq {
+    std::vector<int32_t> len;                // [L] tokens per layer
+    std::vector<std::vector<char*>> pages;   // [L][npages * Hkv]: page p of head h at p * Hkv + h
+    int32_t pending = 0;                     // rows of the append call in progress
+    size_t reserved = 0;                     // pages per (layer, head) `reserve` asked for
+};
+
+// ============================================================================
+// PageTable: every sequence's pages, and the calls that take, fill and give them back
+// ============================================================================
+
+class PageTable : protected Geometry {
+public:
+    static constexpr int P = PT;    // tokens per page
+
+    PageTable(const Geometry& geo, int64_t capacity_bytes)
+        : Geometry(geo), capacity_(capacity_bytes), arena_(page_bytes_) {}
+
+    const Geometry& geometry() const { return *this; }
+
+    // the sequence `id`, or nullptr
+    const Seq* find(int64_t id) const {
+        auto it = seqs_.find(id);
+        return it == seqs_.end() ? nullptr : &it->second;
+    }
+    void check_layer(int layer) const {
+        if (layer < 0 || layer >= L_)
+            throw std::invalid_argument("layer " + std::to_string(layer) + " out of range [0, " + std::to_string(L_) + ")");
+    }
+
+    // ---- accounting -------------------------------------------------------------
+    size_t bytes_used() const { return used_pages_.load(std::memory_order_relaxed) * page_bytes_; }
+    // pages holding tokens or reserved: bytes_used less the extents' slack (what a caller counts).
+    // O(1): every call that changes a sequence's pages, length or reservation moves slack_pages_
+    // by its own difference (the R-worker reports this after each decode step, where a walk over
+    // every (sequence, layer) would cost time linear in the batch)
+    size_t bytes_committed() const { return (arena_.pages_in_use() - slack_pages_) * page_bytes_; }
+    // the same by walking every (sequence, layer): what the counter must equal (tests)
+    size_t bytes_committed_walk() const {
+        size_t pages = 0;
+        for (auto& kv : seqs_)
+            for (int l = 0; l < L_; ++l) pages += keep_pages(kv.second, l, 0) * Hkv_;
+        return pages * page_bytes_;
+    }
+    size_t bytes_reserved() const { return arena_.bytes_reserved(); }
+    int extent_pages() const { return extent_; }
+    void set_extent_pages(int e) {
+        if (e < 1) throw std::invalid_argument("extent_pages must be >= 1");
+        extent_ = e;
+    }
+    // runs of consecutive pages over the kv heads of one (sequence, layer): Hkv when each head's
+    // pages are one run (a test and bench probe of the layout)
+    int64_t page_runs(int64_t id, int layer) const {
+        check_layer(layer);
+        const Seq* s = find(id);
+        if (!s) return 0;
+        const auto& pl = s->pages[layer];
+        const size_t np = pl.size() / Hkv_;
+        int64_t runs = 0;
+        for (int h = 0; h < Hkv_; ++h)
+            for (size_t p = 0; p < np; ++p)
+                runs += p == 0 || pl[p * Hkv_ + h] != pl[(p - 1) * Hkv_ + h] + page_bytes_;
+        return runs;
+    }
+    int64_t num_seqs() const { return (int64_t)seqs_.size(); }
+    int64_t num_tokens(int64_t id, int layer) const {
+        check_layer(layer);
+        const Seq* s = find(id);
+        return s ? s->len[layer] : 0;
+    }
+
+    // ---- free -------------------------------------------------------------------
+    bool free_seq(int64_t id) {
+        auto it = seqs_.find(id);
+        if (it == seqs_.end()) return false;
+        // push in reverse allocation order (layer, head, page): pops then come out in order
+        auto& pages = it->second.pages;
+        for (int l = 0; l < L_; ++l) slack_pages_ -= slack_of(it->second, l);
+        for (int l = L_ - 1; l >= 0; --l) {
+            const int64_t np = (int64_t)pages[l].size() / Hkv_;
+            for (int h = Hkv_ - 1; h >= 0; --h)
+                for (int64_t p = np - 1; p >= 0; --p) arena_.put(pages[l][p * Hkv_ + h]);
+        }
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+        seqs_.erase(it);
+        return true;
+    }
+
+    // ---- reserve ----------------------------------------------------------------
+    // Pages for tokens[i] tokens of sequence ids[i] at every layer, taken now (creating the
+    // sequence if new; pages already held count). A decode step's appends then land in pages
+    // taken with the prompt's, so each (layer, head) stays one run in memory instead of a page
+    // per 32 steps wherever the free list has one: scattered 8-16 KB pages streamed at 0.62-0.88x
+    // the runs (bench/KERNEL_NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
+    bool reserve(int64_t n, const int64_t* ids, const int64_t* tokens) {
+        size_t new_pages = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            if (tokens[i] < 0) throw std::invalid_argument("reserve: negative token count for sequence " + std::to_string(ids[i]));
+            const size_t need = ((size_t)tokens[i] + P - 1) / P;
+            auto it = seqs_.find(ids[i]);
+            for (int l = 0; l < L_; ++l) {
+                const size_t have = it == seqs_.end() ? 0 : it->second.pages[l].size() / Hkv_;
+                if (need > have) new_pages += (need - have) * Hkv_;
+            }
+        }
+        if (over_capacity(new_pages)) trim_slack(-1);
+        if (over_capacity(new_pages)) return false;
+        std::vector<int64_t> created;
+        for (int64_t i = 0; i < n; ++i) {
+            Seq& s = get_or_create(ids[i], created);
+            const size_t need = ((size_t)tokens[i] + P - 1) / P;
+            for (int l = 0; l < L_; ++l) slack_pages_ -= slack_of(s, l);
+            s.reserved = std::max(s.reserved, need);
+            for (int l = 0; l < L_; ++l) {
+                grow_pages(s.pages[l], need);
+                slack_pages_ += slack_of(s, l);
+            }
+        }
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+        return true;
+    }
+
+    // ---- append -----------------------------------------------------------------
+    // rows i = 0..n-1 in order: token (k[i], v[i]) [Hkv][D] goes to the end of sequence ids[i].
+    // Returns false (and stores nothing) when the pages it needs would pass the capacity.
+    // A large append copies on the pool's threads.
+    bool append(Pool& pool, int layer, int64_t n, const int64_t* ids, const void* k, const void* v, int sdt) {
+        check_layer(layer);
+        if (n == 0) return true;
+
+        // 1. resolve rows -> sequences, count rows per sequence (consecutive ids share a lookup)
+        std::vector<int64_t> created;
+        rows_.resize(n);
+        touched_.clear();
+        Seq* last = nullptr;
+        for (int64_t i = 0; i < n; ++i) {
+            Seq* s = (i > 0 && ids[i] == ids[i - 1]) ? last : &get_or_create(ids[i], created);
+            if (s->pending++ == 0) touched_.push_back(s);
+            rows_[i].seq = s;
+            last = s;
+        }
+
+        // 2. capacity: count the new pages (one per head per 32 tokens) before touching anything
+        //    (a reserved sequence may already hold them)
+        size_t new_pages = 0;
+        for (Seq* s : touched_) {
+            size_t have = s->pages[layer].size() / Hkv_;
+            size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            if (need > have) new_pages += (need - have) * Hkv_;
+        }
+        if (over_capacity(new_pages)) trim_slack(layer);     // other sequences' extents make room
+        if (over_capacity(new_pages)) {
+            for (Seq* s : touched_) s->pending = 0;
+            for (int64_t id : created) seqs_.erase(id);
+            return false;
+        }
+
+        // 3. allocate pages head by head (a prompt's pages of one head end up consecutive), a
+        //    whole extent for a sequence that outgrows its pages while 1/8 of the capacity stays
+        //    free after it; then give each row its page index and slot (serial, cheap)
+        size_t hard_left = new_pages;
+        const size_t ext = (size_t)extent_ - 1;
+        const size_t room = capacity_ > 0 ? (size_t)capacity_ / page_bytes_ * 7 / 8 : SIZE_MAX;
+        for (Seq* s : touched_) {
+            auto& pl = s->pages[layer];
+            const size_t have = pl.size() / Hkv_;
+            const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            slack_pages_ -= slack_of(*s, layer);    // added back below, with the new length
+            if (need > have) {
+                hard_left -= (need - have) * Hkv_;
+                const bool fits = arena_.pages_in_use() + (need - have + ext) * Hkv_ + hard_left <= room;
+                grow_pages(pl, need + (fits ? ext : 0));
+            }
+            s->pending = 0;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+            Seq* s = rows_[i].seq;
+            int32_t pos = s->len[layer]++;
+            rows_[i].pages = s->pages[layer].data() + (size_t)(pos / P) * Hkv_;
+            rows_[i].slot = pos % P;
+        }
+        for (Seq* s : touched_) slack_pages_ += slack_of(*s, layer);
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+
+        // 4. copy + convert. A task is (run of rows landing in one page, kv head): no two threads
+        //    write the same cache lines. K rows are converted into a [rows][Dp] block and
+        //    written transposed by 32-bit words (2 dims of 16-bit dtypes); V rows in place.
+        segs_.clear();
+        for (int64_t i = 0; i < n; ++i)
+            if (i == 0 || rows_[i].pages != rows_[i - 1].pages) segs_.push_back(i);
+        segs_.push_back(n);
+        const size_t sisz = dtype_size(sdt);
+        const size_t src_row = (size_t)Hkv_ * D_ * sisz;
+        const int64_t nseg = (int64_t)segs_.size() - 1;
+        auto copy_task = [&](int64_t task, int64_t) {
+            const int64_t si = task / Hkv_;
+            const int h = (int)(task % Hkv_);
+            const int64_t i0 = segs_[si], nr = segs_[si + 1] - i0;    // nr <= P rows, slots s0..
+            const int s0 = rows_[i0].slot;
+            char* krun = rows_[i0].pages[h];
+            char* vrun = krun + (size_t)P * Dp_ * isz_;
+            const char* ksrc = static_cast<const char*>(k) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
+            const char* vsrc = static_cast<const char*>(v) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
+            thread_local AlignedBuf tmpb;
+            char* tmp = reinterpret_cast<char*>(tmpb.get((size_t)P * Dp_));   // [nr][Dp] in kv dtype
+            for (int64_t r = 0; r < nr; ++r) {
+                if (vtile_ == 0) store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
+                store_row(ksrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
+            }
+            transpose_in(tmp, nr, krun, s0);
+            if (vtile_ != 0) {
+                for (int64_t r = 0; r < nr; ++r)
+                    store_row(vsrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
+#if defined(FD_HAVE_DPBF16)
+                if (vtile_ == V_PAIRS) pairs_in(reinterpret_cast<const uint16_t*>(tmp), nr, reinterpret_cast<uint16_t*>(vrun), s0, Dp_);
+                else
+#endif
+                    tile_in(tmp, nr, vrun, s0);
+            }
+        };
+        const int64_t ntask = nseg * Hkv_;
+        if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool.size() > 1 && ntask > 1) pool.parallel_for(ntask, copy_task);
+        else for (int64_t t = 0; t < ntask; ++t) copy_task(t, -1);
+        return true;
+    }
+
+private:
+    // ---- page lists: create, grow, capacity, slack ------------------------------
+
+    Seq& get_or_create(int64_t id, std::vector<int64_t>& created) {
+        auto it = seqs_.find(id);
+        if (it != seqs_.end()) return it->second;
+        Seq& s = seqs_[id];
+        s.len.assign(L_, 0);
+        s.pages.resize(L_);
+        created.push_back(id);
+        return s;
+    }
+
+    // pages[l] of one sequence up to `need` pages per head, head by head: the new pages of one
+    // head are consecutive in memory when the arena hands out consecutive pages
+    void grow_pages(std::vector<char*>& pl, size_t need) {
+        const size_t have = pl.size() / Hkv_;
+        if (need <= have) return;
+        pl.resize(need * Hkv_);
+        for (int h = 0; h < Hkv_; ++h)
+            for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
+    }
+
+    bool over_capacity(size_t new_pages) const {
+        return capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_;
+    }
+
+    // pages per head one (sequence, layer) must keep: its tokens (with `extra` rows about to
+    // land) or its reservation, whichever is more; what it holds beyond is extent slack
+    size_t keep_pages(const Seq& s, int l, int32_t extra) const {
+        const size_t have = s.pages[l].size() / Hkv_;
+        return std::min(have, std::max(s.reserved, ((size_t)s.len[l] + extra + P - 1) / P));
+    }
+    // pages (all heads) one (sequence, layer) holds beyond keep_pages: its share of slack_pages_
+    size_t slack_of(const Seq& s, int l) const { return (s.pages[l].size() / Hkv_ - keep_pages(s, l, 0)) * Hkv_; }
+
+    // give back every sequence's extent slack (the pending rows of `layer` are kept), each
+    // (layer, head) tail pushed so that the free list hands it out again in order
+    void trim_slack(int layer) {
+        for (auto& kv : seqs_) {
+            Seq& s = kv.second;
+            for (int l = L_ - 1; l >= 0; --l) {
+                auto& pl = s.pages[l];
+                const size_t have = pl.size() / Hkv_;
+                const size_t keep = keep_pages(s, l, l == layer ? s.pending : 0);
+                if (keep == have) continue;
+                for (int h = Hkv_ - 1; h >= 0; --h)
+                    for (size_t p = have; p-- > keep;) arena_.put(pl[p * Hkv_ + h]);
+                pl.resize(keep * Hkv_);
+            }
+        }
+        // what is left is the pending rows' pages of `layer` (slack until their lengths land)
+        slack_pages_ = 0;
+        if (layer >= 0)
+            for (auto& kv : seqs_) slack_pages_ += slack_of(kv.second, layer);
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+    }
+
+    // ---- rows into the runs of a page -------------------------------------------
+
+    // K run [Dw][P] words: columns s0 .. s0+nr-1 <- rows of blk [nr][Dw] (Dw = Dp*isz/4 words)
+    void transpose_in(const char* blk, int64_t nr, char* krun, int s0) const {
+        const int Dw = (int)(Dp_ * isz_ / 4);
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(blk);
+        uint32_t* kr = reinterpret_cast<uint32_t*>(krun) + s0;
+        for (int w = 0; w < Dw; ++w) {
+            uint32_t* line = kr + (size_t)w * P;
+            for (int64_t r = 0; r < nr; ++r) line[r] = b[(size_t)r * Dw + w];
+        }
+    }
+
+    // V run [Dp/vt][P][vt] (+ [P][Dp % vt] last), vt = vtile_: rows s0 .. s0+nr-1 <- rows of blk [nr][Dp]
+    void tile_in(const char* blk, int64_t nr, char* vrun, int s0) const {
+        const size_t row = (size_t)Dp_ * isz_;
+        for (int d0 = 0; d0 < Dp_; d0 += vtile_) {
+            const size_t width = (size_t)std::min(vtile_, Dp_ - d0) * isz_;    // bytes of this tile per token
+            char* dst = vrun + (size_t)d0 * P * isz_ + s0 * width;
+            for (int64_t r = 0; r < nr; ++r) std::memcpy(dst + r * width, blk + r * row + d0 * isz_, width);
+        }
+    }
+
+    // ---- state ------------------------------------------------------------------
+
+    const int64_t capacity_;
+    // pages per head a sequence takes when it outgrows its pages unreserved (FASTDECODE_EXTENT_PAGES)
+    int extent_ = getenv("FASTDECODE_EXTENT_PAGES") ? std::max(1, atoi(getenv("FASTDECODE_EXTENT_PAGES"))) : 8;
+    Arena arena_;
+    std::atomic<size_t> used_pages_{0};
+    size_t slack_pages_ = 0;    // sum of slack_of over every (sequence, layer)
+    std::unordered_map<int64_t, Seq> seqs_;
+
+    // per-call scratch, reused
+    struct RowDst { Seq* seq; char* const* pages; int slot; };   // pages: the Hkv pages of its slot
+    std::vector<RowDst> rows_;
+    std::vector<int64_t> segs_;
+    std::vector<Seq*> touched_;
+};
+
+}  // namespace FD_NS
