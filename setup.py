@@ -35,7 +35,7 @@ def simde_include_dir():
     return None
 
 
-# Test-only: the AVX-512 branch compiled for AVX2 CPUs through SIMDe (csrc/avx512/simde_avx512.h), so
+# Test-only: the AVX-512 vector layer (csrc/avx512/simd_avx512.h) compiled for AVX2 CPUs through SIMDe (csrc/avx512/simde_avx512.h), so
 # its logic is tested where the CPU has no AVX-512. Never chosen by rworker.isa; skipped without SIMDe.
 # -O1: its speed means nothing (the module builds in ~20 s on the 2-core dev box).
 EMULATED = {}

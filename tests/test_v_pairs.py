@@ -1,4 +1,4 @@
-"""V in token pairs (v_tile = V_PAIRS, csrc/avx512/simd.h): bf16 KV on a CPU with AVX512-BF16 (or
+"""V in token pairs (v_tile = V_PAIRS, csrc/avx512/simd_avx512.h): bf16 KV on a CPU with AVX512-BF16 (or
 its SIMDe emulation), the page's probabilities rounded to bf16 for the PV dot products. It gives
 other bits than the other layouts by design, so it is held to a bound derived for that rounding,
 against the float64 reference; the rest (odd appends, page reuse, determinism) as for any layout."""
