@@ -12,14 +12,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import batch_line, read_output, run_fastdecode  # noqa: E402
-from test_kvstore import DTYPES, _BASE, rand  # noqa: E402
+from kvstore_cases import BASE_ISAS, DTYPES, rand  # noqa: E402
 
 from rworker import KVStore  # noqa: E402
 from rworker import isa as isa_mod  # noqa: E402
 from rworker import tune  # noqa: E402
 
 
-@pytest.mark.parametrize("isa", _BASE)
+@pytest.mark.parametrize("isa", BASE_ISAS)
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_every_candidate_gives_bitwise_the_same_outputs(isa, kv_dtype):
     """What the tune may pick (V layout x software prefetch) changes speed, never a bit: lengths
@@ -55,7 +55,7 @@ def test_every_candidate_gives_bitwise_the_same_outputs(isa, kv_dtype):
 
 
 def test_candidates_start_with_the_build_default():
-    for isa in _BASE:
+    for isa in BASE_ISAS:
         mod = isa_mod.load(isa)
         cands = tune.candidates(isa)
         plain = KVStore(1, 1, 64, isa=isa)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_kvstore import ISAS, Mirror, check, open_store, rand  # noqa: E402
+from kvstore_cases import ISAS, Mirror, check, open_store, rand  # noqa: E402
 
 from rworker import KVCapacityError, KVStore  # noqa: E402
 

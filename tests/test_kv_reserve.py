@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import batch_line, run_fastdecode  # noqa: E402
-from test_kvstore import ISAS, Mirror, check, open_store, rand  # noqa: E402
+from kvstore_cases import ISAS, Mirror, check, open_store, rand  # noqa: E402
 
 from rworker import KVStore  # noqa: E402
 

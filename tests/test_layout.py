@@ -112,7 +112,7 @@ def test_no_import_cycles_between_modules():
 
 
 def python_sources() -> list[Path]:
-    roots = [REPO / p for p in (*PACKAGES, "bench", "scripts")]
+    roots = [REPO / p for p in (*PACKAGES, "bench", "scripts", "tests")]
     return sorted(p for r in roots for p in r.rglob("*.py")) + [REPO / "setup.py"]
 
 
