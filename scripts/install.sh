@@ -3,7 +3,7 @@
 #   scripts/install.sh           runtime: torch (CPU build if none), MPI (pip MPICH if none), the default model
 #   scripts/install.sh --test    also the test tools and a one-node SLURM for the SLURM tests (needs root + apt)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."     # the real checkout, also when called through a link
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
