@@ -21,7 +21,7 @@ class UsageError(Exception):
     pass
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -33,13 +33,13 @@ def _positive_int(text: str) -> int:
 
 def _pipeline_depth(text: str) -> int:
     from rworker.protocol.control import MAX_MINIBATCHES
-    v = _positive_int(text)
+    v = positive_int(text)
     if v > MAX_MINIBATCHES:
         raise argparse.ArgumentTypeError(f"at most {MAX_MINIBATCHES} mini-batches in flight, got {v}")
     return v
 
 
-def _bytes(text: str) -> int:
+def bytes_arg(text: str) -> int:
     from rworker.host.capacity import parse_bytes
     try:
         return parse_bytes(text)
@@ -60,11 +60,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products where its "
                         "start-up tune finds that faster (as FlashAttention rounds P; outputs within a bf16 bound, "
                         "not bit-equal; default fp32)")
-    p.add_argument("--max-batch", type=_positive_int, default=None,
+    p.add_argument("--max-batch", type=positive_int, default=None,
                    help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
-    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="prompt tokens prefilled per step (default 8192; on CUDA up to 32768 as memory allows)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + generation served (default: the model's context). Each sequence "
                         "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
                         "for the whole context: a shorter limit lets more sequences run at once")
@@ -73,10 +73,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "never preempted; default) or grow (page by page as it grows; when a worker is full the "
                         "youngest sequences there are preempted and later recomputed, as vLLM does)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
-    p.add_argument("--s-threads", type=_positive_int, default=None, help="torch threads on a CPU S-worker")
-    p.add_argument("--r-threads", type=_positive_int, default=None,
+    p.add_argument("--s-threads", type=positive_int, default=None, help="torch threads on a CPU S-worker")
+    p.add_argument("--r-threads", type=positive_int, default=None,
                    help="kernel threads per R-worker (default: the physical cores it may use)")
-    p.add_argument("--rworker-mem", type=_bytes, default=None,
+    p.add_argument("--rworker-mem", type=bytes_arg, default=None,
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may stay silent before the job aborts naming it")
@@ -86,16 +86,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA S-worker: replay each layer's dense work of a mini-batch from a CUDA graph "
                         "(fewer launches at small batches; captured on first use per row bucket)")
-    p.add_argument("--cuda-graph-max-rows", type=_positive_int, default=2048,
+    p.add_argument("--cuda-graph-max-rows", type=positive_int, default=2048,
                    help="largest mini-batch run from CUDA graphs; larger ones run eagerly (default 2048)")
     p.add_argument("--schedule", default="fifo", choices=["fifo", "stabilized"],
                    help="admission: fifo (fill up to --max-batch) or stabilized (micro-batches that keep "
                         "the R-workers' KV load steady; FastDecode's load-stabilizing schedule)")
-    p.add_argument("--target-batch", type=_positive_int, default=None,
+    p.add_argument("--target-batch", type=positive_int, default=None,
                    help="stabilized: target number of running sequences B (default --max-batch)")
-    p.add_argument("--admit-every", type=_positive_int, default=None,
+    p.add_argument("--admit-every", type=positive_int, default=None,
                    help="stabilized: steps F between micro-batches of B*F/S sequences (default S/16)")
-    p.add_argument("--max-gen", type=_positive_int, default=None,
+    p.add_argument("--max-gen", type=positive_int, default=None,
                    help="stabilized: generation length S (default: estimated from the requests' max_tokens)")
     p.add_argument("--stabilize-lengths", default="learnt", choices=["learnt", "max-tokens"],
                    help="stabilized: project running sequences with lengths learnt from finished ones "
@@ -125,18 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $TMPDIR or /tmp; node-local disk is best)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
     g.add_argument("--quiet", action="store_true", help="no progress output")
+    from fastdecode.batch.schema import add_limit_options
+    add_limit_options(g)
     pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
                         description="Measure what `fastdecode plan` needs. Under mpirun every R-worker is measured.")
     pr.add_argument("-o", "--output", default="profile.json", help="profile JSON to write (default profile.json)")
     add_engine_options(pr)
-    pr.add_argument("--batches", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
+    pr.add_argument("--batches", type=lambda t: [positive_int(x) for x in t.split(",")], default=None,
                     help="comma-separated batch grid for T_S(B) (default: 1..512 on CPU, 1..16384 on CUDA)")
-    pr.add_argument("--r-seqs", type=_positive_int, default=64, help="sequences per R-worker timing call")
-    pr.add_argument("--r-bytes", type=_bytes, default=0,
+    pr.add_argument("--r-seqs", type=positive_int, default=64, help="sequences per R-worker timing call")
+    pr.add_argument("--r-bytes", type=bytes_arg, default=0,
                     help="KV bytes of the long R-worker timing (default: 3x the largest CPU cache, >= 256M, "
                          "so it streams from memory)")
-    pr.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions (median)")
-    pr.add_argument("--prompt-lens", type=lambda t: [_positive_int(x) for x in t.split(",")], default=None,
+    pr.add_argument("--repeats", type=positive_int, default=3, help="timed repetitions (median)")
+    pr.add_argument("--prompt-lens", type=lambda t: [positive_int(x) for x in t.split(",")], default=None,
                     help="comma-separated prompt lengths for the prefill cost (default 16,128,512,1024,2048)")
     from fastdecode.sizing.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
@@ -238,7 +240,8 @@ def engine_args(args):
                       timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
                       admit_every=args.admit_every, max_gen=args.max_gen,
                       learn_lengths=args.stabilize_lengths == "learnt", pipeline_depth=args.pipeline_depth,
-                      cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows)
+                      cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows,
+                      **{k: getattr(args, k) for k in ("max_logprobs", "max_request_mem") if hasattr(args, k)})
 
 
 def run_s_worker(args, comm) -> int:

@@ -12,7 +12,8 @@ from collections.abc import Sequence as Seq
 
 from fastdecode.launch import mpi_env
 from fastdecode.engine.args import EngineArgs
-from fastdecode.engine.llm_engine import LLMEngine, RequestError
+from fastdecode.engine.llm_engine import LLMEngine
+from fastdecode.engine.request_checks import RequestError
 from fastdecode.batch.progress import Progress
 from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
 

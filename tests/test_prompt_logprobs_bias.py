@@ -103,7 +103,7 @@ def test_logit_bias_greedy_equals_reference(llm, hf_smollm, repetition):
 
 def test_logit_bias_out_of_vocabulary_is_a_request_error(llm):
     from fastdecode import SamplingParams
-    from fastdecode.engine.llm_engine import RequestError
+    from fastdecode.engine.request_checks import RequestError
     vocab = llm.engine.config.vocab_size
     with pytest.raises(RequestError, match=f"logit_bias token id {vocab} "):
         llm.engine.add_request(0, "r", "hi", [1, 2], SamplingParams(logit_bias={vocab: 1.0}))

@@ -129,7 +129,7 @@ def test_sampled_tokens_stay_inside_the_masks(llm):
 
 def test_mask_request_errors(llm):
     from fastdecode import SamplingParams
-    from fastdecode.engine.llm_engine import RequestError
+    from fastdecode.engine.request_checks import RequestError
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     with pytest.raises(RequestError, match=f"allowed_token_ids: token id {vocab} "):
         eng.add_request(0, "a", "hi", [1, 2], SamplingParams(allowed_token_ids=[5, vocab]))

@@ -14,8 +14,11 @@ from collections import Counter
 from contextlib import ExitStack
 
 from fastdecode.batch import report
-from fastdecode.batch.jsonl import BatchLine, error_line, read_lines, success_line
-from fastdecode.engine.llm_engine import LLMEngine, RequestError
+from fastdecode.batch.jsonl import BatchLine, read_lines
+from fastdecode.batch.responses import error_line, success_line
+from fastdecode.batch.schema import Limits, limits_from
+from fastdecode.engine.llm_engine import LLMEngine
+from fastdecode.engine.request_checks import RequestError
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.output import OutputWriter, rewrite
 from fastdecode.batch.progress import Progress
@@ -31,11 +34,11 @@ class BatchRunner:
     """Feeds input lines to the engine and writes one output row per line."""
 
     def __init__(self, engine: LLMEngine, input_path: str, writer: OutputWriter, index: ResumeIndex,
-                 stop: StopRequest | None = None, lookahead: int | None = None):
+                 stop: StopRequest | None = None, lookahead: int | None = None, limits: Limits = Limits()):
         self.engine = engine
         self.writer, self.index, self.stop = writer, index, stop
         self.lookahead = lookahead or max(2 * engine.args.max_batch, 64)
-        self.lines = read_lines(input_path)
+        self.lines = read_lines(input_path, limits)
         self.exhausted = False
         self.interrupted = False
         self.pending: dict[int, BatchLine] = {}    # request index -> its line
@@ -176,8 +179,9 @@ class BatchJob:
     """One run of `generate`: open (resume), run, close the engine, finish (rewrite, report)."""
 
     def __init__(self, input_path: str, output_path: str, overwrite: bool = False, index_dir: str | None = None,
-                 stop: StopRequest | None = None):
+                 stop: StopRequest | None = None, limits: Limits = Limits()):
         self.input_path, self.output_path = input_path, output_path
+        self.limits = limits
         self.stop = stop
         self.writer = OutputWriter(output_path, overwrite=overwrite)
         self.index = ResumeIndex(index_dir)
@@ -196,7 +200,7 @@ class BatchJob:
 
     def run(self, engine: LLMEngine, show_progress: bool = True) -> bool:
         total = self.total_lines
-        self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop)
+        self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop, limits=self.limits)
         start = time.perf_counter()
         with Progress(total, enabled=show_progress) as progress:
             interrupted = self.runner.run(progress)
@@ -248,7 +252,7 @@ def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool
     with ExitStack() as stack:
         stack.callback(close_engine)
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
-                                           index_dir=args.index_dir, stop=stop))
+                                           index_dir=args.index_dir, stop=stop, limits=limits_from(args)))
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
         try:
             interrupted = job.run(engine, show_progress=not args.quiet)

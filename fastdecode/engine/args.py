@@ -37,6 +37,8 @@ class EngineArgs:
     pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
     cuda_graphs: bool = False         # CUDA S-worker: replay each layer's dense work from a CUDA graph
     cuda_graph_max_rows: int = 2048   # largest mini-batch run from graphs (larger ones run eagerly)
+    max_logprobs: int = 20            # most logprobs / prompt_logprobs alternatives a request may ask for (vLLM's)
+    max_request_mem: int = 1 << 30    # rank-0 bytes one request may pin (its tokens, logprobs, output row)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -25,17 +25,9 @@ from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
 from fastdecode.sched.scheduler import Scheduler
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
-from fastdecode.engine.token_masks import bad_word_sequences
+from fastdecode.engine.request_checks import RequestChecks, RequestError
 from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
 from fastdecode.model.weights import load_weights, source_digest
-
-class RequestError(ValueError):
-    """A request that cannot be served (bad parameters, too long): reported per request, never fatal."""
-
-    def __init__(self, message: str, code: str = "invalid_request"):
-        super().__init__(message)
-        self.code = code
-
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, comm=None):
@@ -55,6 +47,8 @@ class LLMEngine:
         self.model = LlamaSPart(self.config, weights, self.device, self.dtype)
         del weights
         self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
+        self.checks = RequestChecks(self.config.vocab_size, self.max_model_len, self.eos_ids,
+                                    self.tokenizer.encode_text, args.max_logprobs, args.max_request_mem)
         self.backend: RBackend = self._make_backend(comm)
         if comm is not None and comm.Get_size() > 1:
             self._log_roster()
@@ -146,29 +140,14 @@ class LLMEngine:
 
     def add_request(self, index: int, request_id: str, prompt: str | None, prompt_ids: list[int],
                     params: SamplingParams, meta: dict | None = None) -> Request:
-        """Queue a request; raise RequestError if it can never be served."""
-        n_prompt = len(prompt_ids)
-        limit = self.max_model_len
-        if n_prompt == 0:
-            raise RequestError("the prompt is empty (no tokens)")
-        if any(not 0 <= t < self.config.vocab_size for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        if params.logit_bias and max(params.logit_bias) >= self.config.vocab_size:
-            raise RequestError(f"logit_bias token id {max(params.logit_bias)} is not in the model's vocabulary "
-                               f"[0, {self.config.vocab_size})")
-        bad_words_ids = self._check_masks(params)
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
-        if n_prompt + max_tokens > limit or max_tokens < 1:
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the messages, "
-                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
-                code="context_length_exceeded")
+        """Queue a request; raise RequestError if it can never be served (request_checks.py)."""
+        checked = self.checks.check(prompt_ids, params)
+        n_prompt, max_tokens = len(prompt_ids), checked.max_tokens
         if params.max_tokens is None and self.placement.policy == "full":
             self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
-                      bad_words_ids=bad_words_ids)
+                      bad_words_ids=checked.bad_words_ids)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, max_tokens)
             if not self.placement.fits_anywhere_alone(seq):
@@ -179,30 +158,6 @@ class LLMEngine:
         for seq in req.sequences:
             self.scheduler.add(seq)
         return req
-
-    def _check_masks(self, params: SamplingParams) -> list[tuple[int, ...]]:
-        """allowed_token_ids and bad_words against the model; -> bad_words as token sequences. A request
-        whose masks leave no token to generate is refused here rather than sampled from nothing."""
-        vocab = self.config.vocab_size
-        allowed = set(params.allowed_token_ids or ())
-        if allowed and max(allowed) >= vocab:
-            raise RequestError(f"allowed_token_ids: token id {max(allowed)} is not in the model's vocabulary "
-                               f"[0, {vocab})")
-        bad_ids = []
-        if params.bad_words:
-            try:
-                bad_ids = bad_word_sequences(self.tokenizer.encode_text, params.bad_words)
-            except ValueError as e:
-                raise RequestError(f"bad_words: {e}") from None
-        if allowed:
-            allowed -= {ids[0] for ids in bad_ids if len(ids) == 1}
-            if not allowed:
-                raise RequestError("bad_words ban every token in allowed_token_ids")
-            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-            if params.min_tokens > 0 and allowed <= ends:
-                raise RequestError(f"min_tokens is {params.min_tokens} but every token in allowed_token_ids "
-                                   f"ends the sequence (EOS or stop_token_ids)")
-        return bad_ids
 
     def _note_whole_context_reservation(self, request_id: str, bound: int) -> None:
         """Once per job: say so when requests without max_tokens reserve so much KV that fewer than

@@ -1,9 +1,10 @@
 """SamplingParams with vLLM's field names and defaults, and the outputs `LLM.generate` returns."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20         # most top alternatives per token (vLLM's max_logprobs default, OpenAI's top_logprobs)
+MAX_TOP_K = (1 << 31) - 1     # top_k above the vocabulary means all tokens; beyond this it is no token count
 
 
 @dataclass(slots=True)
@@ -35,7 +36,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):     # OpenAI's JSON has string keys
@@ -45,54 +46,60 @@ class SamplingParams:
         self.validate()
 
     def validate(self):
-        """Raise ValueError naming the field, as vLLM does for a bad request."""
+        """Raise ValueError naming the field, as vLLM does for a bad request. Numbers must be
+        finite and of their type (no bool for an int, no string for a number); nothing is coerced.
+        The engine checks what depends on the model or the job (token ids against the vocabulary,
+        logprobs against its max_logprobs)."""
         def bad(name, why):
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _number(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (or -1 for all)")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be an integer in [0, {MAX_TOP_K}] (or -1 for all)")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _int(self.seed):
             bad("seed", "must be an integer")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of them")
+        if not all(_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         for name in ("presence_penalty", "frequency_penalty"):
             val = getattr(self, name)
-            if not isinstance(val, (int, float)) or isinstance(val, bool) or not -2 <= val <= 2:
+            if not _number(val) or not -2 <= val <= 2:
                 bad(name, "must be a number in [-2, 2]")
-        if not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool) \
-                or not 0 < self.repetition_penalty < float("inf"):
-            bad("repetition_penalty", "must be a number > 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if not _number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            val = getattr(self, name)
+            if val is not None and (not _int(val) or val < 0):
+                bad(name, "must be an integer >= 0")
+        self._validate_token_sets()
+
+    def _validate_token_sets(self):
+        def bad(name, why):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", "must be a map from token id to a number")
             for t, b in self.logit_bias.items():
                 if t < 0:
                     bad("logit_bias", f"keys must be token ids (integers >= 0); {t} is not")
-                if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
+                if not _number(b) or not -100 <= b <= 100:
                     bad("logit_bias", f"values must be numbers in [-100, 100]; token {t} has {b!r}")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)):
+                or not all(_int(t) and t >= 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
         if self.bad_words is not None and (not isinstance(self.bad_words, list)
                                            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
@@ -114,6 +121,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _token_key(key) -> int:

@@ -12,14 +12,15 @@ from collections.abc import Callable, Sequence
 
 
 def bad_word_sequences(encode: Callable[[str], list[int]], words: Sequence[str]) -> list[tuple[int, ...]]:
-    """The distinct token sequences of `words`; encode: text -> ids without special tokens."""
-    seqs: list[tuple[int, ...]] = []
+    """The distinct token sequences of `words`, in first-seen order (linear in their number);
+    encode: text -> ids without special tokens."""
+    seqs: dict[tuple[int, ...], None] = {}
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = tuple(encode(text))
-            if ids and ids not in seqs:
-                seqs.append(ids)
-    return seqs
+            if ids:
+                seqs.setdefault(ids)
+    return list(seqs)
 
 
 def banned_tokens(sequences: list[tuple[int, ...]], output_ids: list[int]) -> list[int]:

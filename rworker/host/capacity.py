@@ -15,12 +15,13 @@ def default_capacity_bytes(share: int = 1) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """'64G', '512M', '1.5T', '1000000' -> bytes (binary units)."""
+    """'64G', '512M', '1.5T', '1000000' -> bytes (binary units); a size must be positive."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     s = text.strip().upper().removesuffix("B").removesuffix("I")
     try:
-        if s and s[-1] in units:
-            return int(float(s[:-1]) * units[s[-1]])
-        return int(float(s))
+        value = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
     except ValueError:
         raise ValueError(f"cannot read a memory size from {text!r} (examples: 64G, 512M)") from None
+    if not value >= 1 or value == float("inf"):
+        raise ValueError(f"a memory size must be at least 1 byte, got {text!r}")
+    return int(value)
