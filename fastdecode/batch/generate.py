@@ -38,6 +38,7 @@ class BatchRunner:
         self.engine = engine
         self.writer, self.index, self.stop = writer, index, stop
         self.lookahead = lookahead or max(2 * engine.args.max_batch, 64)
+        self.inflight_mem = limits.max_inflight_mem
         self.lines = read_lines(input_path, limits)
         self.exhausted = False
         self.interrupted = False
@@ -92,7 +93,8 @@ class BatchRunner:
 
     def _refill(self) -> None:
         sched = self.engine.scheduler
-        while not self.exhausted and len(sched.waiting) < self.lookahead and not self._stopping():
+        while (not self.exhausted and len(sched.waiting) < self.lookahead and not self._stopping()
+               and self.engine.pinned_bytes < self.inflight_mem):
             line = next(self.lines, None)
             if line is None:
                 self.exhausted = True

@@ -28,6 +28,7 @@ class Limits:
     max_logprobs: int = 20              # logprobs, top_logprobs, prompt_logprobs (vLLM's --max-logprobs)
     max_list_items: int = 1024          # entries of stop, stop_token_ids, bad_words, logit_bias
     max_line_bytes: int = 16 << 20      # one input line
+    max_inflight_mem: int = 4 << 30     # rank-0 memory all unfinished requests may pin: reading pauses above it
 
 
 class TextPart(BaseModel):
@@ -155,8 +156,12 @@ def add_limit_options(parser) -> None:
                    help="bytes of one input line (default 16M)")
     g.add_argument("--max-request-mem", type=bytes_arg, default=1 << 30,
                    help="rank-0 memory one request may pin: its tokens, logprobs and output row (default 1G)")
+    g.add_argument("--max-inflight-mem", type=bytes_arg, default=d.max_inflight_mem,
+                   help="rank-0 memory all unfinished requests may pin; reading the input pauses above it "
+                        "(default 4G; at least --max-request-mem)")
 
 
 def limits_from(args) -> Limits:
     return Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_list_items=args.max_list_items,
-                  max_line_bytes=args.max_line_bytes)
+                  max_line_bytes=args.max_line_bytes,
+                  max_inflight_mem=max(args.max_inflight_mem, args.max_request_mem))

@@ -63,7 +63,8 @@ class LLMEngine:
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
-        self.num_recomputed_tokens = 0     # KV recomputed for preempted sequences (--kv-reserve grow)
+        self.num_recomputed_tokens = 0
+        self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)     # KV recomputed for preempted sequences (--kv-reserve grow)
         self._noted_reservation = False
 
     def _make_graphs(self) -> LayerGraphs | None:
@@ -147,7 +148,7 @@ class LLMEngine:
             self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
-                      bad_words_ids=checked.bad_words_ids)
+                      bad_words_ids=checked.bad_words_ids, pinned_bytes=checked.pinned_bytes)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, max_tokens)
             if not self.placement.fits_anywhere_alone(seq):
@@ -157,6 +158,7 @@ class LLMEngine:
             req.sequences.append(seq)
         for seq in req.sequences:
             self.scheduler.add(seq)
+        self.pinned_bytes += req.pinned_bytes
         return req
 
     def _note_whole_context_reservation(self, request_id: str, bound: int) -> None:
@@ -221,6 +223,7 @@ class LLMEngine:
                 self.token_gaps.add(np.diff(seq.token_times))
                 if seq.request.finished:
                     finished.append(seq.request)
+                    self.pinned_bytes -= seq.request.pinned_bytes
 
     def _check_stop(self, seq: Sequence, tok: int) -> bool:
         p = seq.request.params

@@ -10,16 +10,16 @@ from dataclasses import dataclass
 from fastdecode.engine.sampling_params import SamplingParams
 from fastdecode.engine.token_masks import bad_word_sequences
 
-# rank-0 bytes per kept item, as CPython and numpy hold them (measured with tracemalloc on the
-# objects the engine builds; rounded up): a token id in a list, a generated token with its time,
-# a generated token's logprob entry (tuple, floats, views) plus per alternative, a prompt
-# position's logprob arrays plus per alternative, and the output row's share of each.
-BYTES_PROMPT_TOKEN = 40
-BYTES_OUTPUT_TOKEN = 80
-BYTES_LOGPROB = 400
-BYTES_LOGPROB_ALT = 400
-BYTES_PROMPT_LOGPROB = 300
-BYTES_PROMPT_LOGPROB_ALT = 300
+# Rank-0 bytes a request pins over its life, per unit: the tracemalloc peak of a request's whole
+# life (add_request, its steps, output_of, the output row as JSON) on a one-layer SmolLM2 shape,
+# over prompt 64..4000, max_tokens 256..1024, logprobs/prompt_logprobs 0..20, rounded up. The
+# prompt log-probabilities' LM-head block (bounded, whatever the prompt) is not per request.
+BYTES_PROMPT_TOKEN = 24           # measured 19
+BYTES_OUTPUT_TOKEN = 128          # measured 116 per generated token of every sample
+BYTES_LOGPROB = 1500              # measured 1,380-1,430 per generated token with logprobs=0
+BYTES_LOGPROB_ALT = 150           # measured 125 per alternative per generated token
+BYTES_PROMPT_LOGPROB = 500        # per prompt position with prompt_logprobs (under the block at k <= 5)
+BYTES_PROMPT_LOGPROB_ALT = 450    # measured 9.4 KB per position at k = 20
 
 
 class RequestError(ValueError):
@@ -34,6 +34,7 @@ class RequestError(ValueError):
 class Checked:
     max_tokens: int                        # the request's bound (the rest of the context if it set none)
     bad_words_ids: list[tuple[int, ...]]   # params.bad_words as token sequences
+    pinned_bytes: int                      # request_bytes of it
 
 
 def request_bytes(prompt_len: int, max_tokens: int, params: SamplingParams) -> int:
@@ -66,8 +67,7 @@ class RequestChecks:
                 f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the messages, "
                 f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
                 code="context_length_exceeded")
-        self._check_size(n_prompt, max_tokens, params)
-        return Checked(max_tokens, bad_words_ids)
+        return Checked(max_tokens, bad_words_ids, self._check_size(n_prompt, max_tokens, params))
 
     def _check_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if any(not 0 <= t < self.vocab for t in prompt_ids):
@@ -79,7 +79,7 @@ class RequestChecks:
             raise RequestError(f"stop_token_ids: token id {max(params.stop_token_ids)} is not in the model's "
                                f"vocabulary [0, {self.vocab})")
 
-    def _check_size(self, n_prompt: int, max_tokens: int, params: SamplingParams) -> None:
+    def _check_size(self, n_prompt: int, max_tokens: int, params: SamplingParams) -> int:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:
@@ -91,6 +91,7 @@ class RequestChecks:
                                f"{max_tokens} tokens, prompt {n_prompt}, logprobs {params.logprobs}, prompt_logprobs "
                                f"{params.prompt_logprobs}), more than --max-request-mem "
                                f"{self.max_request_mem / 2**20:,.0f} MiB", code="request_too_large")
+        return need
 
     def _check_masks(self, params: SamplingParams) -> list[tuple[int, ...]]:
         """allowed_token_ids and bad_words against the model; -> bad_words as token sequences. A request

@@ -27,6 +27,7 @@ class Request:
     prompt_logprobs: tuple | None = None   # if asked, per prompt token after the first:
     #   (logprob [L-1], rank [L-1], top ids [L-1, k], top logprobs [L-1, k])
     bad_words_ids: list[tuple[int, ...]] = field(default_factory=list)   # params.bad_words as token sequences
+    pinned_bytes: int = 0            # rank-0 memory it may hold until it finishes (request_checks.request_bytes)
 
     @property
     def finished(self) -> bool:
