@@ -1,6 +1,6 @@
 """float64 numpy reference of decode attention, dtype rounding helpers and tolerances.
 
-Used by tests/test_kvstore.py and bench/kernel_bench.py (correctness check before timing).
+Used by tests/test_kvstore.py and bench/kernel/kernel_bench.py (correctness check before timing).
 """
 from __future__ import annotations
 
