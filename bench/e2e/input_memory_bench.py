@@ -46,6 +46,7 @@ from fastdecode.engine.llm_engine import RequestError  # noqa: E402
 from fastdecode.batch.generate import BatchJob  # noqa: E402
 from fastdecode.engine.sampling_params import CompletionOutput, RequestOutput  # noqa: E402
 from fastdecode.engine.stats import Reservoir, StepRecorder  # noqa: E402
+from fastdecode.rpart.base import WorkerInfo  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SAMPLE_EVERY = 10_000
@@ -65,10 +66,11 @@ class StubEngine:
     def __init__(self, max_batch: int, on_step):
         self.args = SimpleNamespace(max_batch=max_batch)
         self.scheduler = SimpleNamespace(waiting=[])
-        self.tokenizer = None                  # prompts are token ids: never called
+        # prompts are token ids and nothing is echoed: only the first prompt token's text is asked for
+        self.tokenizer = SimpleNamespace(token_text=lambda token_id: "")
         self.source = SimpleNamespace(name="stub")
-        self.backend = SimpleNamespace(workers=[SimpleNamespace(rank=0, host="stub", threads=1, isa="none",
-                                                                capacity_bytes=0)])
+        self.backend = SimpleNamespace(workers=[WorkerInfo(rank=0, host="stub", threads=1, isa="none",
+                                                           capacity_bytes=0)])
         self.recorder = StepRecorder(1)
         self.token_gaps = Reservoir(size=1024)
         self.num_prompt_tokens = self.num_output_tokens = 0
@@ -77,7 +79,7 @@ class StubEngine:
     def add_request(self, index, request_id, prompt, ids, params):
         if not ids:
             raise RequestError("the prompt is empty (no tokens)")
-        req = SimpleNamespace(index=index, request_id=request_id, prompt_ids=list(ids))
+        req = SimpleNamespace(index=index, request_id=request_id, prompt=prompt, prompt_ids=list(ids), params=params)
         self.scheduler.waiting.append(req)
         return req
 

@@ -1,11 +1,11 @@
 """S-worker overhead at huge batch: our S-part per layer vs the pure dense layer, same run.
 
 Pure: RMSNorm, fused QKV GEMM, O GEMM, RMSNorm, gate/up GEMM, SiLU*up, down GEMM at batch B
-(the anchor's s_part, DESIGN.md §5). Ours: the engine's real decode step (ModelRunner.decode:
-embedding, RoPE, the layers, LM head, sampling) at depth 1 and 2 with a loopback R-part that
-does all the S-worker's transport work (Q/K/V packed in the wire layout, device->host into
-pinned buffers on the D2H stream, O host->device on the H2D stream) but no attention, so only
-S-worker time is measured. Per layer = the slope of the step time between the model's first L/2
+(the layer behind the H100 per-layer times in docs/design.md, "The sizing model"). Ours: the
+engine's real decode step (ModelRunner.decode: embedding, RoPE, the layers, LM head, sampling)
+at depth 1 and 2 with a loopback R-part that does all the S-worker's transport work (Q/K/V
+packed in the wire layout, device->host into pinned buffers on the D2H stream, O host->device on
+the H2D stream) but no attention, so only S-worker time is measured. Per layer = the slope of the step time between the model's first L/2
 and all L layers ((step_L - step_L/2) / (L/2)), so the per-step costs (embedding, the host's
 per-sequence bookkeeping, pipeline fill and drain, LM head, sampling) fall out; they are reported
 apart as `step_fixed_ms`. Ratios to the pure layer; with the fused kernels (ops.py), with them
@@ -47,7 +47,7 @@ from fastdecode.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def pure_layer(config, dtype, device, batch, repeats):
-    """The anchor's dense layer at batch B (no RoPE, no transport, no Python per mini-batch)."""
+    """The pure dense layer at batch B (no RoPE, no transport, no Python per mini-batch)."""
     h, inter = config.hidden_size, config.intermediate_size
     g = torch.Generator(device=device).manual_seed(0)
     w_qkv = torch.randn(config.q_size + 2 * config.kv_size, h, device=device, generator=g).to(dtype) * 0.02

@@ -120,6 +120,7 @@ def main(argv=None):
         row["steps_over_fifo"] = round(row["steps"] / fifo["steps"], 4)
         for key in ("pipeline_time_s_fixed", "pipeline_time_s_linear"):
             row[key + "_over_fifo"] = round(row[key] / fifo[key], 4)
+    os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "admission_sim")
     with open(path + ".json", "w") as f:
         json.dump({"target_batch": B, "rows": rows,
