@@ -138,7 +138,7 @@ class KVStore:
         """Take now the pages for tokens[i] tokens of sequence seq_ids[i] (created if new) at every
         layer, so that its later appends land in one run of pages per (layer, kv head) instead of
         a page wherever the free list has one: decode then streams runs, not scattered 8-16 KB
-        pages (bench/KERNEL_NOTES.md, "Page runs"). Pages already held count. False (and nothing
+        pages (bench/kernel/NOTES.md, "Page runs"). Pages already held count. False (and nothing
         taken) if that would pass capacity_bytes, or with FASTDECODE_RESERVE_PAGES=0 (a measurement
         knob): the appends then take pages as they go."""
         if os.environ.get("FASTDECODE_RESERVE_PAGES", "").strip() == "0":
@@ -235,7 +235,7 @@ class KVStore:
             mode = "on" if mode else "off"
         if mode not in AMX_MODES:
             raise ValueError(f"amx must be one of {AMX_MODES} or a bool, got {mode!r}")
-        if not hasattr(self._st, "amx"):        # an old build's store (bench/kernel_ab.py)
+        if not hasattr(self._st, "amx"):        # an old build's store (bench/kernel/kernel_ab.py)
             if mode != "off":
                 raise ValueError(f"amx={mode!r}: this store's build has no AMX scores")
             return

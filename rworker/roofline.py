@@ -1,7 +1,7 @@
 """The compute roofline of decode attention on the AVX-512 path: multiply-add instructions per KV
 byte, and the rate a core issues them (`fma_rate` of the extension), give the fastest the kernel
 can stream KV if memory were free. Set beside the read bandwidth, it says which one bounds a shape
-on a core (bench/compute_roofline.py, bench/KERNEL_NOTES.md "Compute roofline").
+on a core (bench/kernel/compute_roofline.py, bench/kernel/NOTES.md "Compute roofline, one core").
 
 Per page of PT = 32 tokens of one KV head (simd.h), with g query heads on it and Dp = head_dim
 rounded up to 16, counted in 512-bit instructions:

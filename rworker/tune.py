@@ -6,12 +6,13 @@ prefetch mode on the same data; the exception, V in token pairs with bf16 probab
 only when the job allows it: --attn-probs bf16), only the speed, and the best one depends on the
 host and the shape. On 2 Zen 5 cores token-major V without software prefetch beat the build's
 default then (32-dim V tiles, spread prefetch) 1.01-1.19x on 20 of 24 shapes and lost 0.90-0.94x
-on Llama-3 fp32 (bench/results/kernel_ab_dev-2core-zen5-avx512-tokmajor-noprefetch.json); on the
-GPU box's Xeon the prefetch was worth 1.12-1.19x (bench/KERNEL_NOTES.md, "Prefetch"). The default
-is now token-major V with prefetch (KERNEL_NOTES version 17), the tiles a candidate. "Without" is
+on Llama-3 fp32 (bench/kernel/results/kernel_ab_dev-2core-zen5-avx512-tokmajor-noprefetch.json); on
+the GPU box's Xeon the prefetch was worth 1.12-1.19x (bench/kernel/NOTES.md, "Prefetch on the GPU
+box"). The default is now token-major V with prefetch (bench/kernel/CHANGELOG.md, version 17), the
+tiles a candidate. "Without" is
 prefetch "scattered": none along runs of pages, which the hardware prefetcher follows by itself,
 but a next page that lies apart from both its neighbours (a sequence grown a page at a time:
-bench/KERNEL_NOTES.md, version 15). So each R-worker
+bench/kernel/CHANGELOG.md, version 15). So each R-worker
 times the candidates on its own cores before it builds its store: one probe store per V layout,
 a working set past the caches, the candidates interleaved over several rounds, and it keeps the
 fastest unless that is within `margin` of the default (noise must not move it).

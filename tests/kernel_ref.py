@@ -1,6 +1,7 @@
 """float64 numpy reference of decode attention, dtype rounding helpers and tolerances.
 
-Used by the KVStore tests (tests/kvstore_cases.py) and bench/kernel_bench.py (correctness check before timing).
+Used by the KVStore tests (tests/kvstore_cases.py) and bench/kernel/kernel_bench.py (correctness check
+before timing).
 """
 from __future__ import annotations
 

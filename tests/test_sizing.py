@@ -86,7 +86,7 @@ def test_reservation_rounds_to_pages():
         held_tokens(w, 50, 100, "lazy")
     # 4,369 tokens, prompt 32, S = 512: full holds 4369 // 544 = 8 whole worst cases; grow what the
     # stabilized schedule admits: F = 32, 4369 // (32 + (512 + 32)/2 + 48.5) = 12; M = round(12*32/512)
-    # = 1 per 512 // 12 = 42 steps, 4369 // (32 + 277 + 48.5) = 12 (bench/reserve_capacity_bench.py)
+    # = 1 per 512 // 12 = 42 steps, 4369 // (32 + 277 + 48.5) = 12 (bench/sizing/reserve_capacity_bench.py)
     assert sequences_on_worker(4369, w, 512, 32, "full") == 8
     assert sequences_on_worker(4369, w, 512, 32, "grow") == 12
 

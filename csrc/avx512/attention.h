@@ -31,7 +31,7 @@ namespace FD_NS {
 // Software prefetch of the next page while one is computed (simd.h): none, always, or only a
 // page that lies apart from both its neighbours (a run of one). The hardware prefetcher follows a
 // run by itself and cannot know where a scattered page is; a software prefetch at the head of a
-// run lost a little there, as if it kept the hardware from training on it (bench/KERNEL_NOTES.md, 15)
+// run lost a little there, as if it kept the hardware from training on it (bench/kernel/CHANGELOG.md, 15)
 enum { PF_OFF = 0, PF_ALL = 1, PF_SCATTERED = 2 };
 
 // an AMX A tile holds up to 16 query heads (amx.h)

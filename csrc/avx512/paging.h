@@ -147,7 +147,7 @@ public:
     // sequence if new; pages already held count). A decode step's appends then land in pages
     // taken with the prompt's, so each (layer, head) stays one run in memory instead of a page
     // per 32 steps wherever the free list has one: scattered 8-16 KB pages streamed at 0.62-0.88x
-    // the runs (bench/KERNEL_NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
+    // the runs (bench/kernel/NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
     bool reserve(int64_t n, const int64_t* ids, const int64_t* tokens) {
         size_t new_pages = 0;
         for (int64_t i = 0; i < n; ++i) {

@@ -70,7 +70,7 @@ constexpr float EXP2_POLY[8] = {1.0f, 6.9314718055994531e-01f, 2.402265069591007
 // walks the next page's K+V runs (contiguous) at twice the pace of this K run. Measured against
 // a burst of 256 prefetches at each page start (which queues on the L1 miss buffers), the whole
 // next page during the K pass (AVX-512 up to version 9), 2 or 3 pages ahead, L2-only hints,
-// prefetching only pages that do not follow in memory, and none: bench/KERNEL_NOTES.md.
+// prefetching only pages that do not follow in memory, and none: bench/kernel/CHANGELOG.md.
 static inline void prefetch_lines(const char* p, size_t from, size_t to) {
     for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
 }

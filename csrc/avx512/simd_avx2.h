@@ -147,7 +147,7 @@ static inline void scores_quad(const void* K, int Dp, const float* q, float* S, 
 // pf: the next page; its K run is prefetched during the first pass over this K run, its V run
 // during this V pass (pv_page). Spread over both passes, one line or two per step, the misses
 // stay in flight while the FMAs run: 1.04-1.24x the speed of version 6, which issued the whole
-// page as a slice per tile pass of the V pass (bench/KERNEL_NOTES.md, versions 7 and 8).
+// page as a slice per tile pass of the V pass (bench/kernel/CHANGELOG.md, versions 7 and 8).
 static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
     const int k_lines = k_run_lines(dt, Dp);
     const int gq = g / 4 * 4;
@@ -167,7 +167,7 @@ static inline void scores_page(int dt, const void* K, int Dp, const float* q, in
 
 // V run in tiles of 16 dims, [Dp/16][PT][16]: a pass over a tile reads one sequential stream.
 // (Token-major rows made the pass read 32 B of every 256-B row, a pattern the hardware
-// prefetchers did not follow: bench/KERNEL_NOTES.md, version 6.)
+// prefetchers did not follow: bench/kernel/CHANGELOG.md, version 6.)
 constexpr int V_TILE = 16;
 
 // acc[j][16 ti .. 16 (ti + TC)) += sum_t p_j[t] V[t][...] for GH heads over TC tiles: 2 TC GH

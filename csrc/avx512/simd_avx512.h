@@ -108,7 +108,7 @@ static inline void scores_group(const void* K, int Dp, const float* q, float* S,
 
 // pf: the next page; its K run is prefetched during the first pass over this K run, its V run
 // during this page's V pass (pv_page), one line or two per step, so misses stay in flight while
-// the FMAs run (bench/KERNEL_NOTES.md, version 10)
+// the FMAs run (bench/kernel/CHANGELOG.md, version 10)
 
 static inline void scores_page(int dt, const void* K, int Dp, const float* q, int g, float* S, const char* pf) {
     for_groups<4>(dt, g, [&](auto DT, auto GH, int j0) {
@@ -187,7 +187,7 @@ static inline void pv_group(const void* V, int nvalid, int Dp, const float* S, f
 // (FASTDECODE_VTILE=32, and a candidate of the start-up tune). Tiles won 1.02-1.06x for bf16 KV on
 // 2 Zen 5 cores when they came (version 9); on one core, the per-core-bound regime of the GPU box's
 // Xeon, token-major won 1.04-1.22x on 8 of 12 shapes and lost 0.97x on SmolLM bf16, both with the
-// spread prefetch (bench/KERNEL_NOTES.md, version 17).
+// spread prefetch (bench/kernel/CHANGELOG.md, version 17).
 constexpr int V_TILE = 0;
 constexpr int V_TILE_ALT = 32;
 
@@ -258,7 +258,7 @@ static inline void scores_page_dp(const void* K, int Dp, const uint32_t* qw, flo
 // adds both tokens' products for 16 dims: V needs no widening and the multiply-adds halve. The
 // price is p rounded to bf16 (relative 2^-9 per weight, as FlashAttention rounds P for its PV
 // product; l stays the fp32 sum), so this layout gives other bits than the others: opt-in
-// (v_tile = V_PAIRS) for measurement (bench/KERNEL_NOTES.md, version 16). The odd slot of an
+// (v_tile = V_PAIRS) for measurement (bench/kernel/CHANGELOG.md, version 16). The odd slot of an
 // unfilled pair is written zero with the even token: a reused page's old values never meet a p of 0.
 constexpr int V_PAIRS = -2;
 constexpr int PAIR_TILE = 64;                                   // dims per tile
@@ -408,7 +408,7 @@ static inline float exp2_1(float x) { return _mm512_cvtss_f32(exp2v(_mm512_set1_
 // Online softmax over one head's 32 tokens. The running max is only reduced when some score
 // passes it (after the first pages of a sequence, rarely), and l is kept in 16 lanes: the common
 // page costs no horizontal reduction and no scalar chain. Skipping the max reduction changes no bit
-// (mn == m either way); the lane sums change the order l is added in (bench/KERNEL_NOTES.md, 11).
+// (mn == m either way); the lane sums change the order l is added in (bench/kernel/CHANGELOG.md, 11).
 constexpr int L_LANES = 16;
 static inline float l_total(const float* l) { return _mm512_reduce_add_ps(_mm512_loadu_ps(l)); }
 

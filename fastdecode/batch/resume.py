@@ -17,7 +17,7 @@ dropped by the final rewrite too, and counted.
 
 The matching state (custom_id -> first line and duplicate count, earlier rows, this run's rows
 by input line) lives in a scratch SQLite file with a bounded page cache, not in Python sets, so
-rank 0's memory does not grow with the input (10 M lines): see bench/input_memory_bench.py.
+rank 0's memory does not grow with the input (10 M lines): see bench/e2e/input_memory_bench.py.
 """
 from __future__ import annotations
 

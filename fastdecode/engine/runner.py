@@ -45,7 +45,7 @@ class ModelRunner:
         self.prefill_rows = 0           # prompt tokens whose K/V were shipped
         # KV tokens a new sequence reserves on its worker (the engine's placement), sent with its
         # prefill so the worker takes those pages at once: one run per (layer, head), not a page
-        # wherever the free list has one every 32 decode steps (bench/KERNEL_NOTES.md, "Page runs")
+        # wherever the free list has one every 32 decode steps (bench/kernel/NOTES.md, "Page runs")
         self.reserve_tokens: Callable[[Sequence], int] | None = None
 
     def _static_sampling(self, s: Sequence) -> tuple:

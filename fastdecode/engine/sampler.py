@@ -146,7 +146,7 @@ class Penalties:
     def apply(self, logits: torch.Tensor) -> None:
         """In place on logits [n, V]: repetition first, then frequency and presence (vLLM's order).
         Only the (row, token) pairs in the histories are read and written: O(tokens), not O(rows x V)
-        (bench/penalty_bench.py: 8x faster than dense [rows, V] tables at 1,024 rows, V = 49,152)."""
+        (bench/e2e/penalty_bench.py: 8x faster than dense [rows, V] tables at 1,024 rows, V = 49,152)."""
         dev, vocab = logits.device, logits.shape[1]
         on_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)      # noqa: E731
         rows = on_dev(self.rows)                                                   # [m] rows of logits
@@ -186,7 +186,7 @@ def logprobs_of(logits: torch.Tensor, picked: torch.Tensor, k: int) -> tuple[np.
 
 def _count_greater(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """Per row of x [r, V], how many entries exceed threshold [r, 1]. On the CPU in numpy: in a
-    profile of bench/prompt_logprobs_bench.py, PyTorch's CPU sum of the bool tensor cost more than
+    profile of bench/e2e/prompt_logprobs_bench.py, PyTorch's CPU sum of the bool tensor cost more than
     the log_softmax itself."""
     if x.device.type == "cpu":
         return torch.from_numpy((x.numpy() > threshold.numpy()).view(np.uint8).sum(-1, dtype=np.int64))

@@ -4,7 +4,7 @@ Between the R-part's reply for layer l and the Q/K/V it needs for layer l + 1, t
 post_attn(l) (O projection, residual, RMSNorm, gate/up, SiLU*up, down, residual) and the QKV
 projection of layer l + 1 (RMSNorm, GEMM): ~8 launches from Python. At B = 1024 on an H100 that
 is ~0.36 ms of GPU work per mini-batch and layer, so the host's launches bound the step
-(bench/SWORKER_NOTES.md). One graph per (layer, mini-batch slot, row bucket) makes it a replay.
+(bench/gpu/NOTES.md). One graph per (layer, mini-batch slot, row bucket) makes it a replay.
 
 What stays outside the graph: the copies (their streams and events belong to the transport),
 RoPE + wire packing (its offsets change with every step's per-worker counts), the first layer's

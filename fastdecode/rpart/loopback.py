@@ -3,7 +3,7 @@
 It moves Q/K/V to host buffers exactly as the MPI transport does (device->host on the D2H side
 stream on CUDA) and hands back O from a host buffer (host->device on the H2D side stream), but
 runs no attention and sends nothing: a mini-batch's output is "back" as soon as its rows reached
-host memory. bench/s_overhead_bench.py times the engine's real decode step through it (RoPE,
+host memory. bench/gpu/s_overhead_bench.py times the engine's real decode step through it (RoPE,
 packing, staging, Python per mini-batch: everything the S-worker does per layer) against the
 pure dense GEMMs. With transfers=False it moves nothing at all: the S-part's own compute, which
 `fastdecode profile` tables as T_S(B) on a GPU (the copies belong to the link: docs/design.md, "The sizing model").

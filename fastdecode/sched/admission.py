@@ -165,10 +165,10 @@ def memory_batch(capacity_tokens: float, max_gen: int, lifetime: int, prompt_mea
     """(B, M, F) for memory that holds fewer than the asked-for batch. Micro-batches sized for a
     B that cannot run open slots faster than sequences finish; the projection then refuses
     them, and the refused ones start together later: a few groups of one age instead of evenly
-    spread ages, and fewer running (bench/reserve_capacity_bench.py). So: M for the B that fits,
-    F set so that M per F steps opens at least B slots per lifetime, and B no more than that rate
-    sustains (a ramp that kept opening slots past it made lumps too). `fastdecode plan` prices
-    --kv-reserve grow with this."""
+    spread ages, and fewer running (bench/sizing/reserve_capacity_bench.py). So: M for the B
+    that fits, F set so that M per F steps opens at least B slots per lifetime, and B no more
+    than that rate sustains (a ramp that kept opening slots past it made lumps too).
+    `fastdecode plan` prices --kv-reserve grow with this."""
     F = admit_every or _default_period(lifetime)
     B = max(1, _fit(capacity_tokens, max_gen, F, prompt_mean, seq_overhead))
     M = max(1, round(B * F / lifetime))
@@ -212,14 +212,14 @@ class StabilizedAdmission:
       rarely whole, so a lifetime holds B/M groups with one gap shorter or longer than F, ages
       slip against the even spread the first term assumes, and its projected peak passes that
       term by up to a group. Without the slack the refused group started with the next one, and
-      equal lengths kept such lumps (bench/admission_sim.py style, B = 128, S = 1000: 88 of 128
-      running on average, workload CV 0.43; with it 128, CV 0.03). Slots still cap the count at B.
-      The margin: the projected peak moves with the prompts of the B
+      equal lengths kept such lumps (bench/schedule/admission_sim.py style, B = 128, S = 1000:
+      88 of 128 running on average, workload CV 0.43; with it 128, CV 0.03). Slots still cap the
+      count at B. The margin: the projected peak moves with the prompts of the B
       running sequences and the M candidates (std ~ sqrt(B+M)*prompt_std). At the bare mean
       about half the micro-batches were refused; the freed slots then refill together, equal
       lengths keep such a group together, and the schedule degenerated into fixed batches of
-      ~W_lim/(prompt + S) sequences (bench/admission_sim.py: B = 64, S = 512, prompts 16-64
-      tokens: 38 running, workload CV 0.47; with the margin 64 running, CV 0.03).
+      ~W_lim/(prompt + S) sequences (bench/schedule/admission_sim.py: B = 64, S = 512, prompts
+      16-64 tokens: 38 running, workload CV 0.47; with the margin 64 running, CV 0.03).
     - No deadlock: when nothing runs, the head is admitted even if it alone exceeds W_lim.
     - Fairness: FIFO prefix only. While the head waits nothing else joins, so the running
       sequences are gone within S_max steps and then the head starts: the head waits at most
@@ -229,8 +229,8 @@ class StabilizedAdmission:
       ones), the projection is the expected one: a sequence of age g holds its tokens at step
       now+t with probability P(L > g+t | L > g), up to its bound. The bound projection is
       pessimistic when EOS comes early: it refused slots the real load had room for
-      (bench/admission_sim.py: 57-58 of 64 running, against 63 with learnt lengths). W_lim
-      then bounds the expected projection, so the workload tracks it rather than staying
+      (bench/schedule/admission_sim.py: 57-58 of 64 running, against 63 with learnt lengths).
+      W_lim then bounds the expected projection, so the workload tracks it rather than staying
       under it; capacity_tokens still bounds the worst case, since KV cannot be preempted.
       With no EOS stops (every sequence runs to its bound) nothing changes.
     Defaults: S = length-biased mean generation length (sum m^2 / sum m over the max_tokens

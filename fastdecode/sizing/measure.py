@@ -155,7 +155,7 @@ def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log) ->
     capped at what the R-workers' memory holds (--rworker-mem), as a job's are.
     Prompt length and chunk do not separate on a CPU (dev VM: 768-token prompts cost 2.1 ms per
     token one at a time and 1.7 ten at a time, 512-token ones 1.2 and 1.5 sixteen at a time;
-    bench/prefill_chunk_probe.py), so the prompt table is measured at the chunk FIFO uses rather
+    bench/sizing/prefill_chunk_probe.py), so the prompt table is measured at the chunk FIFO uses rather
     than shifted to it."""
     c, cap = engine.config, engine.args.max_prefill_tokens
     max_prompt = min(c.max_position, cap)
