@@ -6,9 +6,9 @@
     python3 scripts/check_docs.py --run --fast    # only blocks without mpirun/sbatch/install/pytest
     python3 scripts/check_docs.py --run --benchmarks   # the benchmark blocks too (hours)
 
-Blocks are fenced ```bash or ```python. A block whose first line is `# needs a GPU` or
-`# needs SLURM` runs only where CUDA or `sbatch` is available; one whose first line is
-`# benchmark` (a result's reproduction) only with --benchmarks. Every block is parsed. The
+Blocks are fenced ```bash or ```python. A block whose opening comment lines say `# needs a GPU`
+or `# needs SLURM` runs only where CUDA or `sbatch` is available; one that says `# benchmark` (a
+result's reproduction) only with --benchmarks. Every block is parsed. The
 README's test command is what CI runs (.ci/run), so --run leaves pytest to CI. Commands run in
 --workdir (default: the repository root); another directory gets links to the repository's
 top-level entries, so relative paths work and outputs land there.
@@ -42,15 +42,22 @@ class Block:
     def where(self) -> str:
         return f"{self.doc.relative_to(REPO)}:{self.line}"
 
+    def header(self) -> list[str]:
+        """The comment lines a block opens with (its markers)."""
+        lines = self.text.strip().splitlines()
+        return [line for line in lines[:next((i for i, x in enumerate(lines) if not x.startswith("#")), len(lines))]]
+
     @property
     def needs(self) -> str | None:
-        first = self.text.lstrip().splitlines()[0] if self.text.strip() else ""
-        m = re.match(r"#\s*needs (a GPU|SLURM)", first)
-        return m.group(1) if m else None
+        for line in self.header():
+            m = re.match(r"#\s*needs (a GPU|SLURM)", line)
+            if m:
+                return m.group(1)
+        return None
 
     @property
     def benchmark(self) -> bool:
-        return self.text.lstrip().startswith("# benchmark")
+        return any(line.startswith("# benchmark") for line in self.header())
 
 
 def blocks(doc: Path) -> list[Block]:

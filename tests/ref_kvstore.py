@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rworker.protocol.kvformat import kv_itemsize
+
 
 def bf16_bits_to_f32(x: np.ndarray) -> np.ndarray:
     return (x.astype(np.uint32) << 16).view(np.float32)
@@ -81,5 +83,5 @@ class RefKVStore:
         return len(self.kv.get((seq_id, layer), ([], []))[0])
 
     def bytes_used(self):
-        item = {"fp32": 4, "bf16": 2, "fp16": 2}[self.kv_dtype]
+        item = kv_itemsize(self.kv_dtype)
         return sum(len(ks) for ks, _ in self.kv.values()) * 2 * self.num_kv_heads * self.head_dim * item

@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from pathlib import Path
+
+from conftest import REPO as _REPO
+
+REPO = Path(_REPO)
 
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".h", ".cpp", ".toml", ".txt", ".cfg"}
 
