@@ -4,14 +4,14 @@ The attention kernel is compiled once per ISA into its own extension module
 (rworker._kernels_<isa>); rworker.isa picks one at import by what the CPU reports,
 so a CPU without AVX-512 never executes an AVX-512 instruction (no SIGILL).
 """
-from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import find_packages, setup
-
 import copy
 import glob
 import os
 import platform
 import sys
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
 
 KERNEL_SOURCES = ["csrc/avx512/kernels.cpp", "csrc/avx512/microbench.cpp"]   # bindings; CPU probes
 KERNEL_HEADERS = sorted(glob.glob("csrc/avx512/*.h"))  # rebuild when a header changes

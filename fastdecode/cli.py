@@ -247,9 +247,9 @@ def engine_args(args):
 def run_s_worker(args, comm) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
-    from fastdecode.engine.llm_engine import LLMEngine
     from fastdecode.batch.generate import print_summary, run_generate
     from fastdecode.batch.interrupt import StopRequest
+    from fastdecode.engine.llm_engine import LLMEngine
 
     # installed before the (long) model load and kept to the exit: a signal at any point after
     # this is a clean stop, never the default action (which would end rank 0 without a report)

@@ -10,12 +10,12 @@ import atexit
 import sys
 from collections.abc import Sequence as Seq
 
-from fastdecode.launch import mpi_env
+from fastdecode.batch.progress import Progress
 from fastdecode.engine.args import EngineArgs
 from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.request_checks import RequestError
-from fastdecode.batch.progress import Progress
 from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
+from fastdecode.launch import mpi_env
 
 
 class LLM:

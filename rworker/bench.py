@@ -15,7 +15,6 @@ from rworker.kvstore import KVStore
 from rworker.protocol.kvformat import kv_itemsize
 
 
-
 def largest_cache_bytes() -> int:
     """Largest CPU cache (sysfs), 0 if unknown: a timed KV working set must not fit in it."""
     best = 0

@@ -30,8 +30,8 @@ import warnings
 import numpy as np
 
 from rworker import isa as _isa
-from rworker.protocol.kvformat import DTYPE_BYTES, KV_DTYPES
 from rworker.host.threads import default_threads, pin_cpus
+from rworker.protocol.kvformat import DTYPE_BYTES, KV_DTYPES
 
 V_PAIRS = -2      # the V layout "token pairs" (csrc/avx512/simd_avx512.h), where the build has it
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

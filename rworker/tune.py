@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rworker import isa as _isa
-from rworker.protocol.kvformat import kv_itemsize
 from rworker.bench import default_target_bytes
 from rworker.kvstore import V_PAIRS, KVStore
+from rworker.protocol.kvformat import kv_itemsize
 
 CONTEXT = 1024                # tokens per probe sequence: the contexts the targets name
 MAX_WORKING_SET = 256 << 20   # bytes per probe store: the ">= 256 MB", past this VM's 32 MiB L3

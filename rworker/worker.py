@@ -27,6 +27,7 @@ from rworker.protocol import control as P
 from rworker.protocol.wire import split_kv, split_qkv
 from rworker.tune import open_tuned_store
 
+
 class RWorker:
     def __init__(self, comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
                  timeout: float | None = None, ranks_here: int = 1, s_worker_here: bool = False,

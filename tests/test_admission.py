@@ -4,7 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission, projected_workload
 from fastdecode.sched.simulate import earliest_step, simulate
@@ -214,8 +215,8 @@ def test_grow_page_overhead_counts_against_capacity_not_w_lim():
     """Under --kv-reserve grow a sequence holds its last page half full, the next token's slot and
     a page of admission headroom beyond its tokens: 48.5 tokens at 32-token pages. Capacity
     holds fewer sequences by that, and the tokens the projection may reach leave room for it."""
-    from fastdecode.sched.placement import Placement
     from fastdecode.rpart.base import WorkerInfo
+    from fastdecode.sched.placement import Placement
 
     workers = [WorkerInfo(1, "h", 1, "avx2", 10 ** 6, page_tokens=32)]
     assert Placement(workers, 8, policy="grow").seq_overhead_tokens() == 48.5
@@ -328,11 +329,11 @@ def test_early_eos_learnt_lengths_keep_the_batch_full(seed):
 def test_scheduler_reports_ages_and_finished_sequences_to_the_controller():
     """The engine's side of learnt lengths: running sequences carry their age, and every
     finished one is observed (EOS stop vs max_tokens) but not one aborted without a reason."""
-    from fastdecode.sched.placement import Placement
-    from fastdecode.rpart.base import WorkerInfo
     from fastdecode.engine.sampling_params import SamplingParams
-    from fastdecode.sched.scheduler import Scheduler
     from fastdecode.engine.sequence import Request, Sequence
+    from fastdecode.rpart.base import WorkerInfo
+    from fastdecode.sched.placement import Placement
+    from fastdecode.sched.scheduler import Scheduler
 
     class Spy(StabilizedAdmission):
         def admit(self, step, waiting, running, capacity_tokens=None):

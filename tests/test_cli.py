@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import batch_line, read_output, run_fastdecode
 
 CHAT = "/v1/chat/completions"

@@ -13,7 +13,6 @@ import random
 
 import pytest
 import torch
-
 from test_hf_parity import run_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

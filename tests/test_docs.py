@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-
 from pathlib import Path
 
 from conftest import REPO as _REPO

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import MPIEXEC, REPO, hf_greedy
 
 GREEDY = [

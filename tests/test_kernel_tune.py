@@ -14,9 +14,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import batch_line, read_output, run_fastdecode  # noqa: E402
 from kvstore_cases import BASE_ISAS, DTYPES, rand  # noqa: E402
 
-from rworker import KVStore  # noqa: E402
+from rworker import (
+    KVStore,  # noqa: E402
+    tune,  # noqa: E402
+)
 from rworker import isa as isa_mod  # noqa: E402
-from rworker import tune  # noqa: E402
 
 
 @pytest.mark.parametrize("isa", BASE_ISAS)

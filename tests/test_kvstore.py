@@ -21,7 +21,6 @@ from kernel_ref import (  # noqa: E402
 )
 from kvstore_cases import DTYPES, ISAS, Mirror, check, open_store, rand  # noqa: E402
 
-
 # ---------------------------------------------------------------------------------------------
 # correctness
 

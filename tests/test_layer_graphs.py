@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fastdecode.model.layer_graphs import MIN_BUCKET, LayerGraphs, bucket_rows
 
@@ -51,10 +52,10 @@ def _final_states(runner, model, seqs):
 @pytest.mark.parametrize("device", DEVICES)
 def test_graph_path_matches_the_plain_path(device):
     from fastdecode.engine.args import EngineArgs
-    from fastdecode.engine.llm_engine import LLMEngine
     from fastdecode.engine.harness import fake_sequences
-    from fastdecode.rpart.loopback import LoopbackBackend
+    from fastdecode.engine.llm_engine import LLMEngine
     from fastdecode.engine.runner import ModelRunner
+    from fastdecode.rpart.loopback import LoopbackBackend
 
     dtype = "float32" if device == "cpu" else "bfloat16"
     engine = LLMEngine(EngineArgs(model=SMALL, device=device, dtype=dtype, max_batch=4096))

@@ -1,7 +1,8 @@
 """Generation lengths learnt from finished sequences (Kaplan-Meier) and the expected projection."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastdecode.sched.admission import _grid, largest_prefix_expected, projected_workload
 from fastdecode.sched.length_model import LengthModel

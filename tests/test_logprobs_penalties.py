@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import batch_line, hf_greedy, read_output, run_fastdecode
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there was a",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import hf_greedy
 
 PROMPTS = ["Hello world", "The quick brown fox", "In a hole in the ground there lived",

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import MPIEXEC, REPO, batch_line, run_fastdecode
 from test_hf_parity import run_ids
 

@@ -10,7 +10,6 @@ import json
 import random
 
 import pytest
-
 from conftest import batch_line, read_output, run_fastdecode
 
 PAGE = 64
@@ -32,10 +31,10 @@ def make_seq(seq_id, prompt_len, max_tokens):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_grow_reservations_stay_within_capacity_and_everyone_finishes(seed):
-    from fastdecode.sched.placement import Placement
-    from fastdecode.rpart.base import WorkerInfo
-    from fastdecode.sched.scheduler import Scheduler
     from fastdecode.engine.sequence import Status
+    from fastdecode.rpart.base import WorkerInfo
+    from fastdecode.sched.placement import Placement
+    from fastdecode.sched.scheduler import Scheduler
     rng = random.Random(seed)
     caps = [rng.randint(6, 14) * PAGE for _ in range(rng.randint(1, 3))]       # tokens per worker
     workers = [WorkerInfo(w + 1, "h", 1, "avx2", cap * 8, page_tokens=PAGE) for w, cap in enumerate(caps)]

@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import batch_line, read_output, run_fastdecode
 
 PROMPTS = ["The capital of France is Paris, and the capital of Italy is", "def fibonacci(n):\n    if n <",

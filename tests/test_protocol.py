@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import MPIEXEC, REPO
+
 from rworker.protocol import control as P
 from rworker.protocol.kvformat import ACT_CODES, KV_DTYPES
 from rworker.protocol.wire import WireLayout, split_kv, split_qkv

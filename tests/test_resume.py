@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import MPIEXEC, REPO, batch_line, read_output, run_fastdecode
 
 N_REQ = 40

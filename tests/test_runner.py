@@ -3,7 +3,8 @@ parameters built from arrays, against direct per-row computations."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastdecode.engine.runner import split_by_r_load
 from fastdecode.engine.sampler import SamplingBatch

@@ -7,8 +7,8 @@ import pytest
 
 from fastdecode.sizing import plan
 from fastdecode.sizing.hardware import GPU_PRESETS, stated_profile
-from fastdecode.sizing.schema import MODEL_PRESETS, LinkProfile, Profile, RWorkerProfile, SWorkerProfile
 from fastdecode.sizing.model import held_tokens, kv_tokens_capacity, predict, rworkers_needed, sequences_on_worker
+from fastdecode.sizing.schema import MODEL_PRESETS, LinkProfile, Profile, RWorkerProfile, SWorkerProfile
 
 LLAMA7B = MODEL_PRESETS["llama-7b"]
 KVB = 2 * 32 * 128 * 2                     # KV bytes per token and layer, bf16: 16384

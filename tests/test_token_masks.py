@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import batch_line, read_output, run_fastdecode
 
 PROMPT = "The three largest cities in the United States are"

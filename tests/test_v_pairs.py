@@ -16,8 +16,10 @@ from conftest import batch_line, read_output, run_fastdecode  # noqa: E402
 from kernel_ref import UNIT_ROUNDOFF, attention_ref, bf16_bits_to_f32, f32_to_bf16_bits, fp32_tolerance  # noqa: E402
 from kvstore_cases import BASE_ISAS  # noqa: E402
 
-from rworker import KVStore  # noqa: E402
-from rworker import tune  # noqa: E402
+from rworker import (
+    KVStore,  # noqa: E402
+    tune,  # noqa: E402
+)
 from rworker.kvstore import V_PAIRS  # noqa: E402
 
 PAIR_ISAS = [i for i in BASE_ISAS if KVStore(1, 1, 64, "bf16", threads=1, isa=i).has_v_pairs]

@@ -42,8 +42,8 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, REPO)
 
 from fastdecode.batch import report  # noqa: E402
-from fastdecode.engine.llm_engine import RequestError  # noqa: E402
 from fastdecode.batch.generate import BatchJob  # noqa: E402
+from fastdecode.engine.request_checks import RequestError  # noqa: E402
 from fastdecode.engine.sampling_params import CompletionOutput, RequestOutput  # noqa: E402
 from fastdecode.engine.stats import Reservoir, StepRecorder  # noqa: E402
 from fastdecode.rpart.base import WorkerInfo  # noqa: E402
@@ -74,6 +74,7 @@ class StubEngine:
         self.recorder = StepRecorder(1)
         self.token_gaps = Reservoir(size=1024)
         self.num_prompt_tokens = self.num_output_tokens = 0
+        self.pinned_bytes = 0              # nothing is held per request: the index and the reader are measured
         self.on_step = on_step
 
     def add_request(self, index, request_id, prompt, ids, params):

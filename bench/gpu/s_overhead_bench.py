@@ -35,15 +35,15 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, REPO)          # this checkout's packages, whatever else is installed
 
 from fastdecode.engine.args import EngineArgs  # noqa: E402
-from fastdecode.engine.llm_engine import LLMEngine  # noqa: E402
-from fastdecode.model.layer_graphs import LayerGraphs  # noqa: E402
-from fastdecode.model.ops import SPartOps  # noqa: E402
 from fastdecode.engine.harness import fake_sequences, first_layers, median_time  # noqa: E402
-from fastdecode.sizing.measure import pcie_bandwidth  # noqa: E402
-from fastdecode.rpart.loopback import LoopbackBackend  # noqa: E402
+from fastdecode.engine.llm_engine import LLMEngine  # noqa: E402
 from fastdecode.engine.runner import ModelRunner  # noqa: E402
 from fastdecode.engine.sampler import SamplingBatch, sample  # noqa: E402
 from fastdecode.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdecode.model.layer_graphs import LayerGraphs  # noqa: E402
+from fastdecode.model.ops import SPartOps  # noqa: E402
+from fastdecode.rpart.loopback import LoopbackBackend  # noqa: E402
+from fastdecode.sizing.measure import pcie_bandwidth  # noqa: E402
 
 
 def pure_layer(config, dtype, device, batch, repeats):

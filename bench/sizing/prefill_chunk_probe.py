@@ -29,9 +29,9 @@ def main() -> None:
                     help="PROMPT_LEN:COUNTS;... (counts of prompts per chunk)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    from fastdecode.sizing import measure
     from fastdecode.engine.args import EngineArgs
     from fastdecode.engine.llm_engine import LLMEngine
+    from fastdecode.sizing import measure
 
     plan = [(int(p), [int(c) for c in counts.split(",")])
             for p, counts in (item.split(":") for item in args.prompts.split(";"))]

@@ -29,8 +29,8 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, REPO)          # this checkout's packages, whatever else is installed
 
 from fastdecode import LLM, SamplingParams  # noqa: E402
-from fastdecode.sizing.schema import RWorkerProfile  # noqa: E402
 from fastdecode.sizing.model import sequences_on_worker  # noqa: E402
+from fastdecode.sizing.schema import RWorkerProfile  # noqa: E402
 from rworker.host.capacity import parse_bytes  # noqa: E402
 
 

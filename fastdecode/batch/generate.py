@@ -14,15 +14,15 @@ from collections import Counter
 from contextlib import ExitStack
 
 from fastdecode.batch import report
+from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
+from fastdecode.batch.output import OutputWriter, rewrite
+from fastdecode.batch.progress import Progress
 from fastdecode.batch.responses import error_line, success_line
+from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
 from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.request_checks import RequestError
-from fastdecode.batch.interrupt import StopRequest
-from fastdecode.batch.output import OutputWriter, rewrite
-from fastdecode.batch.progress import Progress
-from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 
 
 def count_lines(path: str) -> int:

@@ -8,26 +8,26 @@ import time
 import numpy as np
 import torch
 
-from rworker.host import faults
-from rworker.host.wait import node_layout
-from rworker.protocol.kvformat import kv_itemsize
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
-
+from fastdecode.engine.request_checks import RequestChecks, RequestError
+from fastdecode.engine.runner import ModelRunner
+from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from fastdecode.engine.sequence import Request, Sequence, Status
+from fastdecode.engine.stats import Reservoir, StepRecorder
 from fastdecode.model.config import ModelConfig
 from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.llama import LlamaSPart
 from fastdecode.model.source import ModelSource, read_config, resolve_model
-from fastdecode.sched.placement import Placement
-from fastdecode.rpart.base import RBackend
-from fastdecode.engine.runner import ModelRunner
-from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
-from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
-from fastdecode.sched.scheduler import Scheduler
-from fastdecode.engine.sequence import Request, Sequence, Status
-from fastdecode.engine.stats import Reservoir, StepRecorder
-from fastdecode.engine.request_checks import RequestChecks, RequestError
 from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
 from fastdecode.model.weights import load_weights, source_digest
+from fastdecode.rpart.base import RBackend
+from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
+from fastdecode.sched.placement import Placement
+from fastdecode.sched.scheduler import Scheduler
+from rworker.host import faults
+from rworker.host.wait import node_layout
+from rworker.protocol.kvformat import kv_itemsize
+
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, comm=None):

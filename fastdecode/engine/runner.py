@@ -10,13 +10,20 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from fastdecode.engine.sampler import (
+    AllowedTokens,
+    LogitBias,
+    Penalties,
+    SamplingBatch,
+    logprobs_of,
+    sample,
+    token_logprobs,
+)
+from fastdecode.engine.sequence import Sequence
+from fastdecode.engine.token_masks import banned_tokens
 from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.llama import LlamaSPart
 from fastdecode.rpart.base import RBackend, StepStats, TorchWireLayout
-from fastdecode.engine.sampler import (AllowedTokens, LogitBias, Penalties, SamplingBatch, logprobs_of, sample,
-                                       token_logprobs)
-from fastdecode.engine.sequence import Sequence
-from fastdecode.engine.token_masks import banned_tokens
 
 PROMPT_LOGPROB_BLOCK = 1 << 24   # logits per LM-head block for prompt log-probabilities (64 MB fp32):
                                  # a 30k-token prompt never needs a [30k, V] tensor

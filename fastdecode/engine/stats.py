@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 
-
 MAX_ROWS = 65_536     # per-step rows kept for --stats-json (about 40 MiB); see StepRecorder
 
 

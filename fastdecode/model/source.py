@@ -13,8 +13,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from fastdecode.model.presets import PRESETS
 from fastdecode.model.config import ConfigError, ModelConfig, config_from_hf_dict, read_hf_config
+from fastdecode.model.presets import PRESETS
 
 DEFAULT_MODEL = "smollm2-135m"
 # short name -> (python package, file inside it, how to install it)

@@ -8,12 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from rworker.host.capacity import default_capacity_bytes
-from rworker.tune import open_tuned_store
-
 from fastdecode.model.config import ModelConfig
 from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo, as_numpy
+from rworker.host.capacity import default_capacity_bytes
 from rworker.protocol.wire import split_qkv
+from rworker.tune import open_tuned_store
 
 
 class LocalBackend(RBackend):

@@ -16,14 +16,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from fastdecode.model.config import ModelConfig
+from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo
+from fastdecode.rpart.staging import HostBuffer, Stager
 from rworker.host.progressor import Progressor
 from rworker.host.wait import wait_message
 from rworker.protocol import control as P
 from rworker.protocol.kvformat import ACT_CODES
-
-from fastdecode.model.config import ModelConfig
-from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo
-from fastdecode.rpart.staging import HostBuffer, Stager
 
 ACT_CODE = {torch.float32: ACT_CODES[np.dtype(np.float32)], torch.bfloat16: ACT_CODES[np.dtype(np.uint16)]}
 AUTO_FIRST_S = 900.0      # before any step was timed (first steps warm caches and allocate)

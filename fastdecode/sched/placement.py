@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 
-from fastdecode.rpart.base import WorkerInfo
 from fastdecode.engine.sequence import Sequence
+from fastdecode.rpart.base import WorkerInfo
 
 RESERVE_POLICIES = ("full", "grow")     # generate's --kv-reserve
 

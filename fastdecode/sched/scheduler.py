@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 
+from fastdecode.engine.sequence import Sequence, Status
 from fastdecode.sched.admission import HEAD_WINDOW
 from fastdecode.sched.placement import Placement
-from fastdecode.engine.sequence import Sequence, Status
 
 
 class Scheduler:

@@ -10,8 +10,14 @@ import time
 import numpy as np
 import torch
 
-from fastdecode.engine.harness import (SYNTHETIC_SEQ_BASE, fake_sequences, first_layers, median_time,
-                                       placed_sequences, sync)
+from fastdecode.engine.harness import (
+    SYNTHETIC_SEQ_BASE,
+    fake_sequences,
+    first_layers,
+    median_time,
+    placed_sequences,
+    sync,
+)
 from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.runner import ModelRunner
 from fastdecode.engine.sampler import SamplingBatch, sample

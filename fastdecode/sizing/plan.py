@@ -12,11 +12,11 @@ import json
 import os
 import sys
 
-from rworker.protocol.kvformat import DTYPE_BYTES
-from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
-from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
+from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
 from fastdecode.sizing.model import predict
+from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
+from rworker.protocol.kvformat import DTYPE_BYTES
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
 KV_DTYPES = ["bf16", "fp16", "fp32", "fp8", "int8"]

@@ -22,9 +22,17 @@ import numpy as np
 import torch
 
 from fastdecode.engine.llm_engine import LLMEngine
-from fastdecode.sizing.measure import (S_PART_MAX_STEPS, S_PART_PROMPT, pcie_bandwidth, prompts_that_fit,
-                                       time_chain_hop, time_prefill_grids, time_r_part_in_step, time_s_part,
-                                       time_s_part_device)
+from fastdecode.sizing.measure import (
+    S_PART_MAX_STEPS,
+    S_PART_PROMPT,
+    pcie_bandwidth,
+    prompts_that_fit,
+    time_chain_hop,
+    time_prefill_grids,
+    time_r_part_in_step,
+    time_s_part,
+    time_s_part_device,
+)
 from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
 from rworker.protocol.kvformat import kv_itemsize
 

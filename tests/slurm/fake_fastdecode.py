@@ -14,8 +14,8 @@ Waiting ranks sleep between polls instead of blocking in MPI (more ranks than co
 import argparse
 import ctypes
 import json
-import platform
 import os
+import platform
 import signal
 import socket
 import sys
