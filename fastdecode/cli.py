@@ -204,7 +204,7 @@ def run_job(args, validate, s_worker_main) -> int:
     if mpi_env.launched_size() <= 1 and error:          # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    comm = mpi_env.world()
+    comm = mpi_env.world(args.timeout)
     if comm is not None:
         error = agree_on_usage(comm, error)
         if error:
@@ -248,12 +248,17 @@ def run_s_worker(args, comm) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
     from fastdecode.batch.generate import print_summary, run_generate
-    from fastdecode.batch.interrupt import StopRequest
+    from fastdecode.batch.interrupt import STOP
     from fastdecode.engine.llm_engine import LLMEngine
 
-    # installed before the (long) model load and kept to the exit: a signal at any point after
-    # this is a clean stop, never the default action (which would end rank 0 without a report)
-    stop = StopRequest().install()
+    # installed as the process started and kept to the exit: a signal at any point is a clean
+    # stop, never the default action (which would end rank 0 without a report)
+    stop = STOP.install()
+    if stop.requested:                                  # before the (long) model load: nothing to save
+        mpi_env.stop_rworkers(comm)
+        print(f"fastdecode: interrupted by {stop.name} before the model was loaded; rerun the same command "
+              f"to resume", file=sys.stderr, flush=True)
+        return mpi_env.EXIT_TEMPFAIL
     engine = LLMEngine(engine_args(args), comm)
     summary, interrupted = run_generate(engine, args, stop)
     if args.stats_json:
@@ -305,20 +310,34 @@ def cmd_info(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    job = next((w for w in words if not w.startswith("-")), None) in ("generate", "profile")
+    rank = mpi_env.launched_rank()
+    if job:
+        take_stop_signals(rank)               # first, before the slow imports of the parser
+        from fastdecode.launch import supervise
+        supervise.child_started(rank)         # (a supervised child: its held signals come in now)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("generate", "profile") and mpi_env.launched_rank() > 0:
-        # R-workers outlive SLURM's stop signals (rank 0 finishes the step and shuts them down);
-        # ignore them from the start: one arriving while this rank still loads would kill it
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-    if args.command in ("generate", "profile"):
-        from fastdecode.launch import supervise
-        if supervise.should_supervise():      # under a launcher: a dead rank gets named
-            return supervise.run_supervised(sys.argv[1:] if argv is None else argv)
+    if job and supervise.should_supervise():  # under a launcher: a dead rank gets named
+        return supervise.run_supervised(words)
+    if rank == 0 and args.command == "profile":
+        from fastdecode.batch.interrupt import STOP
+        STOP.release()                        # profile saves nothing: a stop signal ends it
     handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "info": cmd_info}
     return handlers[args.command](args)
 
+
+def take_stop_signals(rank: int) -> None:
+    """R-workers outlive SLURM's stop signals (rank 0 finishes the step and shuts them down): they
+    ignore them from the start, one arriving while a rank still loads would kill it. Rank 0 records
+    them (batch/interrupt.py), so a stop at any moment is a clean stop; its supervisor forwards them."""
+    if rank > 0:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    else:
+        from fastdecode.batch.interrupt import STOP
+        STOP.install()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,6 +6,10 @@ finishes, what is done is written, the R-workers are shut down and the job exits
 EX_TEMPFAIL (75), which the SLURM scripts requeue on. mpiexec (hydra) and srun forward these
 signals to every rank; R-workers ignore them and wait for rank 0's shutdown.
 
+The handlers go in as the process starts (`STOP`, installed by cli.main before MPI or torch
+load, and again after MPI_Init, which may install its own), so a signal at any moment of a run,
+model load included, is a clean stop: rank 0 then shuts the R-workers down and exits 75.
+
 A further signal while stopping is only noted: the rows being written must not be cut short,
 and under a launcher one signal often arrives twice (sent to the task and forwarded by the
 script or the supervisor). SIGKILL remains for "now".
@@ -33,8 +37,11 @@ class StopRequest:
         self._old: dict[int, object] = {}
 
     def install(self) -> StopRequest:
+        """Take the stop signals (again: an MPI library may have taken them meanwhile); a
+        signal already received stays recorded."""
         for sig in SIGNALS:
-            self._old[sig] = signal.signal(sig, self._handle)
+            old = signal.signal(sig, self._handle)
+            self._old.setdefault(sig, old)
         return self
 
     def _handle(self, signum, _frame) -> None:
@@ -58,3 +65,13 @@ class StopRequest:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+
+    def release(self) -> None:
+        """Give the signals back (a command with nothing to save); one already received is
+        delivered again, now with its default action."""
+        self.restore()
+        if self.signum is not None:
+            os.kill(os.getpid(), self.signum)
+
+
+STOP = StopRequest()      # rank 0's, for the whole process

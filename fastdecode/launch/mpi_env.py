@@ -5,7 +5,9 @@ naming the rank, never leave the others waiting forever.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import sys
 
@@ -30,16 +32,40 @@ def launched_size() -> int:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
 
 
-def world():
-    """COMM_WORLD, or None when this process runs alone without an MPI launcher or without mpi4py."""
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+INIT_TIMEOUT_S = 300.0    # MPI start-up waits for every rank; a rank that never comes ends it
+
+
+def world(init_timeout: float | None = None):
+    """COMM_WORLD, or None when this process runs alone without an MPI launcher or without mpi4py.
+
+    Under a launcher MPI_Init waits for every rank, inside C code that holds the interpreter: if a
+    rank died before it got there, no Python timer could run and the job would wait forever. A
+    faulthandler watchdog (its own C thread) ends this process after `init_timeout` seconds,
+    printing where it waited (--timeout, at least 30 s; 300 s without one)."""
     if launched_size() <= 1:
         try:
             from mpi4py import MPI
         except ImportError:
             return None
         return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
-    from mpi4py import MPI
-    return MPI.COMM_WORLD
+    timeout = max(init_timeout, 30.0) if init_timeout else INIT_TIMEOUT_S
+    # MPICH's start-up installs its own handlers for the stop signals, and one arriving meanwhile
+    # would end the process: hold them until MPI is up, give back this process's own answers to
+    # them, then let what arrived meanwhile through
+    own = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        comm.Barrier()                    # every rank is past MPI_Init
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        for sig, handler in own.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    return comm
 
 
 def role_name(rank: int) -> str:
@@ -47,6 +73,19 @@ def role_name(rank: int) -> str:
 
 
 EXIT_TEMPFAIL = 75        # EX_TEMPFAIL: outputs saved, rerun me (the SLURM scripts requeue on it)
+
+
+def stop_rworkers(comm) -> None:
+    """Rank 0, before any HELLO: end the R-workers cleanly (they wait in the node-layout collective,
+    then for a control message)."""
+    if comm is None or comm.Get_size() == 1:
+        return
+    from rworker.host.wait import node_layout
+    from rworker.protocol import control as P
+    node_layout(comm)
+    bye = P.control(P.SHUTDOWN)
+    for r in range(1, comm.Get_size()):
+        comm.Send(bye, dest=r, tag=P.TAG_CTRL)
 
 
 def fail(comm, exc: BaseException, code: int = 1) -> None:
