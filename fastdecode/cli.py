@@ -149,26 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------- validation (no MPI, no torch)
 
 def validate_generate(args) -> None:
-    if os.path.isdir(args.input):
-        raise UsageError(f"input {args.input} is a directory, expected a JSONL file")
-    if not os.path.isfile(args.input):
-        raise UsageError(f"input file {args.input} not found")
-    if os.path.getsize(args.input) == 0:
-        raise UsageError(f"input file {args.input} is empty")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if os.path.isdir(args.output):
-        raise UsageError(f"output {args.output} is a directory, expected a file path")
-    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
-        raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
-    if os.path.exists(args.output) and not os.access(args.output, os.W_OK):
-        raise UsageError(f"output {args.output} is not writable")
-    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
-        raise UsageError(f"output {args.output} is the input file")
-    if args.index_dir is not None and not (os.path.isdir(args.index_dir) and os.access(args.index_dir, os.W_OK)):
-        raise UsageError(f"--index-dir {args.index_dir} is not a writable directory")
-    summary = args.summary_json or args.output + ".summary.json"
-    if os.path.isdir(summary) or not os.access(os.path.dirname(os.path.abspath(summary)), os.W_OK):
-        raise UsageError(f"--summary-json {summary}: not a writable file path")
+    from fastdecode.batch.paths import check_paths
+    try:
+        check_paths(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     check_model(args)
 
 
@@ -256,8 +241,10 @@ def run_s_worker(args, comm) -> int:
     stop = STOP.install()
     if stop.requested:                                  # before the (long) model load: nothing to save
         mpi_env.stop_rworkers(comm)
-        print(f"fastdecode: interrupted by {stop.name} before the model was loaded; rerun the same command "
-              f"to resume", file=sys.stderr, flush=True)
+        from fastdecode.batch.generate import count_lines
+        rows = count_lines(args.output) if os.path.isfile(args.output) and not args.overwrite else 0
+        print(f"fastdecode: interrupted by {stop.name} before the model was loaded: {args.output} holds {rows} "
+              f"rows of earlier runs; rerun the same command to resume", file=sys.stderr, flush=True)
         return mpi_env.EXIT_TEMPFAIL
     engine = LLMEngine(engine_args(args), comm)
     summary, interrupted = run_generate(engine, args, stop)

@@ -43,6 +43,7 @@ class RWorker:
         self.timeout = 3 * timeout if timeout else None
         self.policy = "adaptive"
         self.store: KVStore | None = None
+        self.known: set[int] = set()    # sequences this worker holds (prefilled, not freed)
         self.stats = np.zeros(4, dtype=np.float64)   # per step: attend_s, busy_s, kv_bytes, steps
 
     # ------------------------------------------------------------------ control
@@ -57,6 +58,9 @@ class RWorker:
         while True:
             kind, step, hdr, body = P.parse(self.recv_control())
             faults.check(self.rank, P.KIND_NAMES.get(kind, "?").lower())
+            if (kind == P.HELLO) == (self.store is not None) and kind not in (P.SHUTDOWN, P.ABORT):
+                raise P.ProtocolError(f"protocol error: {P.KIND_NAMES.get(kind, kind)} "
+                                      f"{'after' if self.store is not None else 'before'} HELLO")
             if kind == P.HELLO:
                 self.hello(hdr, body)
             elif kind == P.PREFILL:
@@ -64,8 +68,7 @@ class RWorker:
             elif kind == P.DECODE:
                 self.decode(step, hdr, body)
             elif kind == P.FREE:
-                for sid in body[: hdr[0]]:
-                    self.store.free(int(sid))
+                self.free(P.parse_free(hdr, body))
             elif kind == P.PROFILE:
                 self.profile(hdr)
             elif kind == P.PING:
@@ -127,23 +130,45 @@ class RWorker:
             raise P.ProtocolError(f"protocol error: a step over {layers} layers (the model has {self.num_layers})")
         return layers
 
+    # ------------------------------------------------------------------ what the wire may ask
+
+    def free(self, ids: np.ndarray) -> None:
+        for sid in ids.tolist():
+            if sid not in self.known:
+                raise P.ProtocolError(f"protocol error: FREE of sequence {sid}, which this worker does not hold")
+            self.known.discard(sid)
+            self.store.free(sid)
+
+    def _received(self, ticket, buf: np.ndarray, what: str) -> None:
+        """A data message must be exactly as long as its control message said."""
+        got = ticket.received[0]
+        if got != buf.nbytes:
+            raise P.ProtocolError(f"protocol error: a {what} message of {got} bytes, expected {buf.nbytes}")
+
     # ------------------------------------------------------------------ prefill: append prompt K/V
 
     def prefill(self, hdr: np.ndarray, body: np.ndarray) -> None:
         """Append the prompt K/V of each layer; the next layer's message is received meanwhile."""
         msg = P.parse_prefill(hdr, body)
         layers, rows = self._layers(msg.layers), len(msg.row_ids)
+        new = set(msg.row_ids.tolist())
+        if new & self.known:
+            raise P.ProtocolError(f"protocol error: PREFILL of sequence {min(new & self.known)}, which this worker "
+                                  f"already holds")
+        self.known |= new
         if len(msg.reserve_ids):    # pages for each sequence's whole reservation now: one run per (layer, head)
             self.store.reserve(msg.reserve_ids, msg.reserve_tokens)
         hkv, d = self.num_kv_heads, self.head_dim
         bufs = [np.empty(2 * rows * hkv * d, dtype=msg.act_dtype) for _ in range(2)]
-        tickets = [self.progress.track([self.comm.Irecv(bufs[0], source=0, tag=P.TAG_KV)], self.s_name), None]
+        tickets = [self.progress.track([self.comm.Irecv(bufs[0], source=0, tag=P.TAG_KV)], self.s_name, sizes=True),
+                   None]
         for layer in range(layers):
             cur = layer % 2
             if layer + 1 < layers:
                 tickets[1 - cur] = self.progress.track(
-                    [self.comm.Irecv(bufs[1 - cur], source=0, tag=P.TAG_KV)], self.s_name)
+                    [self.comm.Irecv(bufs[1 - cur], source=0, tag=P.TAG_KV)], self.s_name, sizes=True)
             self.progress.wait(tickets[cur], self.timeout)
+            self._received(tickets[cur], bufs[cur], "PREFILL K/V")
             k, v = split_kv(bufs[cur], rows, hkv, d)
             self.store.append(layer, msg.row_ids, k, v)
 
@@ -154,6 +179,10 @@ class RWorker:
         mini-batch's next message is already posted while this one is attended."""
         msg = P.parse_decode(hdr, body)
         layers, ids = self._layers(msg.layers), msg.ids
+        unknown = set(np.concatenate(ids).tolist()) - self.known
+        if unknown:
+            raise P.ProtocolError(f"protocol error: DECODE of sequence {min(unknown)}, which this worker does not "
+                                  f"hold (never prefilled, or freed)")
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         inbufs = [np.empty(len(x) * (hq + 2 * hkv) * d, dtype=msg.act_dtype) for x in ids]
         outbufs = [np.empty((len(x), hq, d), dtype=msg.act_dtype) for x in ids]
@@ -161,7 +190,7 @@ class RWorker:
         prog = self.progress
 
         def post_recv(m: int):
-            return prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.tag_qkv(m))], self.s_name)
+            return prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.tag_qkv(m))], self.s_name, sizes=True)
 
         recvs = {m: post_recv(m) for m in active}
         sends = {}
@@ -171,6 +200,7 @@ class RWorker:
             for m in active:
                 t = time.perf_counter()
                 prog.wait(recvs[m], self.timeout)
+                self._received(recvs[m], inbufs[m], "DECODE q/k/v")
                 idle_s += time.perf_counter() - t
                 q, k, v = split_qkv(inbufs[m], len(ids[m]), hq, hkv, d)
                 if m in sends:

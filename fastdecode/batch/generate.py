@@ -199,6 +199,7 @@ class BatchJob:
                   file=sys.stderr, flush=True)
         self.runner: BatchRunner | None = None
         self.wall = 0.0
+        self.rewrite_error: str | None = None
 
     def run(self, engine: LLMEngine, show_progress: bool = True) -> bool:
         total = self.total_lines
@@ -215,14 +216,23 @@ class BatchJob:
 
     def done_lines(self) -> int:
         """Input lines answered in the output now: this run's rows, the earlier rows it matched,
-        and the earlier done rows of lines it did not reach (an interrupted run)."""
+        and the earlier done rows of lines it did not reach (an interrupted run). A stop during
+        the resume scan leaves earlier rows unread: they are counted as rows of the file."""
+        if not self.index.complete:
+            return count_lines(self.writer.path)
         return sum(self.index.codes(pending_prior=True).values())
 
     def finish(self, sort: bool) -> int:
         """After the engine is closed: the final rewrite of a complete run; rows dropped."""
         if self.runner is None or self.runner.interrupted:
             return 0
-        dropped = finalize_output(self.writer, self.index, sort)
+        try:
+            dropped = finalize_output(self.writer, self.index, sort)
+        except OSError as e:              # a full disk: the output is as it was, every row in it
+            self.rewrite_error = f"{type(e).__name__}: {e}"
+            print(f"fastdecode: {self.output_path}: the final rewrite failed ({e}); the file holds every row "
+                  f"in completion order; rerun the same command to rewrite it", file=sys.stderr, flush=True)
+            return 0
         if dropped:
             print(f"fastdecode: {self.output_path}: dropped {dropped} line(s) that answer no input line "
                   f"({self.index.superseded + self.index.retried} superseded by a retry, "
@@ -265,4 +275,4 @@ def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool
         dropped = job.finish(sort=args.sort_output)
         summary = run_summary(job.runner, job.wall)
         report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
-    return summary, interrupted
+    return summary, interrupted or job.rewrite_error is not None

@@ -4,7 +4,9 @@ A line is written in one piece and flushed, so what is finished is on disk even 
 A crash can still cut the last line short (a kill between two write calls of a long line, a node
 lost before the page cache reached the disk): opening the file for appending first cuts it back
 to its last newline, so every run starts from whole lines. The final rewrite (input order, or
-dropping superseded lines) goes to a temporary file that replaces the output atomically.
+dropping superseded lines) goes to a temporary file beside the real file (a symlinked output
+stays a link to it) that replaces the output atomically. A temporary file an earlier rewrite left
+(a crash, a full disk) is removed when the output is opened: the output itself is whole.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+
+from rworker.host import faults
 
 FSYNC_EVERY_S = 10.0      # bound what a lost node can take with it; a kill loses nothing flushed
 
@@ -47,9 +51,18 @@ def scan_lines(path: str) -> Iterator[tuple[int, bytes]]:
             off += len(data)
 
 
+def rewrite_tmp(path: str) -> str:
+    return f"{path}.rewrite.tmp"
+
+
 class OutputWriter:
     def __init__(self, path: str, overwrite: bool = False):
-        self.path = path
+        self.path = path = os.path.realpath(path)          # write where a symlink points
+        left = rewrite_tmp(path)
+        if os.path.exists(left):
+            os.remove(left)
+            print(f"fastdecode: {path}: removed {os.path.basename(left)}, left by an unfinished rewrite (the "
+                  f"output itself is whole)", file=sys.stderr, flush=True)
         if overwrite or not os.path.exists(path):
             open(path, "wb").close()
             self.repaired = 0
@@ -86,15 +99,23 @@ class OutputWriter:
 
 
 def rewrite(path: str, ranges: Iterable[tuple[int, int]]) -> int:
-    """Replace `path` by the byte ranges (offset, length) of it, in the order given; atomic."""
-    tmp = f"{path}.rewrite.tmp"
+    """Replace `path` by the byte ranges (offset, length) of it, in the order given; atomic: on an
+    error (a full disk) the temporary file is removed and `path` is as it was."""
+    path = os.path.realpath(path)
+    tmp = rewrite_tmp(path)
     n = 0
-    with open(path, "rb") as src, open(tmp, "wb") as dst:
-        for off, length in ranges:
-            src.seek(off)
-            dst.write(src.read(length))
-            n += 1
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for off, length in ranges:
+                src.seek(off)
+                dst.write(src.read(length))
+                n += 1
+            dst.flush()
+            os.fsync(dst.fileno())
+        faults.check(0, "rewrite")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return n

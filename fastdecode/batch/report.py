@@ -81,7 +81,7 @@ def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: 
     index, runner = job.index, job.runner
     interrupted = runner.interrupted
     codes = index.codes(pending_prior=interrupted)
-    answered = sum(codes.values())
+    answered = sum(codes.values()) if index.complete else job.done_lines()
     this_run = dict(this_run, skipped_done=index.skipped, retried=index.retried,
                     errors_by_code=dict(runner.errors), token_latency=token_latency(engine.token_gaps.values()))
     latency = this_run["token_latency"]
@@ -93,12 +93,12 @@ def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: 
         token_latency={k: latency[k] for k in ("p50_s", "p90_s", "p99_s")} if latency else None,
         requests={"served_this_run": this_run["requests"], "errors_this_run": this_run["errors"],
                   "skipped_done_by_earlier_runs": index.skipped, "retried": index.retried},
-        exit_code=75 if interrupted else 0,
+        exit_code=75 if interrupted or job.rewrite_error else 0,
         lines={"input": job.total_lines, "answered": answered, "remaining": max(job.total_lines - answered, 0),
                "ok": codes.get("ok", 0), "errors": answered - codes.get("ok", 0)},
         errors_by_code={k: v for k, v in sorted(codes.items()) if k != "ok"},
-        output_file={"sorted": bool(sort and not interrupted), "rows_dropped": dropped,
-                     "partial_line_repaired_bytes": job.writer.repaired},
+        output_file={"sorted": bool(sort and not interrupted and not job.rewrite_error), "rows_dropped": dropped,
+                     "partial_line_repaired_bytes": job.writer.repaired, "rewrite_error": job.rewrite_error},
         this_run=this_run,
         rworkers=rworker_load(engine.backend.workers, engine.recorder))
     report["history"] = (report.pop("history") + [{

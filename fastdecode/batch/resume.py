@@ -21,11 +21,12 @@ rank 0's memory does not grow with the input (10 M lines): see bench/e2e/input_m
 """
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import tempfile
 from collections.abc import Iterator
+
+import pydantic_core
 
 from fastdecode.batch.output import scan_lines
 
@@ -38,9 +39,10 @@ CACHE_KIB = 32 << 10      # SQLite page cache: the index's whole memory footprin
 
 
 def classify_row(text: bytes) -> tuple[str, int, str | None, bool] | None:
-    """(custom_id key, kind, error code or None, done) of an output row; None if not a row."""
+    """(custom_id key, kind, error code or None, done) of an output row; None if not a row (a line
+    someone else wrote there, however deep or large, is junk: never an error)."""
     try:
-        obj = json.loads(text)
+        obj = pydantic_core.from_json(text)
     except ValueError:
         return None
     if not isinstance(obj, dict) or "custom_id" not in obj or "response" not in obj:

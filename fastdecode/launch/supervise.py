@@ -9,9 +9,10 @@ ends the job.
 
 Signals that arrive before the child has installed its own handlers are held (the child starts
 with them blocked) and delivered then, so a stop during start-up is a stop, not a kill.
-If the supervisor itself dies, the kernel ends the child too (PR_SET_PDEATHSIG: SIGTERM for rank
-0, which then saves and stops; SIGKILL for an R-worker, which rank 0 then names as silent), so
-no orphaned rank can hold the job open.
+If the supervisor itself dies (SIGKILL: it forwards every other stop signal), the child ends too,
+saying so (the kernel sends it SIGUSR2, PR_SET_PDEATHSIG; a thread that sees its parent change
+ends it where the handler cannot run), so no orphaned rank holds the job open. Rows written so
+far stay.
 """
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 ENV_FLAG = "FASTDECODE_SUPERVISED"        # set in the child: the supervisor's pid
 PR_SET_PDEATHSIG = 1
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+ORPHAN_SIGNAL = signal.SIGUSR2            # what the child gets when its supervisor dies
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CLEAN_EXITS = (0, 2, 75)      # done, usage error, interrupted with work saved
 
 
@@ -49,7 +53,7 @@ def run_supervised(argv: list[str]) -> int:
                                  process_group=0)
     finally:
         for sig in FORWARDED:       # R-workers ignore stop signals (rank 0 shuts them down)
-            signal.signal(sig, signal.SIG_IGN if rank > 0 and sig != signal.SIGUSR2 else
+            signal.signal(sig, signal.SIG_IGN if rank > 0 else
                           (lambda signum, _frame: child.send_signal(signum)))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     if rank == 0 and STOP.requested:      # received before the child existed (cli.main took it)
@@ -70,10 +74,23 @@ def child_started(rank: int) -> None:
     supervisor = int(os.environ.get(ENV_FLAG) or 0)
     if not supervisor:
         return
+    from fastdecode.launch.mpi_env import role_name
+    text = (f"fastdecode: rank {rank} ({role_name(rank)} pid {os.getpid()} on {socket.gethostname()}): its "
+            f"supervisor (pid {supervisor}) died; ending this rank\n").encode()
+
+    def orphaned(*_) -> None:
+        os.write(2, text)
+        os._exit(1)
+
+    signal.signal(ORPHAN_SIGNAL, orphaned)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM if rank == 0 else signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != supervisor:       # it died before the death signal was armed
-        print(f"fastdecode: rank {rank}: its supervisor (pid {supervisor}) is gone; ending", file=sys.stderr,
-              flush=True)
-        os._exit(1)
+        libc.prctl(PR_SET_PDEATHSIG, int(ORPHAN_SIGNAL), 0, 0, 0)
+    threading.Thread(target=_watch_parent, args=(supervisor, orphaned), name="supervisor-watch", daemon=True).start()
+
+
+def _watch_parent(supervisor: int, orphaned) -> None:
+    while os.getppid() == supervisor:
+        time.sleep(1.0)
+    time.sleep(1.0)                      # the signal's handler speaks first where it can run
+    orphaned()

@@ -38,6 +38,7 @@ class _MiniBatch:
         self.out_free = [None, None]        # CUDA event: the device copy of that buffer is done
         self.send_ticket = None
         self.recv_ticket = None
+        self.recv_expect: list[int] = []        # bytes each R-worker's answer must have
         self.ids: np.ndarray | None = None
         self.bounds: np.ndarray | None = None
 
@@ -198,12 +199,13 @@ class MPIBackend(RBackend):
         self.stager.wait(slot.out_free[layer % 2])    # its device copy from two layers ago is done
         out_rows = out.array[: n * self.hq * self.d].reshape(n, self.hq * self.d)
         row_in = (self.hq + 2 * self.hkv) * self.d
-        recvs, names = [], []
+        recvs, names, expect = [], [], []
         for w, r in enumerate(self.ranks):
             s, e = int(b[w]), int(b[w + 1])
             if s < e:
                 recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.tag_out(mb)))
                 names.append(self._names[w])
+                expect.append(out_rows[s:e].nbytes)
                 self.bytes_received += out_rows[s:e].nbytes
 
         def post_sends():
@@ -215,7 +217,8 @@ class MPIBackend(RBackend):
             return sends
 
         self.bytes_sent += n * row_in * slot.send.array.itemsize
-        slot.recv_ticket = self.progress.track(recvs, names)
+        slot.recv_ticket = self.progress.track(recvs, names, sizes=True)
+        slot.recv_expect = expect
         if ready is None:                             # host buffer already filled (CPU S-worker)
             slot.send_ticket = self.progress.track(post_sends(), names)
         else:                                         # GPU: send once the device copy has landed
@@ -224,6 +227,10 @@ class MPIBackend(RBackend):
     def decode_wait(self, layer, mb):
         slot = self._slots[mb]
         self._wait(slot.recv_ticket)
+        for got, want, name in zip(slot.recv_ticket.received, slot.recv_expect, slot.recv_ticket.names):
+            if got != want:
+                raise P.ProtocolError(f"protocol error: {name} answered with {got} bytes of attention output, "
+                                      f"expected {want}")
         n = int(slot.bounds[-1])
         parity = layer % 2
         host = slot.out[parity].tensor[: n * self.hq * self.d].view(n, self.hq, self.d)

@@ -1,11 +1,13 @@
 """Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>[:<how>]".
 
-Points: hello, prefill, decode (R-workers), step (the S-worker's engine step).
+Points: hello, prefill, decode (R-workers), step (the S-worker's engine step), rewrite (rank 0's
+final rewrite of the output, before it replaces the file).
 How: raise (default) an exception; exit: die at once without MPI's help (a crash);
-hang: stop answering (a stuck node).
+hang: stop answering (a stuck node); enospc: an OSError "No space left on device".
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -27,4 +29,6 @@ def check(rank: int, point: str) -> None:
     if how == "hang":
         while True:
             time.sleep(3600)
+    if how == "enospc":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (FASTDECODE_INJECT_FAULT={spec})")
     raise InjectedFault(f"injected fault at {point} (FASTDECODE_INJECT_FAULT={spec})")

@@ -25,12 +25,20 @@ WAITED_SLEEP_S = 5e-5       # the main thread waits: answer fast
 
 
 class Ticket:
-    __slots__ = ("event", "requests", "names")
+    __slots__ = ("event", "requests", "names", "received")
 
-    def __init__(self, requests: list[MPI.Request], names: list[str]):
+    def __init__(self, requests: list[MPI.Request], names: list[str], sizes: bool = False):
         self.event = threading.Event()
         self.requests = requests
         self.names = names                  # who answers each request (for timeout messages)
+        # receives: bytes each one got (filled as they complete), so a short message is seen
+        self.received: list[int] | None = [-1] * len(requests) if sizes else None
+
+    def note(self, indices, statuses: list[MPI.Status]) -> None:
+        """Record the sizes of the requests completed at `indices` (statuses in the same order)."""
+        if self.received is not None:
+            for k, i in enumerate(indices):
+                self.received[i] = statuses[k].Get_count(MPI.BYTE)
 
     def silent(self) -> str:
         """The peers whose requests are still open."""
@@ -38,6 +46,15 @@ class Ticket:
             return "the local device copy"
         open_ = [n for r, n in zip(self.requests, self.names) if r != MPI.REQUEST_NULL]
         return ", ".join(dict.fromkeys(open_)) or ", ".join(dict.fromkeys(self.names))
+
+
+def _describe(err: MPI.Exception, ticket: Ticket, statuses: list[MPI.Status] | None) -> str:
+    """An MPI error of a request, with the peer it came from (a message longer than its buffer:
+    "Message truncated")."""
+    for st, name in zip(statuses or [], ticket.names):
+        if st.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING):
+            return f"a message from {name}: {MPI.Get_error_string(st.Get_error()).splitlines()[0]}"
+    return f"{ticket.silent()}: {str(err).splitlines()[0]}"
 
 
 class Progressor:
@@ -59,11 +76,12 @@ class Progressor:
 
     # ------------------------------------------------------------------ main-thread side
 
-    def track(self, requests: list[MPI.Request], who: str | list[str] = "peer") -> Ticket:
-        """Hand requests to the thread; `who` names the peer of each (or of all) for errors."""
+    def track(self, requests: list[MPI.Request], who: str | list[str] = "peer", sizes: bool = False) -> Ticket:
+        """Hand requests to the thread; `who` names the peer of each (or of all) for errors;
+        `sizes`: record how many bytes each receive got (Ticket.received)."""
         names = who if isinstance(who, list) else [who] * len(requests)
         pairs = [(r, n) for r, n in zip(requests, names) if r is not None]
-        ticket = Ticket([r for r, _ in pairs], [n for _, n in pairs])
+        ticket = Ticket([r for r, _ in pairs], [n for _, n in pairs], sizes)
         if not ticket.requests:
             ticket.event.set()
             return ticket
@@ -93,7 +111,9 @@ class Progressor:
             return
         if not self.threaded:
             from rworker.host.wait import wait_all
-            wait_all(ticket.requests, "adaptive", timeout, ticket.silent())
+            statuses = [MPI.Status() for _ in ticket.requests]
+            wait_all(ticket.requests, "adaptive", timeout, ticket.silent(), statuses)
+            ticket.note(range(len(statuses)), statuses)
             ticket.event.set()
             return
         start = time.perf_counter()
@@ -141,7 +161,13 @@ class Progressor:
                     continue
                 progressed = False
                 for t in tickets:
-                    MPI.Request.Testsome(t.requests)           # completed ones become REQUEST_NULL
+                    statuses = [MPI.Status() for _ in t.requests] if t.received is not None else None
+                    try:
+                        done = MPI.Request.Testsome(t.requests, statuses)   # completed ones become REQUEST_NULL
+                    except MPI.Exception as e:
+                        raise RuntimeError(_describe(e, t, statuses)) from None
+                    if done and statuses is not None:
+                        t.note(done, statuses)
                     if all(r == MPI.REQUEST_NULL for r in t.requests):
                         with self._lock:
                             self._pending.remove(t)

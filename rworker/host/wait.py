@@ -44,16 +44,17 @@ def node_layout(comm: MPI.Comm) -> tuple[int, bool, int]:
 
 
 def wait_all(requests: list[MPI.Request], policy: str = "adaptive", timeout: float | None = None,
-             who: str = "peer") -> None:
-    """Complete all requests; raise PeerTimeout naming `who` after `timeout` seconds."""
+             who: str = "peer", statuses: list[MPI.Status] | None = None) -> None:
+    """Complete all requests (their statuses into `statuses`); raise PeerTimeout naming `who` after
+    `timeout` seconds."""
     if not requests:
         return
-    if MPI.Request.Testall(requests):
+    if MPI.Request.Testall(requests, statuses):
         return
     start = time.perf_counter()
     spin_until = start + SPIN_S[policy]
     delay = 10e-6
-    while not MPI.Request.Testall(requests):
+    while not MPI.Request.Testall(requests, statuses):
         now = time.perf_counter()
         if timeout is not None and now - start > timeout:
             raise PeerTimeout(f"no reply from {who} within {timeout:.0f} s")

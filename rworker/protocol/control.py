@@ -26,6 +26,7 @@ from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
 
 MAGIC = 0x46444543          # "FDEC"
 VERSION = 2                 # bump on any change to a message's layout or meaning
+MAX_SEQ_ID = (1 << 53) - 1  # sequence ids are 0..MAX_SEQ_ID (the engine's stay far below)
 
 # ---------------------------------------------------------------- tags
 
@@ -61,6 +62,14 @@ HEADER_WORDS = 9
 
 class ProtocolError(ValueError):
     """A message this rank cannot read: another version, or a malformed header or body."""
+
+
+def check_ids(ids: np.ndarray, what: str) -> np.ndarray:
+    """Sequence ids of a message, each in 0..MAX_SEQ_ID."""
+    if ids.size and (ids.min() < 0 or ids.max() > MAX_SEQ_ID):
+        bad = ids[(ids < 0) | (ids > MAX_SEQ_ID)][0]
+        raise ProtocolError(f"protocol error: {what} names sequence id {int(bad)}, outside 0..{MAX_SEQ_ID}")
+    return ids
 
 
 def control(kind: int, step: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0, e: int = 0,
@@ -146,8 +155,12 @@ def parse_prefill(hdr: np.ndarray, body: np.ndarray) -> Prefill:
     if rows < 0 or nres < 0 or body.size != rows + 2 * nres or act not in ACT_DTYPES:
         raise ProtocolError(f"protocol error: PREFILL announces {rows} rows and {nres} reservations "
                             f"(activation code {act}), its body has {body.size} words")
-    return Prefill(body[:rows].copy(), ACT_DTYPES[act], layers, body[rows:rows + nres],
-                   body[rows + nres:rows + 2 * nres])
+    row_ids = check_ids(body[:rows].copy(), "PREFILL")
+    reserve_ids, tokens = check_ids(body[rows:rows + nres], "PREFILL's reservations"), body[rows + nres:rows + 2 * nres]
+    if nres and ((tokens < 0).any() or not np.isin(reserve_ids, row_ids).all()):
+        raise ProtocolError("protocol error: PREFILL reserves a negative token count or for a sequence it does not "
+                            "prefill")
+    return Prefill(row_ids, ACT_DTYPES[act], layers, reserve_ids, tokens)
 
 # ---------------------------------------------------------------- DECODE
 # a=mini-batches b=act dtype code c=layers in this step (0: all; `fastdecode profile` times the
@@ -177,8 +190,11 @@ def parse_decode(hdr: np.ndarray, body: np.ndarray) -> Decode:
     ends = np.cumsum(counts) + n_mb
     if (counts < 0).any() or body.size != ends[-1]:
         raise ProtocolError(f"protocol error: DECODE counts {counts.tolist()} do not match its {body.size} body words")
-    starts = ends - counts
-    return Decode([body[s:e].copy() for s, e in zip(starts, ends)], ACT_DTYPES[act], layers)
+    ids = check_ids(body[n_mb:].copy(), "DECODE")
+    if np.unique(ids).size != ids.size:
+        raise ProtocolError("protocol error: DECODE names a sequence twice in one step")
+    starts = ends - counts - n_mb
+    return Decode([ids[s:e] for s, e in zip(starts, ends - n_mb)], ACT_DTYPES[act], layers)
 
 # ---------------------------------------------------------------- the rest
 #   FREE:     a=n; body: seq_ids[n]
@@ -189,6 +205,12 @@ def parse_decode(hdr: np.ndarray, body: np.ndarray) -> Decode:
 
 def free_message(step: int, seq_ids: list[int]) -> np.ndarray:
     return control(FREE, step, len(seq_ids), body=[seq_ids])
+
+
+def parse_free(hdr: np.ndarray, body: np.ndarray) -> np.ndarray:
+    if int(hdr[0]) != body.size:
+        raise ProtocolError(f"protocol error: FREE announces {int(hdr[0])} ids, its body has {body.size} words")
+    return check_ids(body, "FREE")
 
 
 def decode_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:
