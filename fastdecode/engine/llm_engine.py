@@ -146,19 +146,23 @@ class LLMEngine:
         can never be served (request_checks.py, or more KV than any R-worker holds). Callers that
         queue several requests as one (a batch line's prompts) check them all first."""
         checked = self.checks.check(prompt_ids, params)
-        probe = Sequence(0, Request(0, "", None, prompt_ids, params, 0), 0, checked.max_tokens)
+        self._check_capacity(prompt_ids, params, checked.max_tokens)
+        return checked
+
+    def _check_capacity(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        probe = Sequence(0, Request(0, "", None, prompt_ids, params, 0), 0, max_tokens)
         if not self.placement.fits_anywhere_alone(probe):     # every sample has this bound
             raise RequestError(f"the request needs {probe.total_len_bound} KV tokens, more than any R-worker "
                                f"can hold", code="kv_capacity_exceeded")
-        return checked
 
     def add_request(self, index: int, request_id: str, prompt: str | None, prompt_ids: list[int],
                     params: SamplingParams, meta: dict | None = None) -> Request:
         """Queue a request; raise RequestError if it can never be served (check_request)."""
-        checked = self.check_request(prompt_ids, params)
+        checked = self.checks.check(prompt_ids, params)
         n_prompt, max_tokens = len(prompt_ids), checked.max_tokens
-        if params.max_tokens is None and self.placement.policy == "full":
+        if params.max_tokens is None and self.placement.policy == "full":     # said even if it cannot fit
             self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
+        self._check_capacity(prompt_ids, params, max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
                       bad_words_ids=checked.bad_words_ids, pinned_bytes=checked.pinned_bytes)
