@@ -108,8 +108,8 @@ def test_local_job_serves_the_named_model_and_404s_the_rest(tmp_path, smollm_sou
 def test_a_404_row_is_retried_by_a_rerun():
     """A wrong model name depends on the command line (-m, --served-model-name), not the line alone:
     a rerun serves the line again rather than keeping the 404 (resume.py's retryable errors)."""
-    from fastdecode.batch.resume import PRIMARY, classify_row
     from fastdecode.batch.responses import error_line
+    from fastdecode.batch.resume import PRIMARY, classify_row
     row = error_line("x", "model_not_found", "The model `gpt-4` does not exist", status=404)
     assert classify_row(json.dumps(row).encode()) == ("x", PRIMARY, "model_not_found", False)
 

@@ -89,8 +89,8 @@ def test_ids_outside_the_vocabulary_are_named_and_nothing_is_queued(llm):
 
 # ---------------------------------------------------------------------------- batch lines
 
-def prompts_of(body: dict, limits: Limits = Limits()):
-    line = parse_line(1, batch_line("p", body), limits)
+def prompts_of(body: dict, limits: Limits | None = None):
+    line = parse_line(1, batch_line("p", body), limits or Limits())
     return line.prompts if line.error is None else (line.error.code, str(line.error))
 
 
@@ -99,8 +99,8 @@ def test_batch_prompt_shapes_and_their_errors():
     assert prompts_of({"prompt": [[1, 2], [3]]}) == [[1, 2], [3]]
     assert prompts_of({"prompt": [A]}) == [A]
     assert prompts_of({"prompt": [1, 2, 3]}) == [[1, 2, 3]]
-    assert prompts_of({"prompt": []}) == ("invalid_request", "body.prompt must be a non-empty list (of token "
-                                                             "ids, strings or token-id lists)")
+    assert prompts_of({"prompt": []}) == ("invalid_request", ("body.prompt must be a non-empty list (of token "
+                                                              "ids, strings or token-id lists)"))
     assert prompts_of({"prompt": [[1, 2], []]}) == ("invalid_request",
                                                     "body.prompt[1] must be a non-empty list of token ids")
     assert prompts_of({"prompt": [A, ""]}) == ("invalid_request", "body.prompt[1] must be a non-empty string")

@@ -56,7 +56,7 @@ def derived_names(source: ModelSource) -> set[str]:
     path = os.path.normpath(os.path.abspath(source.path))
     base = os.path.basename(path)
     if source.kind == "gguf":
-        names |= {base, base[: -len(".gguf")] if base.endswith(".gguf") else base}
+        names |= {base, base.removesuffix(".gguf")}
         return names
     parent = os.path.dirname(path)
     names |= {base, f"{os.path.basename(parent)}/{base}"}
