@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-i", "--input", required=True, help="OpenAI batch JSONL file of requests")
     g.add_argument("-o", "--output", required=True, help="JSONL file of results (one line per input line)")
     add_engine_options(g)
+    g.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="names the requests' body.model may give the model (vLLM's flag; several, or the flag "
+                        "repeated); the first is the model named in every response. Requests may always name "
+                        "-m as given, or no model; any other name gets a 404 model_not_found row")
     g.add_argument("--sort-output", dest="sort_output", action=argparse.BooleanOptionalAction, default=True,
                    help="when the input is done, rewrite the output in input order, lines of earlier runs "
                         "included (default); --no-sort-output keeps completion order")
@@ -154,6 +158,9 @@ def validate_generate(args) -> None:
         check_paths(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    bad = [n for n in args.served_model_name or () if not n.strip()]
+    if bad:
+        raise UsageError(f"--served-model-name: a name must be non-empty, got {bad[0]!r}")
     check_model(args)
 
 
@@ -226,7 +233,8 @@ def engine_args(args):
                       admit_every=args.admit_every, max_gen=args.max_gen,
                       learn_lengths=args.stabilize_lengths == "learnt", pipeline_depth=args.pipeline_depth,
                       cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows,
-                      **{k: getattr(args, k) for k in ("max_logprobs", "max_request_mem") if hasattr(args, k)})
+                      **{k: getattr(args, k) for k in ("max_logprobs", "max_request_mem", "served_model_name")
+                         if hasattr(args, k)})
 
 
 def run_s_worker(args, comm) -> int:

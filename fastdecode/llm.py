@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 from fastdecode.batch.progress import Progress
 from fastdecode.engine.args import EngineArgs
 from fastdecode.engine.llm_engine import LLMEngine
+from fastdecode.engine.prompt_inputs import params_per_prompt, parse_prompts
 from fastdecode.engine.request_checks import RequestError
 from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
 from fastdecode.launch import mpi_env
@@ -41,34 +42,38 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists. Outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        encoded = [(p, self.engine.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
-                   for p in prompts]
-        return self._run(encoded, sampling_params, use_tqdm)
+        """prompts, as vLLM takes them: a string, {"prompt": str} (TextPrompt), {"prompt_token_ids":
+        [int, ...]} (TokensPrompt) or a list of token ids; one, or a list of them mixed.
+        sampling_params: one for all prompts, or one per prompt. Outputs in input order."""
+        encoded = []
+        for i, (text, ids) in enumerate(parse_prompts(prompts)):
+            if ids is None:
+                try:
+                    ids = self.engine.tokenizer.encode(text)
+                except ValueError as e:          # a model without a tokenizer takes token ids only
+                    raise ValueError(f"prompts[{i}]: {e}") from None
+            encoded.append((text, ids))
+        return self._run(encoded, sampling_params, use_tqdm, "prompts")
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         encoded = [(None, self.engine.tokenizer.encode_chat(c)) for c in convs]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, "messages")
 
-    def _run(self, encoded, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, encoded, sampling_params, use_tqdm: bool, what: str) -> list[RequestOutput]:
         n = len(encoded)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        params = params_per_prompt(sampling_params, n)
         eng = self.engine
+        for i, ((_, ids), p) in enumerate(zip(encoded, params)):   # all checked before any is queued
+            try:
+                eng.check_request(ids, p)
+            except RequestError as e:
+                raise ValueError(f"{what}[{i}]: {e}") from None
         base, self._requests_seen = self._requests_seen, self._requests_seen + n   # unique request ids
         for i, ((text, ids), p) in enumerate(zip(encoded, params)):
-            try:
-                eng.add_request(i, str(base + i), text, ids, p)
-            except RequestError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            eng.add_request(i, str(base + i), text, ids, p)
         results: list[RequestOutput | None] = [None] * n
         with Progress(n, enabled=use_tqdm) as progress:
             while eng.has_unfinished():

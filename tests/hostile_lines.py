@@ -28,7 +28,9 @@ def good_body(draw) -> tuple[dict, str]:
         if body["messages"][0]["role"] == "system":
             body["messages"].append({"role": "user", "content": draw(WORDS)})
     else:
-        body["prompt"] = draw(st.one_of(WORDS, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)))
+        ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)
+        body["prompt"] = draw(st.one_of(WORDS, ids, st.lists(WORDS, min_size=1, max_size=2),   # batched prompts
+                                        st.lists(ids, min_size=1, max_size=2)))
     optional = {
         "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 100),
         "seed": st.integers(-2**63, 2**63 - 1), "n": st.integers(1, 2), "stop": st.lists(WORDS, max_size=3),
@@ -60,6 +62,8 @@ BAD_FIELDS = {
     "min_tokens": st.sampled_from([-1, 100]),
     "best_of": st.just(3),
     "tools": st.just([{"type": "function"}]),
+    "prompt": st.sampled_from([[], [[]], ["x", []], [""], ["x", [1]], [[1], [VOCAB]], [[-1]], [["x"]]]),
+    "model": st.sampled_from([5, ["smollm2-135m"], {"name": "x"}]),
 }
 RAW_BAD_NUMBERS = [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"9" * 5000]
 

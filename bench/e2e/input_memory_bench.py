@@ -69,6 +69,7 @@ class StubEngine:
         # prompts are token ids and nothing is echoed: only the first prompt token's text is asked for
         self.tokenizer = SimpleNamespace(token_text=lambda token_id: "")
         self.source = SimpleNamespace(name="stub")
+        self.served = SimpleNamespace(reported="stub", names=("stub",), mismatch=lambda model: None)  # serves any name
         self.backend = SimpleNamespace(workers=[WorkerInfo(rank=0, host="stub", threads=1, isa="none",
                                                            capacity_bytes=0)])
         self.recorder = StepRecorder(1)

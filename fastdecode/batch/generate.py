@@ -16,9 +16,10 @@ from contextlib import ExitStack
 from fastdecode.batch import report
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
+from fastdecode.batch.line_requests import PendingLine, check_prompts, encode_prompts, request_id
 from fastdecode.batch.output import OutputWriter, rewrite
 from fastdecode.batch.progress import Progress
-from fastdecode.batch.responses import error_line, success_line
+from fastdecode.batch.responses import Answer, error_line, success_line
 from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
 from fastdecode.engine.llm_engine import LLMEngine
@@ -39,10 +40,11 @@ class BatchRunner:
         self.writer, self.index, self.stop = writer, index, stop
         self.lookahead = lookahead or max(2 * engine.args.max_batch, 64)
         self.inflight_mem = limits.max_inflight_mem
-        self.lines = read_lines(input_path, limits)
+        self.lines = read_lines(input_path, limits, engine.served)
         self.exhausted = False
         self.interrupted = False
-        self.pending: dict[int, BatchLine] = {}    # request index -> its line
+        self.pending: dict[int, tuple[PendingLine, int]] = {}    # request index -> its line, which prompt
+        self._next_index = 0
         self.num_requests = 0                      # served this run
         self.errors: Counter[str] = Counter()      # error rows this run, by code
 
@@ -57,8 +59,8 @@ class BatchRunner:
         off, length = self.writer.write(obj)
         self.index.record(line_no, off, length, code)
 
-    def _error(self, line: BatchLine, code: str, message: str) -> None:
-        self._write(line.line_no, error_line(line.custom_id, code, message), code)
+    def _error(self, line: BatchLine, code: str, message: str, status: int = 400) -> None:
+        self._write(line.line_no, error_line(line.custom_id, code, message, status), code)
         self.errors[code] += 1
 
     def _submit(self, line: BatchLine) -> None:
@@ -71,25 +73,25 @@ class BatchRunner:
                         f"line {line.line_no}: custom_id {line.custom_id!r} was used on line {first}{also}")
             return
         if line.error is not None:
-            self._error(line, line.error.code, str(line.error))
+            self._error(line, line.error.code, str(line.error), line.error.status)
             return
-        tok = self.engine.tokenizer
         try:
-            if line.is_chat:
-                prompt, ids = None, tok.encode_chat(line.messages)
-            elif isinstance(line.prompt, list):
-                prompt, ids = None, line.prompt
-            else:
-                prompt, ids = line.prompt, tok.encode(line.prompt)
+            prompts = encode_prompts(self.engine.tokenizer, line)
         except Exception as e:  # a chat template may raise on odd role orders, etc.
             self._error(line, "invalid_prompt", f"cannot tokenize: {type(e).__name__}: {e}")
             return
         try:
-            req = self.engine.add_request(line.line_no, line.custom_id, prompt, ids, line.params)
+            if len(prompts) > 1:            # all of a line or none: checked before any is queued
+                check_prompts(self.engine, prompts, line.params)
+            reqs = [self.engine.add_request(self._next_index + k, request_id(line, k, len(prompts)), text, ids,
+                                            line.params) for k, (text, ids) in enumerate(prompts)]
         except RequestError as e:
             self._error(line, e.code, str(e))
             return
-        self.pending[req.index] = line
+        self._next_index += len(reqs)
+        pending = PendingLine(line, [None] * len(reqs))
+        for k, req in enumerate(reqs):
+            self.pending[req.index] = (pending, k)
 
     def _refill(self) -> None:
         sched = self.engine.scheduler
@@ -101,13 +103,25 @@ class BatchRunner:
             else:
                 self._submit(line)
 
-    def _success(self, line: BatchLine, req) -> dict:
-        eng, tok = self.engine, self.engine.tokenizer
+    def _answer(self, line: BatchLine, req) -> Answer:
+        """One finished request (one prompt of a line) as its part of the line's row."""
+        tok = self.engine.tokenizer
         echo = None
         if line.echo:
             echo = req.prompt if req.prompt is not None else tok.decode(req.prompt_ids, False)
-        return success_line(line.custom_id, line.is_chat, eng.source.name, eng.output_of(req), len(req.prompt_ids),
-                            req.params.logprobs or 0, echo, line.echo_only, tok.token_text(req.prompt_ids[0]))
+        return Answer(self.engine.output_of(req), len(req.prompt_ids), echo, tok.token_text(req.prompt_ids[0]))
+
+    def _finished(self, req) -> None:
+        """A request is done: its line's row is written once all of the line's prompts are."""
+        pending, k = self.pending.pop(req.index)
+        pending.answers[k] = self._answer(pending.line, req)
+        if any(a is None for a in pending.answers):
+            return
+        line = pending.line
+        row = success_line(line.custom_id, line.is_chat, self.engine.served.reported, pending.answers,
+                           line.params.logprobs or 0, line.echo_only)
+        self._write(line.line_no, row, None)
+        self.num_requests += 1
 
     def done_lines(self) -> int:
         return self.index.skipped + self.num_requests + self.num_errors
@@ -135,9 +149,7 @@ class BatchRunner:
             if not eng.has_unfinished():
                 continue
             for req in eng.step():
-                line = self.pending.pop(req.index)
-                self._write(line.line_no, self._success(line, req), None)
-                self.num_requests += 1
+                self._finished(req)
             self.writer.sync()
             tick()
         return self.interrupted
@@ -165,13 +177,19 @@ def print_summary(summary: dict) -> None:
     if summary.get("errors"):
         print(f"fastdecode: {summary['errors']} request line(s) could not be served (see their error field)",
               file=sys.stderr, flush=True)
+    if summary.get("model_not_found"):
+        print(f"fastdecode: {summary['model_not_found']} of them named a model this job does not serve (it serves "
+              f"{', '.join(summary['served_model_names'])}; --served-model-name adds names, and a rerun retries "
+              f"those lines)", file=sys.stderr, flush=True)
 
 
 def run_summary(runner: BatchRunner, wall: float) -> dict:
     """This run's numbers (the --stats-json summary, and `this_run` in the report)."""
     eng = runner.engine
     out = eng.recorder.summary(wall, eng.num_output_tokens, eng.num_prompt_tokens, eng.token_gaps.values())
-    out.update(requests=runner.num_requests, errors=runner.num_errors,
+    out.update(model=eng.served.reported, served_model_names=list(eng.served.names),
+               model_not_found=runner.errors.get("model_not_found", 0),
+               requests=runner.num_requests, errors=runner.num_errors,
                requests_per_s=round(runner.num_requests / wall, 4) if wall else None,
                preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens)
     return out
@@ -266,6 +284,7 @@ def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
                                            index_dir=args.index_dir, stop=stop, limits=limits_from(args)))
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
+        print(f"fastdecode: {engine.served.describe()}", file=sys.stderr, flush=True)
         try:
             interrupted = job.run(engine, show_progress=not args.quiet)
         except BaseException as e:

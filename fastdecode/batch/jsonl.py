@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from fastdecode.batch.schema import Body, Envelope, Limits, check_limits, describe
 from fastdecode.engine.sampling_params import SamplingParams
+from fastdecode.model.names import ServedModel
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -37,9 +38,9 @@ _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"([^"\\\x00-\x1f]{1,256})"')
 
 
 class LineError(ValueError):
-    def __init__(self, message: str, code: str = "invalid_request"):
+    def __init__(self, message: str, code: str = "invalid_request", status: int = 400):
         super().__init__(message)
-        self.code = code
+        self.code, self.status = code, status
 
 
 @dataclass(slots=True)
@@ -47,7 +48,7 @@ class BatchLine:
     line_no: int                     # 1-based line number in the input file
     custom_id: str | None
     url: str | None = None
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] | None = None   # completions: one or more prompts (text or token ids)
     messages: list[dict] | None = None
     params: SamplingParams | None = None
     echo: bool = False               # completions: the prompt goes before the completion (and its logprobs)
@@ -61,14 +62,15 @@ class BatchLine:
 
 # ---------------------------------------------------------------------------- reading
 
-def read_lines(path: str, limits: Limits = Limits()) -> Iterator[BatchLine]:
-    """Stream the input file: one BatchLine per line that is not blank (their numbers still count)."""
+def read_lines(path: str, limits: Limits = Limits(), served: ServedModel | None = None) -> Iterator[BatchLine]:
+    """Stream the input file: one BatchLine per line that is not blank (their numbers still count).
+    served: the job's model names, which a line's body.model must match (None: any)."""
     for line_no, raw in raw_lines(path, limits.max_line_bytes):
         if raw is None:
             yield BatchLine(line_no, None, error=LineError(
                 f"line {line_no}: longer than --max-line-bytes {limits.max_line_bytes}", code="request_too_large"))
         elif raw.strip():
-            yield parse_line(line_no, raw, limits)
+            yield parse_line(line_no, raw, limits, served)
 
 
 def raw_lines(path: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
@@ -91,8 +93,9 @@ def raw_lines(path: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
 
 # ---------------------------------------------------------------------------- parsing
 
-def parse_line(line_no: int, raw: bytes | str, limits: Limits = Limits()) -> BatchLine:
-    """One input line -> BatchLine; problems are recorded in .error, never raised."""
+def parse_line(line_no: int, raw: bytes | str, limits: Limits = Limits(), served: ServedModel | None = None) -> BatchLine:
+    """One input line -> BatchLine; problems are recorded in .error, never raised. A body.model
+    that `served` does not answer to is a 404 model_not_found, after the schema, as in vLLM."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     custom_id = None
     try:
@@ -113,6 +116,9 @@ def parse_line(line_no: int, raw: bytes | str, limits: Limits = Limits()) -> Bat
         env = _validated(Envelope, obj, "line")
         _reject_unsupported(env.body, env.url)
         body = _validated(Body, env.body, "body")
+        unknown = served.mismatch(body.model) if served is not None else None
+        if unknown:
+            raise LineError(unknown, code="model_not_found", status=404)
         too_much = check_limits(body, limits)
         if too_much:
             raise LineError(too_much, code="request_too_large")
@@ -159,7 +165,7 @@ def _request(line_no: int, custom_id: str, url: str, body: Body) -> BatchLine:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = _chat_logprobs(body)
     else:
-        line.prompt = _prompt(body.prompt)
+        line.prompts = _prompts(body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens     # the completions API's default
         line.echo = bool(body.echo)
         if line.echo and max_tokens == 0:          # scoring a text: vLLM's echo without generation
@@ -182,14 +188,24 @@ def _request(line_no: int, custom_id: str, url: str, body: Body) -> BatchLine:
     return line
 
 
-def _prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return prompt                          # token ids
-    raise LineError("body.prompt must be a non-empty string or a list of token ids")
+def _prompts(prompt) -> list[str | list[int]]:
+    """body.prompt -> its prompts: a string or a list of token ids is one prompt; a list of strings or
+    of token-id lists is several (OpenAI's batched prompts). The schema has checked the types."""
+    if prompt is None:
+        raise LineError("body.prompt is required: a string, a list of token ids, or a list of either")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise LineError("body.prompt must be a non-empty string")
+        return [prompt]
+    if not prompt:
+        raise LineError("body.prompt must be a non-empty list (of token ids, strings or token-id lists)")
+    if isinstance(prompt[0], int):
+        return [prompt]                        # one prompt, as token ids
+    for i, p in enumerate(prompt):
+        if not p:
+            raise LineError(f"body.prompt[{i}] must be a non-empty "
+                            + ("string" if isinstance(p, str) else "list of token ids"))
+    return list(prompt)
 
 
 def _completion_logprobs(body: Body) -> int | None:

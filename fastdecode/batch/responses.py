@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 LOGPROB_FLOOR = -9999.0    # what -inf is written as (JSON has no infinity); vLLM does the same
 
@@ -51,14 +52,21 @@ def vllm_prompt_logprobs(positions: list[dict | None]) -> list[dict | None]:
              for t, lp in pos.items()} for pos in positions]
 
 
-def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: int, top_logprobs: int = 0,
-                 echo: str | None = None, echo_only: bool = False, first_text: str = "") -> dict:
-    """output: a RequestOutput; top_logprobs: alternatives per token its request asked for; echo: the
-    prompt's text to put before each completion (completions' `echo`), echo_only: and nothing after it
-    (max_tokens 0); first_text: the prompt's first token's text (for echoed logprobs)."""
-    line_id, request_id = _ids()
-    choices = []
-    completion_tokens = 0
+@dataclass(slots=True)
+class Answer:
+    """One prompt's part of a row: its RequestOutput, its prompt's token count, the prompt's text
+    to put before each completion (completions' `echo`) and its first token's text (for echoed
+    logprobs)."""
+    output: object
+    prompt_tokens: int
+    echo: str | None = None
+    first_text: str = ""
+
+
+def _choices(answer: Answer, first_index: int, chat: bool, top_logprobs: int, echo_only: bool) -> tuple[list, int]:
+    """The choices of one prompt, numbered from first_index; and its completion tokens."""
+    output, echo = answer.output, answer.echo
+    choices, completion_tokens = [], 0
     prompt_lps = output.prompt_logprobs
     for c in output.outputs:
         token_ids, positions, text = c.token_ids, c.logprobs, c.text
@@ -72,8 +80,8 @@ def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: 
         logprobs = None
         if positions is not None:
             logprobs = (chat_logprobs(token_ids, positions, top_logprobs) if chat
-                        else completion_logprobs(token_ids, positions, first_text))
-        choice = {"index": c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                        else completion_logprobs(token_ids, positions, answer.first_text))
+        choice = {"index": first_index + c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
         if echo_only:
             choice["finish_reason"], choice["stop_reason"] = "length", None
@@ -84,20 +92,38 @@ def success_line(custom_id: str, chat: bool, model: str, output, prompt_tokens: 
             if prompt_lps is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps)
         choices.append(choice)
+    return choices, completion_tokens
+
+
+def success_line(custom_id: str, chat: bool, model: str, answers: list[Answer], top_logprobs: int = 0,
+                 echo_only: bool = False) -> dict:
+    """answers: one per prompt (completions take a list of prompts: prompt i's n choices are numbered
+    i*n .. i*n+n-1, as OpenAI's endpoint does, and usage sums over the prompts); top_logprobs:
+    alternatives per token the request asked for; echo_only: the echoed prompt alone (max_tokens 0)."""
+    line_id, request_id = _ids()
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for answer in answers:
+        some, generated = _choices(answer, len(choices), chat, top_logprobs, echo_only)
+        choices += some
+        prompt_tokens += answer.prompt_tokens
+        completion_tokens += generated
     body = {"id": ("chatcmpl-" if chat else "cmpl-") + request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
-    if chat and prompt_lps is not None:
-        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps)
+    if chat and answers[0].output.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(answers[0].output.prompt_logprobs)
     return {"id": line_id, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}     # OpenAI's and vLLM's names
+
+
 def error_line(custom_id: str | None, code: str, message: str, status: int = 400) -> dict:
     line_id, request_id = _ids()
+    error = {"message": message, "type": ERROR_TYPES.get(status, "BadRequestError"), "code": code}
     return {"id": line_id, "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": request_id,
-                         "body": {"error": {"message": message, "type": "BadRequestError", "code": code}}},
+            "response": {"status_code": status, "request_id": request_id, "body": {"error": error}},
             "error": {"code": code, "message": message}}

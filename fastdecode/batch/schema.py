@@ -26,7 +26,7 @@ class Limits:
     (EngineArgs.max_request_mem) and checks max_logprobs again for the Python API."""
     max_n: int = 128                    # samples per prompt (OpenAI's own cap)
     max_logprobs: int = 20              # logprobs, top_logprobs, prompt_logprobs (vLLM's --max-logprobs)
-    max_list_items: int = 1024          # entries of stop, stop_token_ids, bad_words, logit_bias
+    max_list_items: int = 1024          # entries of stop, stop_token_ids, bad_words, logit_bias; prompts of a line
     max_line_bytes: int = 16 << 20      # one input line
     max_inflight_mem: int = 4 << 30     # rank-0 memory all unfinished requests may pin: reading pauses above it
 
@@ -51,7 +51,8 @@ class Body(BaseModel):
     """Both endpoints' body fields; which apply to which endpoint is checked by jsonl.py."""
     model_config = ConfigDict(strict=True, extra="allow")
     model: StrictStr | None = None
-    prompt: Union[StrictStr, list[TokenId], list[StrictStr], None] = None
+    # one prompt (text, or token ids) or several (OpenAI's batched prompts: strings or token-id lists)
+    prompt: Union[StrictStr, list[TokenId], list[StrictStr], list[list[TokenId]], None] = None
     messages: list[Message] | None = None
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
@@ -103,6 +104,9 @@ def check_limits(body: Body, limits: Limits) -> str | None:
         if isinstance(val, (list, dict)) and len(val) > limits.max_list_items:
             return (f"body.{name} must have at most {limits.max_list_items} entries (--max-list-items), "
                     f"got {len(val)}")
+    prompt = body.prompt         # a list of prompts; one prompt's token ids are bounded by the context
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > limits.max_list_items:
+        return f"body.prompt must have at most {limits.max_list_items} prompts (--max-list-items), got {len(prompt)}"
     return None
 
 
@@ -111,7 +115,7 @@ _KIND = {"int_type": "an integer", "float_type": "a number", "bool_type": "bool"
          "literal_error": "one of {expected}", "greater_than_equal": "a number >= {ge}",
          "greater_than": "a number > {gt}", "string_too_short": "non-empty", "too_short": "non-empty",
          "missing": "present", "model_type": "an object", "model_attributes_type": "an object"}
-_UNIONS = {"prompt": "a non-empty string or a list of token ids", "stop": "a string or a list of strings",
+_UNIONS = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists", "stop": "a string or a list of strings",
            "content": "a string or a list of text parts", "logprobs": "an integer (completions) or bool (chat)"}
 _UNION_BRANCHES = {"str", "int", "float", "bool", "none"}
 
@@ -151,7 +155,8 @@ def add_limit_options(parser) -> None:
     g.add_argument("--max-logprobs", type=positive_int, default=d.max_logprobs,
                    help=f"logprobs / top_logprobs / prompt_logprobs alternatives (default {d.max_logprobs})")
     g.add_argument("--max-list-items", type=positive_int, default=d.max_list_items,
-                   help=f"entries of stop, stop_token_ids, bad_words, logit_bias (default {d.max_list_items})")
+                   help=f"entries of stop, stop_token_ids, bad_words, logit_bias, and prompts in one line's "
+                        f"prompt list (default {d.max_list_items})")
     g.add_argument("--max-line-bytes", type=bytes_arg, default=d.max_line_bytes,
                    help="bytes of one input line (default 16M)")
     g.add_argument("--max-request-mem", type=bytes_arg, default=1 << 30,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
-from fastdecode.engine.request_checks import RequestChecks, RequestError
+from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
 from fastdecode.engine.runner import ModelRunner
 from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
@@ -17,6 +17,7 @@ from fastdecode.engine.stats import Reservoir, StepRecorder
 from fastdecode.model.config import ModelConfig
 from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.llama import LlamaSPart
+from fastdecode.model.names import ServedModel, served_model
 from fastdecode.model.source import ModelSource, read_config, resolve_model
 from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
 from fastdecode.model.weights import load_weights, source_digest
@@ -33,6 +34,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, comm=None):
         self.args = args
         self.source: ModelSource = resolve_model(args.model)
+        self.served: ServedModel = served_model(self.source, args.served_model_name)
         self.config: ModelConfig = read_config(self.source)
         self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
         self.device = resolve_device(args.device)
@@ -63,8 +65,8 @@ class LLMEngine:
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
-        self.num_recomputed_tokens = 0
-        self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)     # KV recomputed for preempted sequences (--kv-reserve grow)
+        self.num_recomputed_tokens = 0     # KV recomputed for preempted sequences (--kv-reserve grow)
+        self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)
         self._noted_reservation = False
 
     def _make_graphs(self) -> LayerGraphs | None:
@@ -139,23 +141,34 @@ class LLMEngine:
         digest = hashlib.sha256(f"{self.args.seed}:{request_id}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> Checked:
+        """What add_request checks, without queuing anything: raise RequestError if the request
+        can never be served (request_checks.py, or more KV than any R-worker holds). Callers that
+        queue several requests as one (a batch line's prompts) check them all first."""
+        checked = self.checks.check(prompt_ids, params)
+        self._check_capacity(prompt_ids, params, checked.max_tokens)
+        return checked
+
+    def _check_capacity(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        probe = Sequence(0, Request(0, "", None, prompt_ids, params, 0), 0, max_tokens)
+        if not self.placement.fits_anywhere_alone(probe):     # every sample has this bound
+            raise RequestError(f"the request needs {probe.total_len_bound} KV tokens, more than any R-worker "
+                               f"can hold", code="kv_capacity_exceeded")
+
     def add_request(self, index: int, request_id: str, prompt: str | None, prompt_ids: list[int],
                     params: SamplingParams, meta: dict | None = None) -> Request:
-        """Queue a request; raise RequestError if it can never be served (request_checks.py)."""
+        """Queue a request; raise RequestError if it can never be served (check_request)."""
         checked = self.checks.check(prompt_ids, params)
         n_prompt, max_tokens = len(prompt_ids), checked.max_tokens
-        if params.max_tokens is None and self.placement.policy == "full":
+        if params.max_tokens is None and self.placement.policy == "full":     # said even if it cannot fit
             self._note_whole_context_reservation(request_id, n_prompt + max_tokens)
+        self._check_capacity(prompt_ids, params, max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
                       bad_words_ids=checked.bad_words_ids, pinned_bytes=checked.pinned_bytes)
         for i in range(params.n):
-            seq = Sequence(self._next_seq_id, req, i, max_tokens)
-            if not self.placement.fits_anywhere_alone(seq):
-                raise RequestError(f"the request needs {seq.total_len_bound} KV tokens, more than any R-worker "
-                                   f"can hold", code="kv_capacity_exceeded")
+            req.sequences.append(Sequence(self._next_seq_id, req, i, max_tokens))
             self._next_seq_id += 1
-            req.sequences.append(seq)
         for seq in req.sequences:
             self.scheduler.add(seq)
         self.pinned_bytes += req.pinned_bytes

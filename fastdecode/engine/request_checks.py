@@ -70,8 +70,10 @@ class RequestChecks:
         return Checked(max_tokens, bad_words_ids, self._check_size(n_prompt, max_tokens, params))
 
     def _check_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if any(not 0 <= t < self.vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.vocab})")
+        outside = [t for t in prompt_ids if not 0 <= t < self.vocab]
+        if outside:
+            shown = ", ".join(map(str, list(dict.fromkeys(outside))[:5])) + (", ..." if len(set(outside)) > 5 else "")
+            raise RequestError(f"prompt token ids {shown} are not in the model's vocabulary [0, {self.vocab})")
         if params.logit_bias and max(params.logit_bias) >= self.vocab:
             raise RequestError(f"logit_bias token id {max(params.logit_bias)} is not in the model's vocabulary "
                                f"[0, {self.vocab})")
