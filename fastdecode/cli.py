@@ -31,6 +31,16 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
 def _pipeline_depth(text: str) -> int:
     from rworker.protocol.control import MAX_MINIBATCHES
     v = positive_int(text)
@@ -48,6 +58,7 @@ def bytes_arg(text: str) -> int:
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine options every command that builds an engine uses (generate, profile)."""
     p.add_argument("-m", "--model", default="smollm2-135m",
                    help="HF model directory, .gguf file, or embedded name (default: smollm2-135m)")
     p.add_argument("--device", default="auto", help="S-worker device: auto | cpu | cuda[:N] (default: auto)")
@@ -60,19 +71,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products where its "
                         "start-up tune finds that faster (as FlashAttention rounds P; outputs within a bf16 bound, "
                         "not bit-equal; default fp32)")
-    p.add_argument("--max-batch", type=positive_int, default=None,
-                   help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="prompt tokens prefilled per step (default 8192; on CUDA up to 32768 as memory allows)")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="longest prompt + generation served (default: the model's context). Each sequence "
-                        "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
-                        "for the whole context: a shorter limit lets more sequences run at once")
-    p.add_argument("--kv-reserve", default="full", choices=["full", "grow"],
-                   help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
-                        "never preempted; default) or grow (page by page as it grows; when a worker is full the "
-                        "youngest sequences there are preempted and later recomputed, as vLLM does)")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--s-threads", type=positive_int, default=None, help="torch threads on a CPU S-worker")
     p.add_argument("--r-threads", type=positive_int, default=None,
                    help="kernel threads per R-worker (default: the physical cores it may use)")
@@ -88,6 +88,21 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(fewer launches at small batches; captured on first use per row bucket)")
     p.add_argument("--cuda-graph-max-rows", type=positive_int, default=2048,
                    help="largest mini-batch run from CUDA graphs; larger ones run eagerly (default 2048)")
+
+
+def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine options only a serving run uses (batching, memory per sequence, admission, seeds)."""
+    p.add_argument("--max-batch", type=positive_int, default=None,
+                   help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest prompt + generation served (default: the model's context). Each sequence "
+                        "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
+                        "for the whole context: a shorter limit lets more sequences run at once")
+    p.add_argument("--kv-reserve", default="full", choices=["full", "grow"],
+                   help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
+                        "never preempted; default) or grow (page by page as it grows; when a worker is full the "
+                        "youngest sequences there are preempted and later recomputed, as vLLM does)")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--schedule", default="fifo", choices=["fifo", "stabilized"],
                    help="admission: fifo (fill up to --max-batch) or stabilized (micro-batches that keep "
                         "the R-workers' KV load steady; FastDecode's load-stabilizing schedule)")
@@ -111,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-i", "--input", required=True, help="OpenAI batch JSONL file of requests")
     g.add_argument("-o", "--output", required=True, help="JSONL file of results (one line per input line)")
     add_engine_options(g)
+    add_generate_engine_options(g)
     g.add_argument("--sort-output", dest="sort_output", action=argparse.BooleanOptionalAction, default=True,
                    help="when the input is done, rewrite the output in input order, lines of earlier runs "
                         "included (default); --no-sort-output keeps completion order")
@@ -125,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $TMPDIR or /tmp; node-local disk is best)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
     g.add_argument("--quiet", action="store_true", help="no progress output")
+    g.add_argument("--progress-interval", type=positive_float, default=None, metavar="SECONDS",
+                   help="seconds between progress lines when stderr is not a terminal (default "
+                        "$FASTDECODE_PROGRESS_INTERVAL, else 10); on a terminal a bar")
     from fastdecode.batch.schema import add_limit_options
     add_limit_options(g)
     pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
@@ -150,8 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_generate(args) -> None:
     from fastdecode.batch.paths import check_paths
+    from fastdecode.batch.progress import interval_from
     try:
         check_paths(args)
+        interval_from(args.progress_interval)
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_model(args)
@@ -162,7 +183,7 @@ def check_model(args) -> None:
     from fastdecode.model.config import ConfigError
     from fastdecode.model.source import read_config, resolve_model
     try:
-        read_config(resolve_model(args.model)).resolve_max_model_len(args.max_model_len)
+        read_config(resolve_model(args.model)).resolve_max_model_len(getattr(args, "max_model_len", None))
     except ConfigError as e:
         raise UsageError(str(e)) from None
 
@@ -216,17 +237,15 @@ def cmd_generate(args) -> int:
 
 
 def engine_args(args):
+    """EngineArgs from a command's options; what a command does not offer keeps EngineArgs' default
+    (profile has no admission or seed options)."""
+    import dataclasses
+
     from fastdecode.engine.args import EngineArgs
-    return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                      attn_probs=args.attn_probs,
-                      max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
-                      max_model_len=args.max_model_len, kv_reserve=args.kv_reserve, seed=args.seed,
-                      s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
-                      timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
-                      admit_every=args.admit_every, max_gen=args.max_gen,
-                      learn_lengths=args.stabilize_lengths == "learnt", pipeline_depth=args.pipeline_depth,
-                      cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows,
-                      **{k: getattr(args, k) for k in ("max_logprobs", "max_request_mem") if hasattr(args, k)})
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
+    if hasattr(args, "stabilize_lengths"):
+        given["learn_lengths"] = args.stabilize_lengths == "learnt"
+    return EngineArgs(**given)
 
 
 def run_s_worker(args, comm) -> int:

@@ -17,7 +17,7 @@ from fastdecode.batch import report
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
 from fastdecode.batch.output import OutputWriter, rewrite
-from fastdecode.batch.progress import Progress
+from fastdecode.batch.progress import Progress, Snapshot, engine_snapshot
 from fastdecode.batch.responses import error_line, success_line
 from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
@@ -42,6 +42,8 @@ class BatchRunner:
         self.lines = read_lines(input_path, limits)
         self.exhausted = False
         self.interrupted = False
+        self.lines_read = 0                        # input lines read this run (done earlier ones included)
+        self.total_lines: int | None = None        # the input's lines, when the job has counted them
         self.pending: dict[int, BatchLine] = {}    # request index -> its line
         self.num_requests = 0                      # served this run
         self.errors: Counter[str] = Counter()      # error rows this run, by code
@@ -99,6 +101,7 @@ class BatchRunner:
             if line is None:
                 self.exhausted = True
             else:
+                self.lines_read += 1
                 self._submit(line)
 
     def _success(self, line: BatchLine, req) -> dict:
@@ -112,17 +115,24 @@ class BatchRunner:
     def done_lines(self) -> int:
         return self.index.skipped + self.num_requests + self.num_errors
 
+    def snapshot(self) -> Snapshot:
+        """Progress of this run. Lines not read yet are expected to need as many tokens as the
+        lines read so far that earlier runs had not answered, on average; the earlier runs'
+        rows not met yet are taken to answer as many of the unread lines."""
+        index, total = self.index, self.total_lines
+        new_lines = self.lines_read - index.skipped
+        more = 0.0
+        if total is not None and not self.exhausted:
+            answered_before = max(index.prior_rows - index.junk - index.skipped, 0)
+            unread = max(total - self.lines_read - answered_before, 0)
+            if unread:
+                more = self.engine.expected_output_tokens() / new_lines * unread if new_lines else None
+        return engine_snapshot(self.engine, self.done_lines(), total, more)
+
     def run(self, progress: Progress) -> bool:
         """Serve until the input is done or a stop is requested; True if stopped early."""
         eng = self.engine
-        reported = 0
-
-        def tick():
-            nonlocal reported
-            now = self.done_lines()
-            progress.update(now - reported, eng.num_output_tokens)
-            reported = now
-
+        tick = progress.update
         while True:
             if not self._stopping():
                 self._refill()
@@ -201,12 +211,14 @@ class BatchJob:
         self.wall = 0.0
         self.rewrite_error: str | None = None
 
-    def run(self, engine: LLMEngine, show_progress: bool = True) -> bool:
+    def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None) -> bool:
         total = self.total_lines
         self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop, limits=self.limits)
+        self.runner.total_lines = total
         start = time.perf_counter()
-        with Progress(total, enabled=show_progress) as progress:
+        with Progress(self.runner.snapshot, enabled=show_progress, interval=progress_interval) as progress:
             interrupted = self.runner.run(progress)
+            progress.finish("interrupted" if interrupted else "done")
         self.wall = time.perf_counter() - start
         self.writer.close()
         if interrupted:
@@ -267,7 +279,8 @@ def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool
                                            index_dir=args.index_dir, stop=stop, limits=limits_from(args)))
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
         try:
-            interrupted = job.run(engine, show_progress=not args.quiet)
+            interrupted = job.run(engine, show_progress=not args.quiet,
+                                  progress_interval=getattr(args, "progress_interval", None))
         except BaseException as e:
             report.failed(path, rep, e)
             raise

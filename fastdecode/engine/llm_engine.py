@@ -63,8 +63,9 @@ class LLMEngine:
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
-        self.num_recomputed_tokens = 0
-        self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)     # KV recomputed for preempted sequences (--kv-reserve grow)
+        self.bound_output_tokens = 0       # finished sequences' tokens + unfinished ones' max_tokens
+        self.num_recomputed_tokens = 0     # KV recomputed for preempted sequences (--kv-reserve grow)
+        self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)
         self._noted_reservation = False
 
     def _make_graphs(self) -> LayerGraphs | None:
@@ -158,6 +159,7 @@ class LLMEngine:
             req.sequences.append(seq)
         for seq in req.sequences:
             self.scheduler.add(seq)
+            self.bound_output_tokens += seq.max_tokens
         self.pinned_bytes += req.pinned_bytes
         return req
 
@@ -173,6 +175,18 @@ class LLMEngine:
               f"than --max-batch {self.args.max_batch}. Set max_tokens in the requests, pass a shorter "
               f"--max-model-len, or --kv-reserve grow (reserve as sequences grow, preempt when full) to run "
               f"more at once.", file=sys.stderr, flush=True)
+
+    def expected_output_tokens(self) -> float:
+        """Output tokens the requests added so far will have generated when all are done: the
+        finished sequences' own, the unfinished ones' max_tokens, or, where the schedule learns
+        generation lengths (sched/length_model.py) and has learnt them, their expected length."""
+        lengths = getattr(self.scheduler.admission, "lengths", None)
+        if lengths is None or not lengths.ready:
+            return float(self.bound_output_tokens)
+        seqs = [s for s in self.scheduler.running if s.status is Status.RUNNING] + list(self.scheduler.waiting)
+        generated = np.array([len(s.output_ids) for s in seqs], dtype=np.int64)     # [n]
+        bound = np.array([s.max_tokens for s in seqs], dtype=np.int64)              # [n]
+        return float(self.bound_output_tokens - (bound - lengths.expected_length(generated, bound)).sum())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -220,6 +234,7 @@ class LLMEngine:
             self.num_output_tokens += 1
             if self._check_stop(seq, tok):
                 self.scheduler.finish(seq)
+                self.bound_output_tokens -= seq.max_tokens - len(seq.output_ids)
                 self.token_gaps.add(np.diff(seq.token_times))
                 if seq.request.finished:
                     finished.append(seq.request)
