@@ -1,4 +1,4 @@
-"""The `fastdecode` command: generate | profile | plan | info.
+"""The `fastdecode` command: generate | profile | plan | report | info.
 
 Every rank of `mpirun -n 1+R fastdecode generate ...` runs this: rank 0 becomes the S-worker,
 ranks 1..R R-workers (which never import torch). Usage and config errors are found on rank 0
@@ -119,7 +119,7 @@ def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastdecode", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,report,info}")
     sub.required = True
     g = sub.add_parser("generate", help="batch generation: OpenAI batch JSONL in, JSONL out",
                        description="Batch generation. Under mpirun -n 1+R: rank 0 S-worker, 1..R R-workers.")
@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated prompt lengths for the prefill cost (default 16,128,512,1024,2048)")
     from fastdecode.sizing.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
+    from fastdecode.batch.report_cmd import add_parser as add_report_parser
+    add_report_parser(sub)
     sub.add_parser("info", help="versions, ISA path, MPI, devices")
     return parser
 
@@ -251,7 +253,7 @@ def engine_args(args):
 def run_s_worker(args, comm) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
-    from fastdecode.batch.generate import print_summary, run_generate
+    from fastdecode.batch.generate import print_report, run_generate
     from fastdecode.batch.interrupt import STOP
     from fastdecode.engine.llm_engine import LLMEngine
 
@@ -266,10 +268,10 @@ def run_s_worker(args, comm) -> int:
               f"rows of earlier runs; rerun the same command to resume", file=sys.stderr, flush=True)
         return mpi_env.EXIT_TEMPFAIL
     engine = LLMEngine(engine_args(args), comm)
-    summary, interrupted = run_generate(engine, args, stop)
+    summary, rep, interrupted = run_generate(engine, args, stop)
     if args.stats_json:
         engine.recorder.write(args.stats_json, summary)
-    print_summary(summary)
+    print_report(summary, rep)
     return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
 
 
@@ -309,6 +311,11 @@ def cmd_plan(args) -> int:
     return run(args)
 
 
+def cmd_report(args) -> int:
+    from fastdecode.batch.report_cmd import run
+    return run(args)
+
+
 def cmd_info(args) -> int:
     from fastdecode.launch.info import collect, render
     print(render(collect()))
@@ -330,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and args.command == "profile":
         from fastdecode.batch.interrupt import STOP
         STOP.release()                        # profile saves nothing: a stop signal ends it
-    handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "info": cmd_info}
+    handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "report": cmd_report,
+                "info": cmd_info}
     return handlers[args.command](args)
 
 

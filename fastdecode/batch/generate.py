@@ -18,6 +18,7 @@ from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
 from fastdecode.batch.output import OutputWriter, rewrite
 from fastdecode.batch.progress import Progress, Snapshot, engine_snapshot
+from fastdecode.batch.report_text import text_lines
 from fastdecode.batch.responses import error_line, success_line
 from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
@@ -163,18 +164,12 @@ def finalize_output(writer: OutputWriter, index: ResumeIndex, sort: bool) -> int
     return dropped
 
 
-def throughput_line(summary: dict) -> str:
-    wall = summary["wall_s"] or 1e-9
-    return (f"Throughput: {summary['requests'] / wall:.2f} requests/s, "
-            f"{(summary['output_tokens'] + summary['prompt_tokens']) / wall:.2f} total tokens/s, "
-            f"{summary['output_tokens'] / wall:.2f} output tokens/s")
-
-
-def print_summary(summary: dict) -> None:
-    print(throughput_line(summary), flush=True)
-    if summary.get("errors"):
-        print(f"fastdecode: {summary['errors']} request line(s) could not be served (see their error field)",
-              file=sys.stderr, flush=True)
+def print_report(summary: dict, rep: dict | None) -> None:
+    """The run in a few lines on stderr (report_text.py), then the Throughput line on stdout, last."""
+    *lines, throughput = text_lines(summary, rep)
+    for line in lines:
+        print(f"fastdecode: {line}", file=sys.stderr, flush=True)
+    print(throughput, flush=True)
 
 
 def run_summary(runner: BatchRunner, wall: float) -> dict:
@@ -262,9 +257,10 @@ class BatchJob:
         self.close()
 
 
-def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool]:
-    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, interrupted).
-    The engine is closed on every path, and before the final rewrite (which may take a while)."""
+def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, dict, bool]:
+    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, the run report,
+    interrupted). The engine is closed on every path, and before the final rewrite (which may take
+    a while)."""
     path = args.summary_json or report.default_path(args.output)
     closed = []
 
@@ -277,7 +273,8 @@ def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool
         stack.callback(close_engine)
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
                                            index_dir=args.index_dir, stop=stop, limits=limits_from(args)))
-        rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
+        rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output,
+                             stats_json=args.stats_json)
         try:
             interrupted = job.run(engine, show_progress=not args.quiet,
                                   progress_interval=getattr(args, "progress_interval", None))
@@ -287,5 +284,5 @@ def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool
         close_engine()
         dropped = job.finish(sort=args.sort_output)
         summary = run_summary(job.runner, job.wall)
-        report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
-    return summary, interrupted or job.rewrite_error is not None
+        rep = report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
+    return summary, rep, interrupted or job.rewrite_error is not None

@@ -198,6 +198,7 @@ class LLMEngine:
         self.step_no += 1
         faults.check(0, "step")
         t0 = time.perf_counter()
+        tokens_before = self.num_output_tokens
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)
         if new:
@@ -215,7 +216,8 @@ class LLMEngine:
             self._postprocess(seqs, tokens, finished)
         self.free_kv(self.scheduler.drop_finished())
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
-                             t_prefill, time.perf_counter() - t0, decode=bool(running))
+                             t_prefill, time.perf_counter() - t0, decode=bool(running),
+                             tokens=self.num_output_tokens - tokens_before)
         return finished
 
     def free_kv(self, seqs: list[Sequence]) -> None:
