@@ -146,19 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "$FASTDECODE_PROGRESS_INTERVAL, else 10); on a terminal a bar")
     from fastdecode.batch.schema import add_limit_options
     add_limit_options(g)
-    pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
-                        description="Measure what `fastdecode plan` needs. Under mpirun every R-worker is measured.")
-    pr.add_argument("-o", "--output", default="profile.json", help="profile JSON to write (default profile.json)")
-    add_engine_options(pr)
-    pr.add_argument("--batches", type=lambda t: [positive_int(x) for x in t.split(",")], default=None,
-                    help="comma-separated batch grid for T_S(B) (default: 1..512 on CPU, 1..16384 on CUDA)")
-    pr.add_argument("--r-seqs", type=positive_int, default=64, help="sequences per R-worker timing call")
-    pr.add_argument("--r-bytes", type=bytes_arg, default=0,
-                    help="KV bytes of the long R-worker timing (default: 3x the largest CPU cache, >= 256M, "
-                         "so it streams from memory)")
-    pr.add_argument("--repeats", type=positive_int, default=3, help="timed repetitions (median)")
-    pr.add_argument("--prompt-lens", type=lambda t: [positive_int(x) for x in t.split(",")], default=None,
-                    help="comma-separated prompt lengths for the prefill cost (default 16,128,512,1024,2048)")
+    from fastdecode.sizing.profile_cli import add_parser as add_profile_parser
+    add_profile_parser(sub, add_engine_options)
     from fastdecode.sizing.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     from fastdecode.batch.report_cmd import add_parser as add_report_parser
@@ -282,28 +271,9 @@ def validate_model(args) -> None:
         raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
 
 
-def run_profile_s_worker(args, comm) -> int:
-    import json as _json
-
-    from fastdecode.engine.llm_engine import LLMEngine
-    from fastdecode.sizing.profile import run_profile
-
-    engine = LLMEngine(engine_args(args), comm)
-    try:
-        prof = run_profile(engine, args.batches, r_seqs=args.r_seqs, r_target_bytes=args.r_bytes,
-                           repeats=args.repeats, prompt_lens=args.prompt_lens, log=lambda m: print(m, file=sys.stderr, flush=True))
-    finally:
-        engine.close()
-    tmp = args.output + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(_json.dumps(prof.to_dict(), indent=1))
-    os.replace(tmp, args.output)
-    print(f"profile written to {args.output}; next: fastdecode plan --profile {args.output} --context S --batch B")
-    return EXIT_OK
-
-
 def cmd_profile(args) -> int:
-    return run_job(args, validate_model, run_profile_s_worker)
+    from fastdecode.sizing.profile_cli import run_s_worker
+    return run_job(args, validate_model, run_s_worker)
 
 
 def cmd_plan(args) -> int:
