@@ -163,7 +163,8 @@ def validate_generate(args) -> None:
     from fastdecode.batch.progress import interval_from
     try:
         check_paths(args)
-        interval_from(args.progress_interval)
+        if not args.quiet:
+            interval_from(args.progress_interval)
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_model(args)

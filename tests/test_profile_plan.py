@@ -106,7 +106,7 @@ def key_paths(obj, prefix: str = "") -> set[str]:
 
 
 ESTIMATE = re.compile(r"^profile: about (\d+) s to run \(S-part \d+ s, prefill \d+ s, R-workers \d+ s, link \d+ s; "
-                      r"from a [\d.]+ s calibration\)", re.M)
+                      r"from a [\d.]+ s calibration\)", re.MULTILINE)
 
 
 def test_quick_profile_has_the_full_schema_and_says_its_time_first(local_profile, tmp_path):
@@ -125,7 +125,7 @@ def test_quick_profile_has_the_full_schema_and_says_its_time_first(local_profile
         first = ESTIMATE.search(run.stderr)
         assert first, run.stderr[-2000:]
         assert first.start() < run.stderr.index("S-part  B=")
-        assert re.search(r"^profile: took \d+ s \(estimated \d+ s\)", run.stderr, re.M), run.stderr[-2000:]
+        assert re.search(r"^profile: took \d+ s \(estimated \d+ s\)", run.stderr, re.MULTILINE), run.stderr[-2000:]
     assert "--quick takes a smaller grid" in full_run.stderr and "--quick takes" not in proc.stderr
 
 

@@ -54,7 +54,7 @@ def check_text(text: str, want: dict, bound: str) -> None:
 
 
 def test_end_of_run_lines_and_text_report(run):
-    tmp, out, stats_path, proc = run
+    _, out, stats_path, proc = run
     want, stats = expected_from_output(out), json.loads(stats_path.read_text())
     assert stats["steps_stride"] == 1
     check_text(proc.stderr, want, expected_bound(stats))

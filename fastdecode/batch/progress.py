@@ -79,7 +79,7 @@ def engine_snapshot(engine, requests_done: int, requests_total: int | None, more
 def clock(seconds: float | None) -> str:
     if seconds is None:
         return "?"
-    s = int(round(seconds))
+    s = round(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
@@ -102,7 +102,7 @@ class Progress:
                  bar: bool | None = None):
         self.snapshot = snapshot
         self.enabled = enabled
-        self.interval = interval_from(interval)
+        self.interval = interval_from(interval) if enabled else DEFAULT_INTERVAL_S
         self.stream = stream if stream is not None else sys.stderr
         self.start = self.last = time.perf_counter()
         self.shown = 0.0                                   # percent shown so far: it never goes back
@@ -150,7 +150,7 @@ class Progress:
         self.last = now
         snap, rate, percent, eta = self._measure(now, done=False)
         if self.bar is not None:
-            self._draw(snap, rate)
+            self._draw(snap)
         else:
             self._log(progress_line(percent, snap, rate, now - self.start, eta))
 
@@ -161,19 +161,19 @@ class Progress:
         now = time.perf_counter()
         snap, rate, percent, eta = self._measure(now, done=state == "done")
         if self.bar is not None:
-            self._draw(snap, rate)
+            self._draw(snap)
             self.bar.close()
             self.bar = None
         else:
             self._log(progress_line(percent, snap, rate, now - self.start, eta, state))
 
-    def _draw(self, snap: Snapshot, rate: float) -> None:
+    def _draw(self, snap: Snapshot) -> None:
         bar = self.bar
         bar.total = max(round(snap.tokens_expected or 0), snap.tokens_done)
         bar.update(snap.tokens_done - bar.n)                # through update: tqdm's own rate and ETA
         total = "?" if snap.requests_total is None else snap.requests_total
-        bar.set_postfix_str(f"{rate:.1f} tok/s, requests {snap.requests_done}/{total}, "
-                            f"running {snap.running}, waiting {snap.waiting}", refresh=False)
+        bar.set_postfix_str(f"requests {snap.requests_done}/{total}, running {snap.running}, "
+                            f"waiting {snap.waiting}", refresh=False)      # tqdm shows the rate and ETA
         bar.refresh()
 
     def _log(self, line: str) -> None:

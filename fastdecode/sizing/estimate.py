@@ -65,7 +65,7 @@ def calibrate(engine: LLMEngine, prompt: int = CALIBRATION_PROMPT) -> PointCosts
     prefill = []
     for _ in range(2):                                       # the first at this size pays for its buffers
         seqs = placed_sequences(engine, count, prompt, CALIBRATION_SEQ_BASE)
-        prefill.append(_timed(lambda: runner.prefill(seqs), engine.device))
+        prefill.append(_timed(lambda seqs=seqs: runner.prefill(seqs), engine.device))
         engine.free_kv(seqs)
     token = max(min(prefill) - step, 0.0) / (count * prompt)
     return PointCosts(step, token, time.perf_counter() - start)

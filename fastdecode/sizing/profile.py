@@ -69,9 +69,10 @@ def quick_settings(cuda: bool) -> ProfileSettings:
 QUICK_PREFILL_TOKENS = {"cpu": 512, "cuda": 4096}    # --quick's prefill chunk when --max-prefill-tokens is not given
 
 
-def run_profile(engine: LLMEngine, settings: ProfileSettings = ProfileSettings(), log=print) -> Profile:
-    """Measure the S-worker, every R-worker and the link on the engine's machines."""
-    st = settings
+def run_profile(engine: LLMEngine, settings: ProfileSettings | None = None, log=print) -> Profile:
+    """Measure the S-worker, every R-worker and the link on the engine's machines (settings: the
+    full profile's unless given)."""
+    st = settings or ProfileSettings()
     s_worker = profile_s_worker(engine, st.batches, st.repeats, st.prompt_lens, log, st.min_timed_s)
     r_workers = profile_r_workers(engine, st.r_seqs, st.r_bytes, log)
     link = profile_link(engine, st.link_sizes, st.repeats, log)
