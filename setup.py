@@ -98,6 +98,7 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6", "accelerate>=0.30", "matplotlib>=3.7",
                  "triton>=3.0; platform_system == 'Linux'"],
         "bench": ["matplotlib>=3.7", "accelerate>=0.30"],
+        "plot": ["matplotlib>=3.7"],        # `fastdecode report -o run.png`
     },
     entry_points={"console_scripts": ["fastdecode=fastdecode.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""The `fastdecode` command: generate | profile | plan | info.
+"""The `fastdecode` command: generate | profile | plan | report | info.
 
 Every rank of `mpirun -n 1+R fastdecode generate ...` runs this: rank 0 becomes the S-worker,
 ranks 1..R R-workers (which never import torch). Usage and config errors are found on rank 0
@@ -31,6 +31,16 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
 def _pipeline_depth(text: str) -> int:
     from rworker.protocol.control import MAX_MINIBATCHES
     v = positive_int(text)
@@ -48,6 +58,7 @@ def bytes_arg(text: str) -> int:
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine options every command that builds an engine uses (generate, profile)."""
     p.add_argument("-m", "--model", default="smollm2-135m",
                    help="HF model directory, .gguf file, or embedded name (default: smollm2-135m)")
     p.add_argument("--device", default="auto", help="S-worker device: auto | cpu | cuda[:N] (default: auto)")
@@ -60,19 +71,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products where its "
                         "start-up tune finds that faster (as FlashAttention rounds P; outputs within a bf16 bound, "
                         "not bit-equal; default fp32)")
-    p.add_argument("--max-batch", type=positive_int, default=None,
-                   help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="prompt tokens prefilled per step (default 8192; on CUDA up to 32768 as memory allows)")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="longest prompt + generation served (default: the model's context). Each sequence "
-                        "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
-                        "for the whole context: a shorter limit lets more sequences run at once")
-    p.add_argument("--kv-reserve", default="full", choices=["full", "grow"],
-                   help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
-                        "never preempted; default) or grow (page by page as it grows; when a worker is full the "
-                        "youngest sequences there are preempted and later recomputed, as vLLM does)")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--s-threads", type=positive_int, default=None, help="torch threads on a CPU S-worker")
     p.add_argument("--r-threads", type=positive_int, default=None,
                    help="kernel threads per R-worker (default: the physical cores it may use)")
@@ -88,6 +88,21 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(fewer launches at small batches; captured on first use per row bucket)")
     p.add_argument("--cuda-graph-max-rows", type=positive_int, default=2048,
                    help="largest mini-batch run from CUDA graphs; larger ones run eagerly (default 2048)")
+
+
+def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine options only a serving run uses (batching, memory per sequence, admission, seeds)."""
+    p.add_argument("--max-batch", type=positive_int, default=None,
+                   help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest prompt + generation served (default: the model's context). Each sequence "
+                        "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
+                        "for the whole context: a shorter limit lets more sequences run at once")
+    p.add_argument("--kv-reserve", default="full", choices=["full", "grow"],
+                   help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
+                        "never preempted; default) or grow (page by page as it grows; when a worker is full the "
+                        "youngest sequences there are preempted and later recomputed, as vLLM does)")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--schedule", default="fifo", choices=["fifo", "stabilized"],
                    help="admission: fifo (fill up to --max-batch) or stabilized (micro-batches that keep "
                         "the R-workers' KV load steady; FastDecode's load-stabilizing schedule)")
@@ -104,7 +119,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastdecode", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,report,info}")
     sub.required = True
     g = sub.add_parser("generate", help="batch generation: OpenAI batch JSONL in, JSONL out",
                        description="Batch generation. Under mpirun -n 1+R: rank 0 S-worker, 1..R R-workers.")
@@ -115,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="names the requests' body.model may give the model (vLLM's flag; several, or the flag "
                         "repeated); the first is the model named in every response. Requests may always name "
                         "-m as given, or no model; any other name gets a 404 model_not_found row")
+    add_generate_engine_options(g)
     g.add_argument("--sort-output", dest="sort_output", action=argparse.BooleanOptionalAction, default=True,
                    help="when the input is done, rewrite the output in input order, lines of earlier runs "
                         "included (default); --no-sort-output keeps completion order")
@@ -129,23 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $TMPDIR or /tmp; node-local disk is best)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
     g.add_argument("--quiet", action="store_true", help="no progress output")
+    g.add_argument("--progress-interval", type=positive_float, default=None, metavar="SECONDS",
+                   help="seconds between progress lines when stderr is not a terminal (default "
+                        "$FASTDECODE_PROGRESS_INTERVAL, else 10); on a terminal a bar")
     from fastdecode.batch.schema import add_limit_options
     add_limit_options(g)
-    pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
-                        description="Measure what `fastdecode plan` needs. Under mpirun every R-worker is measured.")
-    pr.add_argument("-o", "--output", default="profile.json", help="profile JSON to write (default profile.json)")
-    add_engine_options(pr)
-    pr.add_argument("--batches", type=lambda t: [positive_int(x) for x in t.split(",")], default=None,
-                    help="comma-separated batch grid for T_S(B) (default: 1..512 on CPU, 1..16384 on CUDA)")
-    pr.add_argument("--r-seqs", type=positive_int, default=64, help="sequences per R-worker timing call")
-    pr.add_argument("--r-bytes", type=bytes_arg, default=0,
-                    help="KV bytes of the long R-worker timing (default: 3x the largest CPU cache, >= 256M, "
-                         "so it streams from memory)")
-    pr.add_argument("--repeats", type=positive_int, default=3, help="timed repetitions (median)")
-    pr.add_argument("--prompt-lens", type=lambda t: [positive_int(x) for x in t.split(",")], default=None,
-                    help="comma-separated prompt lengths for the prefill cost (default 16,128,512,1024,2048)")
+    from fastdecode.sizing.profile_cli import add_parser as add_profile_parser
+    add_profile_parser(sub, add_engine_options)
     from fastdecode.sizing.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
+    from fastdecode.batch.report_cmd import add_parser as add_report_parser
+    add_report_parser(sub)
     sub.add_parser("info", help="versions, ISA path, MPI, devices")
     return parser
 
@@ -154,8 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_generate(args) -> None:
     from fastdecode.batch.paths import check_paths
+    from fastdecode.batch.progress import interval_from
     try:
         check_paths(args)
+        if not args.quiet:
+            interval_from(args.progress_interval)
     except ValueError as e:
         raise UsageError(str(e)) from None
     bad = [n for n in args.served_model_name or () if not n.strip()]
@@ -169,7 +182,7 @@ def check_model(args) -> None:
     from fastdecode.model.config import ConfigError
     from fastdecode.model.source import read_config, resolve_model
     try:
-        read_config(resolve_model(args.model)).resolve_max_model_len(args.max_model_len)
+        read_config(resolve_model(args.model)).resolve_max_model_len(getattr(args, "max_model_len", None))
     except ConfigError as e:
         raise UsageError(str(e)) from None
 
@@ -223,24 +236,21 @@ def cmd_generate(args) -> int:
 
 
 def engine_args(args):
+    """EngineArgs from a command's options; what a command does not offer keeps EngineArgs' default
+    (profile has no admission or seed options)."""
+    import dataclasses
+
     from fastdecode.engine.args import EngineArgs
-    return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                      attn_probs=args.attn_probs,
-                      max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
-                      max_model_len=args.max_model_len, kv_reserve=args.kv_reserve, seed=args.seed,
-                      s_threads=args.s_threads, r_threads=args.r_threads, rworker_mem=args.rworker_mem,
-                      timeout=args.timeout, schedule=args.schedule, target_batch=args.target_batch,
-                      admit_every=args.admit_every, max_gen=args.max_gen,
-                      learn_lengths=args.stabilize_lengths == "learnt", pipeline_depth=args.pipeline_depth,
-                      cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows,
-                      **{k: getattr(args, k) for k in ("max_logprobs", "max_request_mem", "served_model_name")
-                         if hasattr(args, k)})
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
+    if hasattr(args, "stabilize_lengths"):
+        given["learn_lengths"] = args.stabilize_lengths == "learnt"
+    return EngineArgs(**given)
 
 
 def run_s_worker(args, comm) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
-    from fastdecode.batch.generate import print_summary, run_generate
+    from fastdecode.batch.generate import print_report, run_generate
     from fastdecode.batch.interrupt import STOP
     from fastdecode.engine.llm_engine import LLMEngine
 
@@ -255,10 +265,10 @@ def run_s_worker(args, comm) -> int:
               f"rows of earlier runs; rerun the same command to resume", file=sys.stderr, flush=True)
         return mpi_env.EXIT_TEMPFAIL
     engine = LLMEngine(engine_args(args), comm)
-    summary, interrupted = run_generate(engine, args, stop)
+    summary, rep, interrupted = run_generate(engine, args, stop)
     if args.stats_json:
         engine.recorder.write(args.stats_json, summary)
-    print_summary(summary)
+    print_report(summary, rep)
     return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
 
 
@@ -269,32 +279,18 @@ def validate_model(args) -> None:
         raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
 
 
-def run_profile_s_worker(args, comm) -> int:
-    import json as _json
-
-    from fastdecode.engine.llm_engine import LLMEngine
-    from fastdecode.sizing.profile import run_profile
-
-    engine = LLMEngine(engine_args(args), comm)
-    try:
-        prof = run_profile(engine, args.batches, r_seqs=args.r_seqs, r_target_bytes=args.r_bytes,
-                           repeats=args.repeats, prompt_lens=args.prompt_lens, log=lambda m: print(m, file=sys.stderr, flush=True))
-    finally:
-        engine.close()
-    tmp = args.output + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(_json.dumps(prof.to_dict(), indent=1))
-    os.replace(tmp, args.output)
-    print(f"profile written to {args.output}; next: fastdecode plan --profile {args.output} --context S --batch B")
-    return EXIT_OK
-
-
 def cmd_profile(args) -> int:
-    return run_job(args, validate_model, run_profile_s_worker)
+    from fastdecode.sizing.profile_cli import run_s_worker
+    return run_job(args, validate_model, run_s_worker)
 
 
 def cmd_plan(args) -> int:
     from fastdecode.sizing.plan import run
+    return run(args)
+
+
+def cmd_report(args) -> int:
+    from fastdecode.batch.report_cmd import run
     return run(args)
 
 
@@ -319,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and args.command == "profile":
         from fastdecode.batch.interrupt import STOP
         STOP.release()                        # profile saves nothing: a stop signal ends it
-    handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "info": cmd_info}
+    handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "report": cmd_report,
+                "info": cmd_info}
     return handlers[args.command](args)
 
 

@@ -10,7 +10,7 @@ import atexit
 import sys
 from collections.abc import Sequence as Seq
 
-from fastdecode.batch.progress import Progress
+from fastdecode.batch.progress import Progress, engine_snapshot
 from fastdecode.engine.args import EngineArgs
 from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.prompt_inputs import params_per_prompt, parse_prompts
@@ -75,11 +75,14 @@ class LLM:
         for i, ((text, ids), p) in enumerate(zip(encoded, params)):
             eng.add_request(i, str(base + i), text, ids, p)
         results: list[RequestOutput | None] = [None] * n
-        with Progress(n, enabled=use_tqdm) as progress:
+        done, before = 0, eng.num_output_tokens
+        with Progress(lambda: engine_snapshot(eng, done, n, since_tokens=before), enabled=use_tqdm) as progress:
             while eng.has_unfinished():
                 for req in eng.step():
                     results[req.index] = eng.output_of(req)
-                    progress.update(1, eng.num_output_tokens)
+                    done += 1
+                progress.update()
+            progress.finish()
         return results
 
     def close(self) -> None:

@@ -37,6 +37,18 @@ def test_mean_len_is_the_empirical_mean_of_the_bounded_length(lengths, bound):
     assert m.mean_len(np.array([bound])) == pytest.approx(np.minimum(lengths, bound).mean())
 
 
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=60),
+       st.lists(st.tuples(st.integers(0, 35), st.integers(1, 40)), min_size=1, max_size=8))
+def test_expected_length_is_the_conditional_mean_of_the_bounded_length(lengths, seqs):
+    """E[min(L, m) | L > g] against the observed lengths themselves: the mean of min(L, m) over
+    those longer than g; a sequence older than every one seen keeps its bound."""
+    m = model_of([(x, True) for x in lengths])
+    g, bound = np.array(seqs).T
+    want = [np.minimum(np.array(lengths)[np.array(lengths) > gi], mi).mean() if max(lengths) > gi else mi
+            for gi, mi in zip(g, bound)]
+    assert m.expected_length(g, bound) == pytest.approx(want)
+
+
 def test_nothing_is_learnt_when_nothing_stopped_early():
     m = model_of([(50, False)] * 40, min_events=16)          # every sequence hit max_tokens
     assert not m.ready

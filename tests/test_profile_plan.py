@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 from conftest import run_fastdecode
+
+from fastdecode.cli import build_parser
 
 
 def test_profile_under_mpi_then_plan(tmp_path):
@@ -47,13 +51,20 @@ def test_plan_bad_input_exits_2(tmp_path):
     assert proc.returncode == 2 and "cannot read" in proc.stderr
 
 
-def test_local_profile_has_no_link_table_and_plans(tmp_path):
-    """Local mode (no MPI): the R-part reads the S-part's arrays, so the link is free and
-    untabulated; the profile must still be one that plan accepts."""
-    prof = tmp_path / "local.json"
+@pytest.fixture(scope="module")
+def local_profile(tmp_path_factory):
+    """A full (not --quick) profile in local mode on a tiny grid: (path, the run)."""
+    prof = tmp_path_factory.mktemp("profile") / "local.json"
     proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,8", "--r-bytes", "4M", "--r-seqs", "8",
                            "--repeats", "1", "--prompt-lens", "16", "--max-prefill-tokens", "64"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return prof, proc
+
+
+def test_local_profile_has_no_link_table_and_plans(local_profile):
+    """Local mode (no MPI): the R-part reads the S-part's arrays, so the link is free and
+    untabulated; the profile must still be one that plan accepts."""
+    prof, _ = local_profile
     link = json.loads(prof.read_text())["link"]
     assert link["message_bytes"] == link["message_time_s"] == []
     assert link["hop_s"] == 0                           # no hand-offs between ranks
@@ -83,3 +94,59 @@ def test_profile_keeps_to_the_rworker_memory(tmp_path):
                                 "--kv-dtype", "fp32", "--rworker-mem", "1M"], timeout=300)
     assert too_small.returncode == 1 and "--rworker-mem too small" in too_small.stderr
     assert not (tmp_path / "none.json").exists()
+
+
+def key_paths(obj, prefix: str = "") -> set[str]:
+    """Every key of a JSON document as a path (list items merged), for a schema comparison."""
+    if isinstance(obj, dict):
+        return set().union(*([{prefix + k} | key_paths(v, prefix + k + ".") for k, v in obj.items()] or [set()]))
+    if isinstance(obj, list):
+        return set().union(*([key_paths(v, prefix + "[].") for v in obj] or [set()]))
+    return set()
+
+
+ESTIMATE = re.compile(r"^profile: about (\d+) s to run \(S-part \d+ s, prefill \d+ s, R-workers \d+ s, link \d+ s; "
+                      r"from a [\d.]+ s calibration\)", re.MULTILINE)
+
+
+def test_quick_profile_has_the_full_schema_and_says_its_time_first(local_profile, tmp_path):
+    """--quick on a grid smaller still (its own takes about a minute on this model here): the
+    same keys as the full profile's, the estimate printed before the first timing, the time
+    taken printed at the end, and the full profile printed an estimate too."""
+    full, full_run = local_profile
+    quick = tmp_path / "quick.json"
+    proc = run_fastdecode(["profile", "--quick", "-o", str(quick), "--batches", "1,4", "--r-bytes", "4M",
+                           "--prompt-lens", "16", "--max-prefill-tokens", "64"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = json.loads(quick.read_text()), json.loads(full.read_text())
+    assert key_paths(got) == key_paths(want)
+    assert got["s_worker"]["batch_grid"] == [1, 4] and got["s_worker"]["prefill_chunk"] == 64
+    for run in (proc, full_run):
+        first = ESTIMATE.search(run.stderr)
+        assert first, run.stderr[-2000:]
+        assert first.start() < run.stderr.index("S-part  B=")
+        assert re.search(r"^profile: took \d+ s \(estimated \d+ s\)", run.stderr, re.MULTILINE), run.stderr[-2000:]
+    assert "--quick takes a smaller grid" in full_run.stderr and "--quick takes" not in proc.stderr
+
+
+def test_quick_settings_give_way_to_explicit_options():
+    """--quick's grid and repetitions, an option given explicitly on top; without --quick the full
+    profile's (None: the device's grid, resolved on rank 0)."""
+    from fastdecode.sizing.profile_cli import settings_of
+    args = build_parser().parse_args(["profile", "--quick", "--repeats", "2"])
+    st = settings_of(args, cuda=False)
+    assert (st.batches, st.prompt_lens, st.repeats, st.r_seqs) == ([1, 16, 64], [16, 128], 2, 8)
+    full = settings_of(build_parser().parse_args(["profile"]), cuda=False)
+    assert (full.batches, full.prompt_lens, full.repeats, full.r_seqs, full.r_bytes) == (None, None, 3, 64, 0)
+
+
+def test_profile_help_lists_only_what_profile_uses():
+    def options(command: str) -> set[str]:
+        sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+        return {o for a in sub._actions for o in a.option_strings}
+
+    generate_only = {"--max-batch", "--max-model-len", "--kv-reserve", "--seed", "--schedule", "--target-batch",
+                     "--admit-every", "--max-gen", "--stabilize-lengths", "--quiet", "--stats-json"}
+    assert generate_only <= options("generate")
+    assert not generate_only & options("profile")
+    assert {"--quick", "--batches", "--rworker-mem", "--max-prefill-tokens", "--pipeline-depth"} <= options("profile")

@@ -18,7 +18,8 @@ from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
 from fastdecode.batch.line_requests import PendingLine, check_prompts, encode_prompts, request_id
 from fastdecode.batch.output import OutputWriter, rewrite
-from fastdecode.batch.progress import Progress
+from fastdecode.batch.progress import Progress, Snapshot, engine_snapshot
+from fastdecode.batch.report_text import text_lines
 from fastdecode.batch.responses import Answer, error_line, success_line
 from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
@@ -45,6 +46,8 @@ class BatchRunner:
         self.interrupted = False
         self.pending: dict[int, tuple[PendingLine, int]] = {}    # request index -> its line, which prompt
         self._next_index = 0
+        self.lines_read = 0                        # input lines read this run (done earlier ones included)
+        self.total_lines: int | None = None        # the input's lines, when the job has counted them
         self.num_requests = 0                      # served this run
         self.errors: Counter[str] = Counter()      # error rows this run, by code
 
@@ -101,6 +104,7 @@ class BatchRunner:
             if line is None:
                 self.exhausted = True
             else:
+                self.lines_read += 1
                 self._submit(line)
 
     def _answer(self, line: BatchLine, req) -> Answer:
@@ -126,17 +130,24 @@ class BatchRunner:
     def done_lines(self) -> int:
         return self.index.skipped + self.num_requests + self.num_errors
 
+    def snapshot(self) -> Snapshot:
+        """Progress of this run. Lines not read yet are expected to need as many tokens as the
+        lines read so far that earlier runs had not answered, on average; the earlier runs'
+        rows not met yet are taken to answer as many of the unread lines."""
+        index, total = self.index, self.total_lines
+        new_lines = self.lines_read - index.skipped
+        more = 0.0
+        if total is not None and not self.exhausted:
+            answered_before = max(index.prior_rows - index.junk - index.skipped, 0)
+            unread = max(total - self.lines_read - answered_before, 0)
+            if unread:
+                more = self.engine.expected_output_tokens() / new_lines * unread if new_lines else None
+        return engine_snapshot(self.engine, self.done_lines(), total, more)
+
     def run(self, progress: Progress) -> bool:
         """Serve until the input is done or a stop is requested; True if stopped early."""
         eng = self.engine
-        reported = 0
-
-        def tick():
-            nonlocal reported
-            now = self.done_lines()
-            progress.update(now - reported, eng.num_output_tokens)
-            reported = now
-
+        tick = progress.update
         while True:
             if not self._stopping():
                 self._refill()
@@ -165,22 +176,12 @@ def finalize_output(writer: OutputWriter, index: ResumeIndex, sort: bool) -> int
     return dropped
 
 
-def throughput_line(summary: dict) -> str:
-    wall = summary["wall_s"] or 1e-9
-    return (f"Throughput: {summary['requests'] / wall:.2f} requests/s, "
-            f"{(summary['output_tokens'] + summary['prompt_tokens']) / wall:.2f} total tokens/s, "
-            f"{summary['output_tokens'] / wall:.2f} output tokens/s")
-
-
-def print_summary(summary: dict) -> None:
-    print(throughput_line(summary), flush=True)
-    if summary.get("errors"):
-        print(f"fastdecode: {summary['errors']} request line(s) could not be served (see their error field)",
-              file=sys.stderr, flush=True)
-    if summary.get("model_not_found"):
-        print(f"fastdecode: {summary['model_not_found']} of them named a model this job does not serve (it serves "
-              f"{', '.join(summary['served_model_names'])}; --served-model-name adds names, and a rerun retries "
-              f"those lines)", file=sys.stderr, flush=True)
+def print_report(summary: dict, rep: dict | None) -> None:
+    """The run in a few lines on stderr (report_text.py), then the Throughput line on stdout, last."""
+    *lines, throughput = text_lines(summary, rep)
+    for line in lines:
+        print(f"fastdecode: {line}", file=sys.stderr, flush=True)
+    print(throughput, flush=True)
 
 
 def run_summary(runner: BatchRunner, wall: float) -> dict:
@@ -219,12 +220,14 @@ class BatchJob:
         self.wall = 0.0
         self.rewrite_error: str | None = None
 
-    def run(self, engine: LLMEngine, show_progress: bool = True) -> bool:
+    def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None) -> bool:
         total = self.total_lines
         self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop, limits=self.limits)
+        self.runner.total_lines = total
         start = time.perf_counter()
-        with Progress(total, enabled=show_progress) as progress:
+        with Progress(self.runner.snapshot, enabled=show_progress, interval=progress_interval) as progress:
             interrupted = self.runner.run(progress)
+            progress.finish("interrupted" if interrupted else "done")
         self.wall = time.perf_counter() - start
         self.writer.close()
         if interrupted:
@@ -268,9 +271,10 @@ class BatchJob:
         self.close()
 
 
-def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool]:
-    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, interrupted).
-    The engine is closed on every path, and before the final rewrite (which may take a while)."""
+def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, dict, bool]:
+    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, the run report,
+    interrupted). The engine is closed on every path, and before the final rewrite (which may take
+    a while)."""
     path = args.summary_json or report.default_path(args.output)
     closed = []
 
@@ -283,15 +287,17 @@ def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, bool
         stack.callback(close_engine)
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
                                            index_dir=args.index_dir, stop=stop, limits=limits_from(args)))
-        rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
+        rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output,
+                             stats_json=args.stats_json)
         print(f"fastdecode: {engine.served.describe()}", file=sys.stderr, flush=True)
         try:
-            interrupted = job.run(engine, show_progress=not args.quiet)
+            interrupted = job.run(engine, show_progress=not args.quiet,
+                                  progress_interval=getattr(args, "progress_interval", None))
         except BaseException as e:
             report.failed(path, rep, e)
             raise
         close_engine()
         dropped = job.finish(sort=args.sort_output)
         summary = run_summary(job.runner, job.wall)
-        report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
-    return summary, interrupted or job.rewrite_error is not None
+        rep = report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
+    return summary, rep, interrupted or job.rewrite_error is not None

@@ -1,41 +1,187 @@
-"""Progress on rank 0: a tqdm bar on a terminal, a log line every few seconds otherwise."""
+"""Progress on rank 0, in generated tokens: a tqdm bar on a terminal, else one log line to stderr
+every `interval` seconds (SLURM logs and mpirun output are not terminals).
+
+The log line's format is fixed (docs/usage.md, "Progress"), so scripts can read it:
+
+    fastdecode: progress 42.1% tokens=5120/12160 tok/s=85.3 eta=0:01:22 elapsed=0:01:00 requests=12/40 running=16 waiting=12 kv=2310(1.21%),2280(1.19%)
+
+Percent is tokens generated over the tokens expected (each request's max_tokens, or the length
+the schedule has learnt, sched/length_model.py; lines not read yet at the mean so far). It never
+goes back, and reads 100.0 only on the last line, which ends in `done` (or `interrupted`).
+tok/s is over the last minute; eta is the expected tokens left at that rate; kv is each
+R-worker's KV tokens and the share of its capacity, in rank order.
+"""
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
-LOG_EVERY_S = 10.0
+from fastdecode.engine.sequence import Status
+
+DEFAULT_INTERVAL_S = 10.0
+INTERVAL_ENV = "FASTDECODE_PROGRESS_INTERVAL"
+RATE_WINDOW_S = 60.0        # tok/s and the ETA follow the last minute
+BAR_REFRESH_S = 0.25        # a bar redraws (and the expectation is recomputed) at most this often
+LINE_PREFIX = "fastdecode: progress"
+
+
+def interval_from(flag: float | None) -> float:
+    """Seconds between log lines: --progress-interval, else $FASTDECODE_PROGRESS_INTERVAL, else 10."""
+    if flag is not None:
+        value, origin = flag, "--progress-interval"
+    else:
+        text = os.environ.get(INTERVAL_ENV)
+        if text is None or not text.strip():
+            return DEFAULT_INTERVAL_S
+        origin = f"{INTERVAL_ENV}={text!r}"
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{origin}: expected seconds between progress lines, a positive number") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{origin}: expected seconds between progress lines, a positive number")
+    return float(value)
+
+
+@dataclass
+class Snapshot:
+    """Where a run stands (sequences for running/waiting; the engine's tokens, this run's)."""
+    tokens_done: int
+    tokens_expected: float | None          # None: not known yet
+    requests_done: int
+    requests_total: int | None
+    running: int = 0
+    waiting: int = 0
+    kv_tokens: list[int] = field(default_factory=list)       # [R-workers] KV tokens held
+    kv_capacity: list[int] = field(default_factory=list)     # [R-workers] KV tokens each can hold
+
+
+def engine_snapshot(engine, requests_done: int, requests_total: int | None, more_expected: float | None = 0.0,
+                    since_tokens: int = 0) -> Snapshot:
+    """The engine's side of a snapshot; `more_expected`: tokens of requests not added yet (None:
+    unknown); `since_tokens`: the engine's output tokens before these requests (an API call's
+    progress counts its own)."""
+    sched = engine.scheduler
+    kv = [0] * len(engine.placement.capacity_tokens)
+    running = 0
+    for s in sched.running:
+        if s.status is Status.RUNNING:
+            kv[s.worker] += s.kv_len
+            running += 1
+    expected = None if more_expected is None else engine.expected_output_tokens() + more_expected - since_tokens
+    return Snapshot(engine.num_output_tokens - since_tokens, expected, requests_done, requests_total, running, len(sched.waiting),
+                    kv, list(engine.placement.capacity_tokens))
+
+
+def clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_line(percent: float, snap: Snapshot, rate: float, elapsed: float, eta: float | None,
+                  state: str | None = None) -> str:
+    expected = "?" if snap.tokens_expected is None else str(round(snap.tokens_expected))
+    total = "?" if snap.requests_total is None else str(snap.requests_total)
+    kv = ",".join(f"{t}({100 * t / c:.2f}%)" if c else f"{t}(?)" for t, c in zip(snap.kv_tokens, snap.kv_capacity))
+    line = (f"{LINE_PREFIX} {percent:.1f}% tokens={snap.tokens_done}/{expected} tok/s={rate:.1f} "
+            f"eta={clock(eta)} elapsed={clock(elapsed)} requests={snap.requests_done}/{total} "
+            f"running={snap.running} waiting={snap.waiting} kv={kv or '-'}")
+    return f"{line} {state}" if state else line
 
 
 class Progress:
-    def __init__(self, total: int | None, enabled: bool = True, desc: str = "requests"):
-        self.total, self.desc = total, desc
-        self.done, self.tokens = 0, 0
-        self.start = self.last_log = time.perf_counter()
-        self.bar = None
-        self.enabled = enabled
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
+    """Call update() as often as you like (every step); it renders only when due. finish(state)
+    writes the last line (log mode) or closes the bar."""
 
-    def __enter__(self):
+    def __init__(self, snapshot, enabled: bool = True, interval: float | None = None, stream=None,
+                 bar: bool | None = None):
+        self.snapshot = snapshot
+        self.enabled = enabled
+        self.interval = interval_from(interval) if enabled else DEFAULT_INTERVAL_S
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = self.last = time.perf_counter()
+        self.shown = 0.0                                   # percent shown so far: it never goes back
+        self.samples = deque([(self.start, 0)])            # (time, tokens done): the rate's window
+        self.bar = None
+        if enabled and (bar if bar is not None else _isatty(self.stream)):
+            try:
+                from tqdm import tqdm
+            except ImportError:                            # R-worker-only installs: log lines instead
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=0, unit="tok", dynamic_ncols=True, file=self.stream, desc="tokens")
+
+    def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         return False
 
-    def update(self, n: int, output_tokens: int) -> None:
-        self.done += n
-        self.tokens = output_tokens
+    def _measure(self, now: float, done: bool) -> tuple[Snapshot, float, float, float | None]:
+        snap = self.snapshot()
+        self.samples.append((now, snap.tokens_done))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_WINDOW_S:
+            self.samples.popleft()
+        t0, n0 = self.samples[0]
+        rate = (snap.tokens_done - n0) / (now - t0) if now > t0 else 0.0
+        if done:
+            snap.tokens_expected = snap.tokens_done
+            self.shown = 100.0
+        elif snap.tokens_expected:
+            self.shown = max(self.shown, min(99.9, 100.0 * snap.tokens_done / snap.tokens_expected))
+        left = None if snap.tokens_expected is None else max(snap.tokens_expected - snap.tokens_done, 0.0)
+        eta = left / rate if left is not None and rate > 0 else (0.0 if left == 0 else None)
+        return snap, rate, self.shown, eta
+
+    def update(self) -> None:
+        if not self.enabled:
+            return
         now = time.perf_counter()
-        rate = output_tokens / max(now - self.start, 1e-9)
+        if now - self.last < (BAR_REFRESH_S if self.bar is not None else self.interval):
+            return
+        self.last = now
+        snap, rate, percent, eta = self._measure(now, done=False)
         if self.bar is not None:
-            self.bar.update(n)
-            self.bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
-        elif self.enabled and now - self.last_log >= LOG_EVERY_S:
-            self.last_log = now
-            total = f"/{self.total}" if self.total is not None else ""
-            print(f"fastdecode: {self.done}{total} {self.desc} done, {output_tokens} output tokens, "
-                  f"{rate:.1f} tok/s, {now - self.start:.0f} s", file=sys.stderr, flush=True)
+            self._draw(snap)
+        else:
+            self._log(progress_line(percent, snap, rate, now - self.start, eta))
+
+    def finish(self, state: str = "done") -> None:
+        """The last report: `done` (100%) or `interrupted` (where the run stopped)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        snap, rate, percent, eta = self._measure(now, done=state == "done")
+        if self.bar is not None:
+            self._draw(snap)
+            self.bar.close()
+            self.bar = None
+        else:
+            self._log(progress_line(percent, snap, rate, now - self.start, eta, state))
+
+    def _draw(self, snap: Snapshot) -> None:
+        bar = self.bar
+        bar.total = max(round(snap.tokens_expected or 0), snap.tokens_done)
+        bar.update(snap.tokens_done - bar.n)                # through update: tqdm's own rate and ETA
+        total = "?" if snap.requests_total is None else snap.requests_total
+        bar.set_postfix_str(f"requests {snap.requests_done}/{total}, running {snap.running}, "
+                            f"waiting {snap.waiting}", refresh=False)      # tqdm shows the rate and ETA
+        bar.refresh()
+
+    def _log(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -60,12 +60,13 @@ def rworker_load(workers, recorder) -> list[dict]:
     return out
 
 
-def started(path: str, prev: dict, input_path: str, output_path: str) -> dict:
-    """The report of a run that has begun; written at once."""
+def started(path: str, prev: dict, input_path: str, output_path: str, stats_json: str | None = None) -> dict:
+    """The report of a run that has begun; written at once. `stats_json`: where this run's per-step
+    statistics go (`fastdecode report` draws them from there)."""
     history = list(prev.get("history", []))[-HISTORY_KEEP:]
     report = {"state": "running", "runs": int(prev.get("runs", 0)) + 1, "interrupted": None,
               "input": os.path.abspath(input_path), "output": os.path.abspath(output_path),
-              "history": history}
+              "stats_json": os.path.abspath(stats_json) if stats_json else None, "history": history}
     write_atomic(path, report)
     return report
 

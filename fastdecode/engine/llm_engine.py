@@ -65,6 +65,7 @@ class LLMEngine:
         self.step_no = 0
         self._next_seq_id = 1
         self.num_prompt_tokens = self.num_output_tokens = 0
+        self.bound_output_tokens = 0       # finished sequences' tokens + unfinished ones' max_tokens
         self.num_recomputed_tokens = 0     # KV recomputed for preempted sequences (--kv-reserve grow)
         self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)
         self._noted_reservation = False
@@ -171,6 +172,7 @@ class LLMEngine:
             self._next_seq_id += 1
         for seq in req.sequences:
             self.scheduler.add(seq)
+            self.bound_output_tokens += seq.max_tokens
         self.pinned_bytes += req.pinned_bytes
         return req
 
@@ -187,6 +189,18 @@ class LLMEngine:
               f"--max-model-len, or --kv-reserve grow (reserve as sequences grow, preempt when full) to run "
               f"more at once.", file=sys.stderr, flush=True)
 
+    def expected_output_tokens(self) -> float:
+        """Output tokens the requests added so far will have generated when all are done: the
+        finished sequences' own, the unfinished ones' max_tokens, or, where the schedule learns
+        generation lengths (sched/length_model.py) and has learnt them, their expected length."""
+        lengths = getattr(self.scheduler.admission, "lengths", None)
+        if lengths is None or not lengths.ready:
+            return float(self.bound_output_tokens)
+        seqs = [s for s in self.scheduler.running if s.status is Status.RUNNING] + list(self.scheduler.waiting)
+        generated = np.array([len(s.output_ids) for s in seqs], dtype=np.int64)     # [n]
+        bound = np.array([s.max_tokens for s in seqs], dtype=np.int64)              # [n]
+        return float(self.bound_output_tokens - (bound - lengths.expected_length(generated, bound)).sum())
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -197,6 +211,7 @@ class LLMEngine:
         self.step_no += 1
         faults.check(0, "step")
         t0 = time.perf_counter()
+        tokens_before = self.num_output_tokens
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)
         if new:
@@ -214,7 +229,8 @@ class LLMEngine:
             self._postprocess(seqs, tokens, finished)
         self.free_kv(self.scheduler.drop_finished())
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
-                             t_prefill, time.perf_counter() - t0, decode=bool(running))
+                             t_prefill, time.perf_counter() - t0, decode=bool(running),
+                             tokens=self.num_output_tokens - tokens_before)
         return finished
 
     def free_kv(self, seqs: list[Sequence]) -> None:
@@ -233,6 +249,7 @@ class LLMEngine:
             self.num_output_tokens += 1
             if self._check_stop(seq, tok):
                 self.scheduler.finish(seq)
+                self.bound_output_tokens -= seq.max_tokens - len(seq.output_ids)
                 self.token_gaps.add(np.diff(seq.token_times))
                 if seq.request.finished:
                     finished.append(seq.request)

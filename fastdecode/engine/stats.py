@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 
@@ -28,6 +29,7 @@ class StepRecorder:
         self.kv_tokens_peak, self.kv_tokens_sum = [0] * n, [0] * n    # sum over decode steps
         self.kv_bytes_peak = [0] * n
         self.attend_s, self.busy_s = [0.0] * n, [0.0] * n
+        self.origin: float | None = None      # perf_counter at the start of the first step (rows' t_s)
 
     def _accumulate(self, row: dict) -> None:
         self.num_steps += 1
@@ -63,12 +65,16 @@ class StepRecorder:
             self.stride *= 2
 
     def record(self, step: int, active: int, running, runner, stats, prefill_s: float, step_s: float,
-               decode: bool) -> None:
+               decode: bool, tokens: int = 0) -> None:
+        """One step: `active` sequences decoded, `tokens` sampled (decode and prefill's first tokens)."""
+        now = time.perf_counter()
+        if self.origin is None:
+            self.origin = now - step_s
         kv_tokens = [0] * self.num_workers
         for s in running:
             kv_tokens[s.worker] += s.kv_len
-        row = {"step": step, "active": active, "kv_tokens": kv_tokens, "prefill_s": round(prefill_s, 6),
-               "step_s": round(step_s, 6)}
+        row = {"step": step, "t_s": round(now - self.origin, 6), "active": active, "tokens": tokens,
+               "kv_tokens": kv_tokens, "prefill_s": round(prefill_s, 6), "step_s": round(step_s, 6)}
         if decode:
             row["s_time_s"] = round(runner.last_s_time, 6)
             row["r_wait_s"] = round(runner.last_r_wait, 6)
@@ -104,6 +110,8 @@ class StepRecorder:
             # fraction of decode time each side sat idle (the pipeline's bubbles)
             "s_bubble_fraction": round(1 - s_busy / decode_s, 4) if decode_s else None,
             "r_bubble_fraction": round(1 - r_busy / decode_s, 4) if decode_s else None,
+            # the side busier over the decode steps bounds them (the S-part, or the slowest R-worker)
+            "bound": ("S" if s_busy >= r_busy else "R") if decode_s else None,
         }
         if token_gaps.size:
             out["token_latency_p50_s"] = round(float(np.percentile(token_gaps, 50)), 6)

@@ -134,6 +134,23 @@ class LengthModel:
         self._fit()
         return float(self._sum_sv(m).mean())
 
+    def expected_length(self, generated: np.ndarray, max_tokens: np.ndarray) -> np.ndarray:
+        """E[min(L, m_i) | L > g_i] per sequence: the tokens a sequence that has generated g_i of at
+        most m_i will have when it ends (progress's expected total). min(L, m) = sum_{y<m} [L > y],
+        and given L > g the terms y <= g are 1, so E = g + 1 + sum_{g<y<m} Sv(y) / Sv(g); a
+        sequence older than any seen (Sv(g) = 0) keeps its bound. Returns [n] float64."""
+        g = np.asarray(generated, dtype=np.int64)
+        m = np.asarray(max_tokens, dtype=np.int64)
+        if not self.ready:
+            raise RuntimeError("expected_length needs a ready model")
+        self._fit()
+        sv_g = self._sv_at(g)                                            # [n]
+        start = np.minimum(g + 1, m)
+        tail = self._sum_sv(m) - self._sum_sv(start)                     # [n] sum_{g<y<m} Sv(y)
+        out = start + tail / np.where(sv_g > 0, sv_g, 1.0)
+        out = np.where(sv_g > 0, out, m)
+        return np.maximum(out, np.minimum(g, m)).astype(np.float64)
+
     def length_biased_mean(self, max_tokens: np.ndarray) -> float | None:
         """sum_i E[min(L, m_i)^2] / sum_i E[min(L, m_i)] over requests with bounds m_i: the
         S that makes B*S/2 the mean growth term of B running sequences (renewal theory)."""

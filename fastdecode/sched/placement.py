@@ -14,9 +14,11 @@ never past that worker's capacity. Two reservation policies (`--kv-reserve`):
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from fastdecode.engine.sequence import Sequence
-from fastdecode.rpart.base import WorkerInfo
+if TYPE_CHECKING:        # annotations only: `fastdecode plan` and `report` start without torch
+    from fastdecode.engine.sequence import Sequence
+    from fastdecode.rpart.base import WorkerInfo
 
 RESERVE_POLICIES = ("full", "grow")     # generate's --kv-reserve
 

@@ -91,7 +91,8 @@ S_PART_MAX_STEPS = 20           # decode steps it times at most (each appends a 
 
 
 @torch.inference_mode()
-def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float, float]:
+def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3, min_timed_s: float = MIN_TIMED_S
+                ) -> tuple[float, float]:
     """(seconds per layer, seconds for LM head + sampling) of the S-worker in a decode step at
     `batch` rows, one mini-batch (the sizing model composes mini-batches itself).
 
@@ -106,10 +107,10 @@ def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float,
     runner.prefill(seqs)
     x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
     rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
-    head_s = median_time(lambda: sample(m.logits(x), rows), m.device, repeats, MIN_TIMED_S / 4)
+    head_s = median_time(lambda: sample(m.logits(x), rows), m.device, repeats, min_timed_s / 4)
     runner.decode(seqs)                   # a warm-up (buffers grow)
     busy, start = [], time.perf_counter()
-    while len(busy) < repeats or (time.perf_counter() - start < MIN_TIMED_S and len(busy) < S_PART_MAX_STEPS):
+    while len(busy) < repeats or (time.perf_counter() - start < min_timed_s and len(busy) < S_PART_MAX_STEPS):
         runner.decode(seqs)
         busy.append(runner.last_s_time)
     engine.free_kv(seqs)
@@ -117,7 +118,7 @@ def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3) -> tuple[float,
 
 
 @torch.inference_mode()
-def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float:
+def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int, min_timed_s: float = MIN_TIMED_S) -> float:
     """Seconds per prompt token of a prefill chunk of `prompt_len`-token prompts: the engine's
     ModelRunner.prefill (dense layers, causal attention over the prompt, K/V shipped to the
     R-workers, first-token sampling), in chunks of as many whole prompts as fit `chunk_tokens`."""
@@ -128,7 +129,7 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int) -> float
     engine.free_kv(warm)
     count = max(1, chunk_tokens // prompt_len)
     times = []
-    while not times or sum(times) < MIN_TIMED_S / 4:   # a GPU chunk takes milliseconds: repeat, take the median
+    while not times or sum(times) < min_timed_s / 4:   # a GPU chunk takes milliseconds: repeat, take the median
         seqs = placed_sequences(engine, count, prompt_len, SYNTHETIC_SEQ_BASE)
         sync(m.device)
         t = time.perf_counter()
@@ -153,16 +154,9 @@ def prompts_that_fit(engine: LLMEngine, prompt_len: int) -> int:
     return per_worker * len(workers)
 
 
-def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log) -> dict:
-    """SWorkerProfile's prefill tables: seconds per prompt token over prompt lengths at the chunk a
-    FIFO job prefills in (--max-prefill-tokens; at most 16,384 on a GPU, to bound the profile's
-    time), and over chunk sizes (a quarter of that, it, four times it, capped the same way) at a
-    128-token prompt, for smaller chunks (the stabilized schedule's micro-batches). Chunks are
-    capped at what the R-workers' memory holds (--rworker-mem), as a job's are.
-    Prompt length and chunk do not separate on a CPU (dev VM: 768-token prompts cost 2.1 ms per
-    token one at a time and 1.7 ten at a time, 512-token ones 1.2 and 1.5 sixteen at a time;
-    bench/sizing/prefill_chunk_probe.py), so the prompt table is measured at the chunk FIFO uses rather
-    than shifted to it."""
+def prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None) -> dict:
+    """What time_prefill_grids times: the prompt lengths at the FIFO chunk (`chunk`), the chunk
+    sizes at `chunk_prompt` tokens, and the distinct (prompt length, prompts per chunk) points."""
     c, cap = engine.config, engine.args.max_prefill_tokens
     max_prompt = min(c.max_position, cap)
     cp = min(PREFILL_CHUNK_PROMPT, max_prompt)
@@ -173,19 +167,41 @@ def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log) ->
     base = min(cap, 16384) if engine.device.type == "cuda" else cap
     chunk_grid = sorted({max(cp, min(cap, x, prompts_that_fit(engine, cp) * cp)) // cp * cp
                          for x in (base // 4, base, base * 4)})
-    seen = {}
+
+    def point(prompt: int, chunk: int) -> tuple[int, int]:
+        return prompt, max(1, min(chunk // prompt, prompts_that_fit(engine, prompt)))
+
+    points = [point(p, max(base, p)) for p in prompt_grid] + [point(cp, x) for x in chunk_grid]
+    return {"prompt_grid": prompt_grid, "chunk": base, "chunk_prompt": cp, "chunk_grid": chunk_grid,
+            "points": list(dict.fromkeys(points)), "point": point}
+
+
+def time_prefill_grids(engine: LLMEngine, prompt_lens: list[int] | None, log,
+                       min_timed_s: float = MIN_TIMED_S) -> dict:
+    """SWorkerProfile's prefill tables: seconds per prompt token over prompt lengths at the chunk a
+    FIFO job prefills in (--max-prefill-tokens; at most 16,384 on a GPU, to bound the profile's
+    time), and over chunk sizes (a quarter of that, it, four times it, capped the same way) at a
+    128-token prompt, for smaller chunks (the stabilized schedule's micro-batches). Chunks are
+    capped at what the R-workers' memory holds (--rworker-mem), as a job's are.
+    Prompt length and chunk do not separate on a CPU (dev VM: 768-token prompts cost 2.1 ms per
+    token one at a time and 1.7 ten at a time, 512-token ones 1.2 and 1.5 sixteen at a time;
+    bench/sizing/prefill_chunk_probe.py), so the prompt table is measured at the chunk FIFO uses rather
+    than shifted to it."""
+    g = prefill_grids(engine, prompt_lens)
+    base, cp, seen = g["chunk"], g["chunk_prompt"], {}
 
     def timed(prompt: int, chunk: int) -> float:
-        key = (prompt, max(1, min(chunk // prompt, prompts_that_fit(engine, prompt))))
+        key = g["point"](prompt, chunk)
         if key not in seen:
-            seen[key] = time_prefill(engine, prompt, key[0] * key[1])
+            seen[key] = time_prefill(engine, prompt, key[0] * key[1], min_timed_s)
             log(f"prefill prompt={prompt:>5} chunk={key[0] * key[1]:>6}: {seen[key] * 1e6:8.2f} us per prompt token"
                 + (" (capped: what the R-workers' memory holds)" if key[1] < chunk // prompt else ""))
         return seen[key]
 
-    return {"prefill_prompt_len": prompt_grid, "prefill_token_s": [timed(p, max(base, p)) for p in prompt_grid],
+    return {"prefill_prompt_len": g["prompt_grid"],
+            "prefill_token_s": [timed(p, max(base, p)) for p in g["prompt_grid"]],
             "prefill_chunk": base, "prefill_chunk_prompt_len": cp,
-            "prefill_chunk_grid": chunk_grid, "prefill_chunk_token_s": [timed(cp, x) for x in chunk_grid]}
+            "prefill_chunk_grid": g["chunk_grid"], "prefill_chunk_token_s": [timed(cp, x) for x in g["chunk_grid"]]}
 
 
 IN_STEP_STEPS = 5            # decode steps per in-step timing

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import platform
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.sizing.measure import (
+    MIN_TIMED_S,
     S_PART_MAX_STEPS,
     S_PART_PROMPT,
     pcie_bandwidth,
@@ -34,6 +36,7 @@ from fastdecode.sizing.measure import (
     time_s_part_device,
 )
 from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
+from rworker.bench import largest_cache_bytes
 from rworker.protocol.kvformat import kv_itemsize
 
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -41,13 +44,38 @@ GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
 LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 22, 16 << 20, 64 << 20]
 
 
-def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int = 64,
-                r_target_bytes: int = 0, link_sizes: list[int] | None = None, repeats: int = 3,
-                prompt_lens: list[int] | None = None, log=print) -> Profile:
-    """Measure the S-worker, every R-worker and the link on the engine's machines."""
-    s_worker = profile_s_worker(engine, batches, repeats, prompt_lens, log)
-    r_workers = profile_r_workers(engine, r_seqs, r_target_bytes, log)
-    link = profile_link(engine, link_sizes or LINK_SIZES, repeats, log)
+@dataclass
+class ProfileSettings:
+    """What a profile times, and how long each timing runs (the defaults: the full profile)."""
+    batches: list[int] | None = None         # T_S(B) grid (None: CPU_GRID or GPU_GRID)
+    prompt_lens: list[int] | None = None     # prefill table (None: measure.PROMPT_GRID)
+    repeats: int = 3                         # timed repetitions (median)
+    r_seqs: int = 64                         # sequences per R-worker timing call
+    r_bytes: int = 0                         # KV bytes of the long R-worker timing (0: rworker.bench's default)
+    link_sizes: list[int] = field(default_factory=lambda: list(LINK_SIZES))
+    min_timed_s: float = MIN_TIMED_S         # an S-part or prefill timing repeats until it spans this long
+
+
+def quick_settings(cuda: bool) -> ProfileSettings:
+    """`profile --quick`: three batch sizes, two prompt lengths, one repetition, a quarter of the
+    timing spans, an R-worker timing of one cache's worth of KV (at least 64 MiB) and four message
+    sizes: rougher figures in under a minute on the 135M model (dev VM). The caller also shortens
+    the prefill chunk (QUICK_PREFILL_TOKENS)."""
+    return ProfileSettings(batches=[1, 256, 4096] if cuda else [1, 16, 64], prompt_lens=[16, 128],
+                           repeats=1, r_seqs=8, r_bytes=max(64 << 20, largest_cache_bytes()),
+                           link_sizes=[64, 16 << 10, 1 << 20, 16 << 20], min_timed_s=MIN_TIMED_S / 4)
+
+
+QUICK_PREFILL_TOKENS = {"cpu": 512, "cuda": 4096}    # --quick's prefill chunk when --max-prefill-tokens is not given
+
+
+def run_profile(engine: LLMEngine, settings: ProfileSettings | None = None, log=print) -> Profile:
+    """Measure the S-worker, every R-worker and the link on the engine's machines (settings: the
+    full profile's unless given)."""
+    st = settings or ProfileSettings()
+    s_worker = profile_s_worker(engine, st.batches, st.repeats, st.prompt_lens, log, st.min_timed_s)
+    r_workers = profile_r_workers(engine, st.r_seqs, st.r_bytes, log)
+    link = profile_link(engine, st.link_sizes, st.repeats, log)
     c = engine.config
     dims = ModelDims(name=engine.source.name, num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads,
                      kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
@@ -60,28 +88,35 @@ def run_profile(engine: LLMEngine, batches: list[int] | None = None, r_seqs: int
     return prof
 
 
+def s_part_grid(engine: LLMEngine, batches: list[int] | None, log=None) -> list[int]:
+    """The batch sizes T_S(B) is timed at: on a CPU S-worker as far as the R-workers' memory holds
+    the timing's sequences (it runs on them); `log` hears of those left out."""
+    grid = sorted(batches or (GPU_GRID if engine.device.type == "cuda" else CPU_GRID))
+    if engine.device.type == "cuda":
+        return grid
+    fit = prompts_that_fit(engine, S_PART_PROMPT + 2 + S_PART_MAX_STEPS)
+    if grid[0] > fit:
+        raise ValueError(f"the R-workers' memory holds {fit} sequences of the S-part timing, fewer than "
+                         f"B={grid[0]} (--rworker-mem too small for --batches)")
+    if grid[-1] > fit and log is not None:
+        log(f"S-part  B={','.join(str(b) for b in grid if b > fit)} left out: the R-workers' memory "
+            f"holds {fit} sequences (--rworker-mem)")
+    return [b for b in grid if b <= fit]
+
+
 def profile_s_worker(engine: LLMEngine, batches: list[int] | None, repeats: int,
-                     prompt_lens: list[int] | None, log) -> SWorkerProfile:
+                     prompt_lens: list[int] | None, log, min_timed_s: float = MIN_TIMED_S) -> SWorkerProfile:
     """T_S(B) over the batch grid (as far as the R-workers' memory holds the timing's sequences
     on a CPU S-worker), and the prefill tables."""
     cuda = engine.device.type == "cuda"
-    grid = sorted(batches or (GPU_GRID if cuda else CPU_GRID))
-    if not cuda:            # the CPU S-part is timed on the job's R-workers: its sequences must fit there
-        fit = prompts_that_fit(engine, S_PART_PROMPT + 2 + S_PART_MAX_STEPS)
-        if grid[0] > fit:
-            raise ValueError(f"the R-workers' memory holds {fit} sequences of the S-part timing, fewer than "
-                             f"B={grid[0]} (--rworker-mem too small for --batches)")
-        if grid[-1] > fit:
-            log(f"S-part  B={','.join(str(b) for b in grid if b > fit)} left out: the R-workers' memory "
-                f"holds {fit} sequences (--rworker-mem)")
-            grid = [b for b in grid if b <= fit]
+    grid = s_part_grid(engine, batches, log)
     layer_s, head_s = [], []
     for b in grid:
-        ls, hs = time_s_part_device(engine, b, repeats) if cuda else time_s_part(engine, b, repeats)
+        ls, hs = time_s_part_device(engine, b, repeats) if cuda else time_s_part(engine, b, repeats, min_timed_s)
         layer_s.append(ls)
         head_s.append(hs)
         log(f"S-part  B={b:>6}: {ls * 1e3:8.3f} ms/layer, head {hs * 1e3:8.3f} ms")
-    prefill = time_prefill_grids(engine, prompt_lens, log)
+    prefill = time_prefill_grids(engine, prompt_lens, log, min_timed_s)
     device = (torch.cuda.get_device_name(engine.device) if cuda
               else f"cpu:{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads")
     mem = torch.cuda.get_device_properties(engine.device).total_memory if cuda else 0

@@ -1,0 +1,73 @@
+"""A run in a few lines of text: what `generate` prints at its end and `fastdecode report` prints
+for a run report (OUT.summary.json) or a --stats-json file. Requests ok and errors by code, tokens,
+time, throughput, and which side bounded the decode steps."""
+from __future__ import annotations
+
+
+def throughput_line(summary: dict) -> str:
+    """vLLM's benchmark line, the last line `generate` prints on stdout (scripts read it)."""
+    wall = summary["wall_s"] or 1e-9
+    return (f"Throughput: {summary['requests'] / wall:.2f} requests/s, "
+            f"{(summary['output_tokens'] + summary['prompt_tokens']) / wall:.2f} total tokens/s, "
+            f"{summary['output_tokens'] / wall:.2f} output tokens/s")
+
+
+def _codes(codes: dict) -> str:
+    return ", ".join(f"{code} {n}" for code, n in sorted(codes.items()))
+
+
+def requests_line(run: dict, report: dict | None) -> str:
+    """The output file's lines when a run report is at hand (earlier runs included), else this run's."""
+    if report and report.get("lines"):
+        lines, codes = report["lines"], report.get("errors_by_code") or {}
+        text = f"requests: {lines['ok']} ok, {lines['errors']} error(s)"
+        text += f" ({_codes(codes)})" if codes else ""
+        if lines.get("remaining"):
+            text += f", {lines['remaining']} of {lines['input']} not answered yet"
+        served, skipped = report["requests"]["served_this_run"], report["requests"]["skipped_done_by_earlier_runs"]
+        return text + f"; this run served {served}" + (f", earlier runs answered {skipped}" if skipped else "")
+    codes = run.get("errors_by_code") or {}
+    return (f"requests: {run.get('requests', 0)} served, {run.get('errors', 0)} error(s)"
+            + (f" ({_codes(codes)})" if codes else ""))
+
+
+def bound_line(run: dict) -> str | None:
+    """Which side bounded the decode steps: the one with the smaller bubble (idle) fraction."""
+    s_idle, r_idle = run.get("s_bubble_fraction"), run.get("r_bubble_fraction")
+    if s_idle is None or r_idle is None:
+        return None
+    bound = run.get("bound") or ("S" if s_idle <= r_idle else "R")
+    return (f"bound: {bound} (decode steps {run['decode_s']:.2f} s: S-part busy {100 * (1 - s_idle):.0f}%, "
+            f"busiest R-worker {100 * (1 - r_idle):.0f}%)")
+
+
+def text_lines(run: dict, report: dict | None = None) -> list[str]:
+    """run: a run's summary (--stats-json's `summary`, a report's `this_run`); report: the run
+    report, for the output file's requests. The Throughput line comes last."""
+    out = [requests_line(run, report)]
+    if report and report.get("state") not in (None, "done"):
+        out.append(f"state: {report['state']}" + (f" ({report['signal']})" if report.get("signal") else "")
+                   + (f": {report['error']}" if report.get("error") else ""))
+    if run.get("model_not_found"):
+        out.append(f"{run['model_not_found']} line(s) named a model this job does not serve (it serves "
+                   f"{', '.join(run.get('served_model_names') or ())}; --served-model-name adds names, and a rerun "
+                   f"retries those lines)")
+    out.append(f"tokens: {run['prompt_tokens']} prompt, {run['output_tokens']} generated")
+    out.append(f"time: {run['wall_s']:.1f} s, {run['steps']} steps ({run['decode_steps']} decoding)")
+    bound = bound_line(run)
+    if bound:
+        out.append(bound)
+    out.append(throughput_line(run))
+    return out
+
+
+def of_document(doc: dict) -> list[str]:
+    """The text of a run report or a --stats-json file (ValueError if it is neither)."""
+    if isinstance(doc, dict) and isinstance(doc.get("summary"), dict) and "steps" in doc:
+        return text_lines(doc["summary"])
+    if isinstance(doc, dict) and isinstance(doc.get("this_run"), dict):
+        return text_lines(doc["this_run"], doc)
+    if isinstance(doc, dict) and doc.get("state") in ("running", "failed"):
+        raise ValueError(f"the run is {doc['state']}" + (f" ({doc['error']})" if doc.get("error") else "")
+                         + ": its report has no figures yet")
+    raise ValueError("neither a run report (OUTPUT.summary.json) nor a --stats-json file")
