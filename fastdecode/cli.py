@@ -79,7 +79,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rworker-mem", type=bytes_arg, default=None,
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a rank may stay silent before the job aborts naming it")
+                   help="seconds a rank may stay silent before the job aborts naming it (default: 900 until "
+                        "a step was timed, then 50x the slowest step, at least 300)")
     p.add_argument("--pipeline-depth", type=_pipeline_depth, default=2,
                    help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
                         "others (1 = S and R take turns)")
@@ -103,13 +104,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastdecode", description=__doc__.split("\n")[0])
+    from fastdecode import __version__
+    from fastdecode.cli_args import CommandParser
+    parser = CommandParser(prog="fastdecode", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"fastdecode {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,info}")
     sub.required = True
     g = sub.add_parser("generate", help="batch generation: OpenAI batch JSONL in, JSONL out",
                        description="Batch generation. Under mpirun -n 1+R: rank 0 S-worker, 1..R R-workers.")
-    g.add_argument("-i", "--input", required=True, help="OpenAI batch JSONL file of requests")
-    g.add_argument("-o", "--output", required=True, help="JSONL file of results (one line per input line)")
+    # --input-file / --output-file: vllm run-batch's names
+    g.add_argument("-i", "--input", "--input-file", dest="input", required=True,
+                   help="OpenAI batch JSONL file of requests")
+    g.add_argument("-o", "--output", "--output-file", dest="output", required=True,
+                   help="JSONL file of results (one line per input line)")
     add_engine_options(g)
     g.add_argument("--sort-output", dest="sort_output", action=argparse.BooleanOptionalAction, default=True,
                    help="when the input is done, rewrite the output in input order, lines of earlier runs "
@@ -124,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the scratch index of custom_ids while resuming/deduplicating "
                         "(default: $TMPDIR or /tmp; node-local disk is best)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
-    g.add_argument("--quiet", action="store_true", help="no progress output")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress lines and no R-worker roster at start-up (results, warnings and errors "
+                        "still print)")
     from fastdecode.batch.schema import add_limit_options
     add_limit_options(g)
     pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
@@ -226,6 +235,7 @@ def engine_args(args):
                       admit_every=args.admit_every, max_gen=args.max_gen,
                       learn_lengths=args.stabilize_lengths == "learnt", pipeline_depth=args.pipeline_depth,
                       cuda_graphs=args.cuda_graphs, cuda_graph_max_rows=args.cuda_graph_max_rows,
+                      quiet=getattr(args, "quiet", False),
                       **{k: getattr(args, k) for k in ("max_logprobs", "max_request_mem") if hasattr(args, k)})
 
 

@@ -39,6 +39,7 @@ class EngineArgs:
     cuda_graph_max_rows: int = 2048   # largest mini-batch run from graphs (larger ones run eagerly)
     max_logprobs: int = 20            # most logprobs / prompt_logprobs alternatives a request may ask for (vLLM's)
     max_request_mem: int = 1 << 30    # rank-0 bytes one request may pin (its tokens, logprobs, output row)
+    quiet: bool = False               # no start-up lines (the R-worker roster); warnings still print
 
 
 def resolve_device(device: str) -> torch.device:

@@ -95,8 +95,8 @@ def fail(comm, exc: BaseException, code: int = 1) -> None:
     if isinstance(exc, PeerTimeout):
         code = EXIT_TEMPFAIL
     rank = comm.Get_rank() if comm is not None else 0
-    where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()})" if comm is not None else "fastdecode"
-    print(f"fastdecode: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()}) failed" if comm is not None else "failed"
+    print(f"fastdecode: {where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     if comm is not None and comm.Get_size() > 1:
         from rworker.host.wait import abort_job
         abort_job(comm, code)
