@@ -176,34 +176,40 @@ def check_model(args) -> None:
         raise UsageError(str(e)) from None
 
 
-def agree_on_usage(comm, error: str | None) -> str | None:
-    """Collective: rank 0's validation verdict reaches every rank (so all exit 2 together)."""
-    import numpy as np
-    flag = np.array([1 if error else 0], dtype=np.int64)
-    comm.Bcast(flag, root=0)
-    return error if flag[0] == 0 or comm.Get_rank() == 0 else "rank 0 rejected the command line"
+def agree_on_usage(comm, error: str | None) -> bool:
+    """Collective: every rank's verdict (rank 0: the command line and its environment; the others:
+    their environment) reaches rank 0, which prints each distinct error once; True (all exit 2) if
+    any rank has one."""
+    errors = comm.allgather(error)
+    if not any(errors):
+        return False
+    if comm.Get_rank() == 0:
+        for text in dict.fromkeys(e for e in errors if e):          # distinct, in rank order
+            ranks = [r for r, e in enumerate(errors) if e == text]
+            who = "" if 0 in ranks else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+            print(f"fastdecode: error: {who}{text}", file=sys.stderr, flush=True)
+    return True
 
 
 # ---------------------------------------------------------------------------- commands
 
 def run_job(args, validate, s_worker_main) -> int:
-    """The rank logic shared by generate and profile: validate on rank 0, agree, split roles."""
-    rank = mpi_env.launched_rank()
-    error = None
-    if rank == 0:
+    """The rank logic shared by generate and profile: check the environment on every rank and the
+    command line on rank 0, agree, split roles."""
+    from fastdecode.launch.env_vars import environment_error
+    rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
+    error = environment_error(runs_kernels=rank > 0 or size <= 1)
+    if rank == 0 and error is None:
         try:
             validate(args)
         except UsageError as e:
             error = str(e)
-    if mpi_env.launched_size() <= 1 and error:          # a singleton: stop before MPI starts
+    if size <= 1 and error:                              # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     comm = mpi_env.world(args.timeout)
     if comm is not None:
-        error = agree_on_usage(comm, error)
-        if error:
-            if comm.Get_rank() == 0:
-                print(f"fastdecode: error: {error}", file=sys.stderr)
+        if agree_on_usage(comm, error):
             return EXIT_USAGE
         if comm.Get_rank() != 0:
             from rworker.worker import run
@@ -244,7 +250,6 @@ def run_s_worker(args, comm) -> int:
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
     from fastdecode.batch.generate import print_summary, run_generate
     from fastdecode.batch.interrupt import STOP
-    from fastdecode.engine.llm_engine import LLMEngine
 
     # installed as the process started and kept to the exit: a signal at any point is a clean
     # stop, never the default action (which would end rank 0 without a report)
@@ -256,11 +261,20 @@ def run_s_worker(args, comm) -> int:
         print(f"fastdecode: interrupted by {stop.name} before the model was loaded: {args.output} holds {rows} "
               f"rows of earlier runs; rerun the same command to resume", file=sys.stderr, flush=True)
         return mpi_env.EXIT_TEMPFAIL
-    engine = LLMEngine(engine_args(args), comm)
-    summary, interrupted = run_generate(engine, args, stop)
-    if args.stats_json:
-        engine.recorder.write(args.stats_json, summary)
-    print_summary(summary)
+    engines = []
+
+    def make_engine():
+        from fastdecode.engine.llm_engine import LLMEngine
+        engines.append(LLMEngine(engine_args(args), comm))
+        return engines[0]
+
+    # the output is read before the model loads: a rerun that finds every line answered makes no
+    # engine, and the R-workers end before their start-up (and kernel tune)
+    summary, interrupted = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
+    if summary is not None:
+        if args.stats_json:
+            engines[0].recorder.write(args.stats_json, summary)
+        print_summary(summary)
     return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
 
 

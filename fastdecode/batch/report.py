@@ -78,12 +78,14 @@ def failed(path: str, report: dict, exc: BaseException) -> None:
 
 def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: str | None,
              dropped: int, sort: bool) -> dict:
-    index, runner = job.index, job.runner
-    interrupted = runner.interrupted
+    """The report of a run that ended normally; engine None: it served nothing (every line was
+    answered already, or a stop came before the model load)."""
+    index = job.index
+    interrupted = job.interrupted
     codes = index.codes(pending_prior=interrupted)
     answered = sum(codes.values()) if index.complete else job.done_lines()
-    this_run = dict(this_run, skipped_done=index.skipped, retried=index.retried,
-                    errors_by_code=dict(runner.errors), token_latency=token_latency(engine.token_gaps.values()))
+    this_run = dict(this_run, skipped_done=index.skipped, retried=index.retried, errors_by_code=dict(job.errors),
+                    token_latency=token_latency(engine.token_gaps.values()) if engine is not None else None)
     latency = this_run["token_latency"]
     report.update(
         state="interrupted" if interrupted else "done", interrupted=interrupted, signal=signal_name,
@@ -100,7 +102,7 @@ def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: 
         output_file={"sorted": bool(sort and not interrupted and not job.rewrite_error), "rows_dropped": dropped,
                      "partial_line_repaired_bytes": job.writer.repaired, "rewrite_error": job.rewrite_error},
         this_run=this_run,
-        rworkers=rworker_load(engine.backend.workers, engine.recorder))
+        rworkers=rworker_load(engine.backend.workers, engine.recorder) if engine is not None else [])
     report["history"] = (report.pop("history") + [{
         "run": report["runs"], "state": report["state"], "signal": signal_name, "wall_s": this_run["wall_s"],
         "requests": this_run["requests"], "errors": this_run["errors"], "skipped_done": index.skipped}])[-HISTORY_KEEP:]
