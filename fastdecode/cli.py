@@ -211,9 +211,10 @@ def run_job(args, validate, s_worker_main) -> int:
     if comm is not None:
         if agree_on_usage(comm, error):
             return EXIT_USAGE
+        rank0_address = mpi_env.share_end_notices(comm)      # a rank that fails or dies is reported
         if comm.Get_rank() != 0:
             from rworker.worker import run
-            return run(comm, args.r_threads, args.rworker_mem, args.timeout)
+            return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address)
     elif error:
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -331,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if job and supervise.should_supervise():  # under a launcher: a dead rank gets named
-        return supervise.run_supervised(words)
+        summary = None
+        if args.command == "generate":
+            from fastdecode.batch.report import default_path
+            summary = args.summary_json or default_path(args.output)
+        return supervise.run_supervised(words, summary)
     if rank == 0 and args.command == "profile":
         from fastdecode.batch.interrupt import STOP
         STOP.release()                        # profile saves nothing: a stop signal ends it

@@ -324,7 +324,8 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
             engine = make_engine()
             interrupted = job.run(engine, show_progress=not args.quiet)
         except BaseException as e:
-            report.failed(path, rep, e)
+            from rworker.host.wait import PeerTimeout
+            report.failed(path, rep, e, exit_code=75 if isinstance(e, PeerTimeout) else 1)   # as mpi_env.fail
             raise
         close_engine()
         dropped = job.finish(sort=args.sort_output)
