@@ -143,3 +143,27 @@ def test_quiet_then_a_rerun_that_finds_every_line_answered(tmp_path):
     report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert report["state"] == "done" and report["runs"] == 2 and report["exit_code"] == 0
     assert report["requests"]["skipped_done_by_earlier_runs"] == 5 and report["lines"]["remaining"] == 0
+
+
+def test_a_rerun_whose_output_has_enough_rows_but_not_every_line_serves_the_rest(tmp_path):
+    """Rows of another input make the output as long as the input while one line is unanswered:
+    the early check reads the lines, finds it, and the run serves that line once (no line is
+    taken as a duplicate of itself), dropping the foreign rows."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+
+    def lines(ids):
+        return "".join(batch_line(i, {"prompt": f"Say {i}", "max_tokens": 2, "temperature": 0}) + "\n" for i in ids)
+    inp.write_text(lines(["a", "b"]))
+    assert run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], timeout=300).returncode == 0
+    rows = [json.loads(r) for r in out.read_text().splitlines()]
+    foreign = [json.dumps({**r, "custom_id": f"other-{r['custom_id']}"}) + "\n" for r in rows]
+    out.write_text(out.read_text() + "".join(foreign))
+    inp.write_text(lines(["a", "b", "c"]))
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], timeout=300)
+    assert proc.returncode == 0 and "already answered" not in proc.stderr, proc.stderr[-2000:]
+    final = [json.loads(r) for r in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in final] == ["a", "b", "c"]
+    assert all(r["response"]["status_code"] == 200 for r in final)
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert report["requests"]["served_this_run"] == 1 and report["requests"]["skipped_done_by_earlier_runs"] == 2
+    assert report["output_file"]["rows_dropped"] == 2

@@ -221,7 +221,9 @@ class BatchJob:
         if not index.complete or not index.prior_rows or index.done_prior() < self.total_lines:
             return False
         for i, line in enumerate(read_lines(self.input_path, self.limits)):
-            if index.claim(line.line_no, line.custom_id)[0] != DONE or (i % 10_000 == 0 and self._stopping()):
+            if i % 10_000 == 0 and self._stopping():
+                return False              # no run follows: the index counts the lines done as it is
+            if index.claim(line.line_no, line.custom_id)[0] != DONE:
                 index.close()
                 self.index = self._load_index()
                 return False
@@ -317,7 +319,7 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
         stack.callback(close_engine)
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output)
         try:
-            if stop.requested or job.every_line_answered():
+            if stop.requested or job.every_line_answered() or stop.requested:
                 skip_engine()
                 finish_without_engine(job, path, rep, args, stop, time.perf_counter() - start)
                 return None, job.interrupted or job.rewrite_error is not None
