@@ -167,3 +167,13 @@ def test_a_rerun_whose_output_has_enough_rows_but_not_every_line_serves_the_rest
     report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert report["requests"]["served_this_run"] == 1 and report["requests"]["skipped_done_by_earlier_runs"] == 2
     assert report["output_file"]["rows_dropped"] == 2
+
+
+def test_each_message_has_one_prefix(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(batch_line("a", {"prompt": "Hi", "max_tokens": 2}) + "\n")
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "out.jsonl")], timeout=300,
+                          env={"FASTDECODE_INJECT_FAULT": "0:step"})
+    assert proc.returncode == 1 and "fastdecode: failed: InjectedFault: injected fault at step" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert not re.search(r"fastdecode: (fastdecode|error: fastdecode)", proc.stderr), proc.stderr[-2000:]
