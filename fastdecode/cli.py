@@ -79,7 +79,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rworker-mem", type=bytes_arg, default=None,
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a rank may stay silent before the job aborts naming it")
+                   help="seconds a rank may stay silent before the job aborts naming it (default: 900 until "
+                        "a step was timed, then 50x the slowest step, at least 300)")
     p.add_argument("--pipeline-depth", type=_pipeline_depth, default=2,
                    help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
                         "others (1 = S and R take turns)")
@@ -118,13 +119,19 @@ def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastdecode", description=__doc__.split("\n")[0])
+    from fastdecode import __version__
+    from fastdecode.cli_args import CommandParser
+    parser = CommandParser(prog="fastdecode", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"fastdecode {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,report,info}")
     sub.required = True
     g = sub.add_parser("generate", help="batch generation: OpenAI batch JSONL in, JSONL out",
                        description="Batch generation. Under mpirun -n 1+R: rank 0 S-worker, 1..R R-workers.")
-    g.add_argument("-i", "--input", required=True, help="OpenAI batch JSONL file of requests")
-    g.add_argument("-o", "--output", required=True, help="JSONL file of results (one line per input line)")
+    # --input-file / --output-file: vllm run-batch's names
+    g.add_argument("-i", "--input", "--input-file", dest="input", required=True,
+                   help="OpenAI batch JSONL file of requests")
+    g.add_argument("-o", "--output", "--output-file", dest="output", required=True,
+                   help="JSONL file of results (one line per input line)")
     add_engine_options(g)
     g.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                    help="names the requests' body.model may give the model (vLLM's flag; several, or the flag "
@@ -144,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the scratch index of custom_ids while resuming/deduplicating "
                         "(default: $TMPDIR or /tmp; node-local disk is best)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
-    g.add_argument("--quiet", action="store_true", help="no progress output")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress lines and no R-worker roster at start-up (results, warnings and errors "
+                        "still print)")
     g.add_argument("--progress-interval", type=positive_float, default=None, metavar="SECONDS",
                    help="seconds between progress lines when stderr is not a terminal (default "
                         "$FASTDECODE_PROGRESS_INTERVAL, else 10); on a terminal a bar")
@@ -187,38 +196,45 @@ def check_model(args) -> None:
         raise UsageError(str(e)) from None
 
 
-def agree_on_usage(comm, error: str | None) -> str | None:
-    """Collective: rank 0's validation verdict reaches every rank (so all exit 2 together)."""
-    import numpy as np
-    flag = np.array([1 if error else 0], dtype=np.int64)
-    comm.Bcast(flag, root=0)
-    return error if flag[0] == 0 or comm.Get_rank() == 0 else "rank 0 rejected the command line"
+def agree_on_usage(comm, error: str | None) -> bool:
+    """Collective: every rank's verdict (rank 0: the command line and its environment; the others:
+    their environment) reaches rank 0, which prints each distinct error once; True (all exit 2) if
+    any rank has one."""
+    errors = comm.allgather(error)
+    if not any(errors):
+        return False
+    if comm.Get_rank() == 0:
+        for text in dict.fromkeys(e for e in errors if e):          # distinct, in rank order
+            ranks = [r for r, e in enumerate(errors) if e == text]
+            who = "" if 0 in ranks else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+            print(f"fastdecode: error: {who}{text}", file=sys.stderr, flush=True)
+    return True
 
 
 # ---------------------------------------------------------------------------- commands
 
 def run_job(args, validate, s_worker_main) -> int:
-    """The rank logic shared by generate and profile: validate on rank 0, agree, split roles."""
-    rank = mpi_env.launched_rank()
-    error = None
-    if rank == 0:
+    """The rank logic shared by generate and profile: check the environment on every rank and the
+    command line on rank 0, agree, split roles."""
+    from fastdecode.launch.env_vars import environment_error
+    rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
+    error = environment_error(runs_kernels=rank > 0 or size <= 1)
+    if rank == 0 and error is None:
         try:
             validate(args)
         except UsageError as e:
             error = str(e)
-    if mpi_env.launched_size() <= 1 and error:          # a singleton: stop before MPI starts
+    if size <= 1 and error:                              # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     comm = mpi_env.world(args.timeout)
     if comm is not None:
-        error = agree_on_usage(comm, error)
-        if error:
-            if comm.Get_rank() == 0:
-                print(f"fastdecode: error: {error}", file=sys.stderr)
+        if agree_on_usage(comm, error):
             return EXIT_USAGE
+        rank0_address = mpi_env.share_end_notices(comm)      # a rank that fails or dies is reported
         if comm.Get_rank() != 0:
             from rworker.worker import run
-            return run(comm, args.r_threads, args.rworker_mem, args.timeout)
+            return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address)
     elif error:
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -252,7 +268,6 @@ def run_s_worker(args, comm) -> int:
     flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
     from fastdecode.batch.generate import print_report, run_generate
     from fastdecode.batch.interrupt import STOP
-    from fastdecode.engine.llm_engine import LLMEngine
 
     # installed as the process started and kept to the exit: a signal at any point is a clean
     # stop, never the default action (which would end rank 0 without a report)
@@ -264,11 +279,20 @@ def run_s_worker(args, comm) -> int:
         print(f"fastdecode: interrupted by {stop.name} before the model was loaded: {args.output} holds {rows} "
               f"rows of earlier runs; rerun the same command to resume", file=sys.stderr, flush=True)
         return mpi_env.EXIT_TEMPFAIL
-    engine = LLMEngine(engine_args(args), comm)
-    summary, rep, interrupted = run_generate(engine, args, stop)
-    if args.stats_json:
-        engine.recorder.write(args.stats_json, summary)
-    print_report(summary, rep)
+    engines = []
+
+    def make_engine():
+        from fastdecode.engine.llm_engine import LLMEngine
+        engines.append(LLMEngine(engine_args(args), comm))
+        return engines[0]
+
+    # the output is read before the model loads: a rerun that finds every line answered makes no
+    # engine, and the R-workers end before their start-up (and kernel tune)
+    summary, rep, interrupted = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
+    if summary is not None:
+        if args.stats_json:
+            engines[0].recorder.write(args.stats_json, summary)
+        print_report(summary, rep)
     return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
 
 
@@ -311,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if job and supervise.should_supervise():  # under a launcher: a dead rank gets named
-        return supervise.run_supervised(words)
+        summary = None
+        if args.command == "generate":
+            from fastdecode.batch.report import default_path
+            summary = args.summary_json or default_path(args.output)
+        return supervise.run_supervised(words, summary)
     if rank == 0 and args.command == "profile":
         from fastdecode.batch.interrupt import STOP
         STOP.release()                        # profile saves nothing: a stop signal ends it

@@ -21,7 +21,11 @@ from fastdecode.launch import mpi_env
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs):
+        from fastdecode.launch.env_vars import environment_error
         args = EngineArgs(model=model, **kwargs)
+        error = environment_error(runs_kernels=mpi_env.launched_rank() > 0 or mpi_env.launched_size() <= 1)
+        if error:
+            raise ValueError(error)
         comm = mpi_env.world()
         if comm is not None and comm.Get_rank() != 0:
             from rworker.worker import run

@@ -16,7 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from rworker.host import faults
+from rworker.host import end_notice, faults
 from rworker.host.capacity import default_capacity_bytes
 from rworker.host.cores import bind, rworker_cpus
 from rworker.host.progressor import Progressor
@@ -219,8 +219,9 @@ class RWorker:
 
 
 def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
-        timeout: float | None = None) -> int:
-    """Serve rank 0 until it says SHUTDOWN. Any exception aborts the whole job, naming this rank."""
+        timeout: float | None = None, end_notice_to: dict | None = None) -> int:
+    """Serve rank 0 until it says SHUTDOWN. Any exception aborts the whole job, naming this rank
+    (on stderr, and to rank 0's end-notice listener at end_notice_to, for its run report)."""
     # SLURM signals every task of a step (preemption, time limit). Rank 0 decides: it finishes the
     # step in flight, saves the outputs and then tells the R-workers to stop, so they keep serving.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
@@ -229,7 +230,10 @@ def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None =
         ranks_here, s_here, local_rank = node_layout(comm)    # collective: rank 0 calls it too
         RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here, local_rank).serve()
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
-        print(f"fastdecode: rank {comm.Get_rank()} (R-worker on {socket.gethostname()}) failed: "
-              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        abort_job(comm, 75 if isinstance(e, PeerTimeout) else 1)   # 75: requeue (outputs are saved)
+        text = f"rank {comm.Get_rank()} (R-worker on {socket.gethostname()}) failed: {type(e).__name__}: {e}"
+        print(f"fastdecode: {text}", file=sys.stderr, flush=True)
+        code = 75 if isinstance(e, PeerTimeout) else 1               # 75: requeue (outputs are saved)
+        if end_notice_to is not None:
+            end_notice.send(end_notice_to, {"rank": comm.Get_rank(), "error": text, "code": code, "abort": False})
+        abort_job(comm, code)
     return 0

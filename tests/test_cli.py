@@ -176,9 +176,12 @@ def test_exception_on_a_rank_ends_the_job_naming_it(tmp_path, fault):
     inp.write_text("\n".join(good_lines()) + "\n")
     proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], ranks=3, timeout=180,
                           env={"FASTDECODE_INJECT_FAULT": fault})
-    assert proc.returncode != 0
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     rank = fault.split(":")[0]
     assert f"rank {rank} (" in proc.stderr and "injected fault" in proc.stderr, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())      # failed, before the job ended
+    assert report["state"] == "failed" and "injected fault" in report["error"], report
+    assert report.get("failed_rank") == (None if rank == "0" else int(rank)), report
 
 
 def test_info_reports_isa_and_mpi():

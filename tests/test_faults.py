@@ -94,10 +94,37 @@ def test_a_killed_supervisor_ends_the_job_naming_its_rank(tmp_path):
     assert job.returncode != 0
     assert "rank 2 (R-worker" in err, err[-2000:]
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE      # ended (reaped or not)
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())   # rank 0, ended with the job, says so
+    assert report["state"] == "failed" and "the launcher ended the job" in report["error"], report
     kept = read_output(str(out))
     assert len(kept) >= 2 and all(r["response"]["status_code"] == 200 for r in kept)
     again = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], ranks=2, timeout=300)
     assert again.returncode == 0 and len(read_output(str(out))) == 12, again.stderr[-2000:]
+
+
+def test_an_end_notice_reaches_rank_0_only_with_the_jobs_token():
+    """The channel a dying rank's supervisor uses: rank 0 records a notice carrying its token and
+    answers; one without it (another job, anyone on the network) is dropped unanswered."""
+    from rworker.host import end_notice
+    got, aborted = [], []
+
+    def on_notice(notice: dict):
+        got.append(notice)
+        return (lambda: aborted.append(notice["rank"])) if notice.get("abort") else None   # after the answer
+
+    listener = end_notice.Listener(on_notice)
+    try:
+        address = listener.address()
+        assert end_notice.send(address, {"rank": 3, "error": "rank 3 died: killed by SIGKILL", "abort": True})
+        assert got == [{"rank": 3, "error": "rank 3 died: killed by SIGKILL", "abort": True}]
+        deadline = time.time() + 5
+        while not aborted and time.time() < deadline:
+            time.sleep(0.01)
+        assert aborted == [3]
+        assert not end_notice.send({**address, "token": "0" * 32}, {"rank": 4, "error": "forged"})
+        assert len(got) == 1
+    finally:
+        listener.close()
 
 
 # ---------------------------------------------------------------------------- the R-worker trusts nothing

@@ -142,7 +142,8 @@ def test_workers_run_and_report_the_tuned_kernel(tmp_path, ranks):
     outs = {}
     for flag in ("1", "0"):
         out = tmp_path / f"out{flag}.jsonl"
-        proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet", "--kv-dtype", "bf16",
+        # not --quiet: the roster on stderr names the kernel
+        proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--kv-dtype", "bf16",
                                "--rworker-mem", "200MB"], ranks=ranks, timeout=300,
                               env={"FASTDECODE_KERNEL_TUNE": flag})
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -57,15 +57,23 @@ def _lines(tmp_path, n=6):
     return inp
 
 
-def test_a_rank_that_dies_mid_step_ends_the_job(tmp_path):
+@pytest.mark.parametrize("how,death", [("exit", "exited with code 17"), ("kill", "killed by SIGKILL")])
+def test_a_rank_that_dies_mid_step_ends_the_job_and_the_report_names_it(tmp_path, how, death):
+    """Rank 1 ends without a word (an exit, or SIGKILL as the OOM killer sends): its supervisor
+    names it, rank 0's report says failed naming it before the job ends, and the job exits 1
+    (rank 0 aborts it: not the launcher's code for a killed process)."""
     inp = _lines(tmp_path)
-    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--quiet"], ranks=3,
-                          timeout=120, env={"FASTDECODE_INJECT_FAULT": "1:decode:exit"})
-    assert proc.returncode != 0
-    roster = re.search(r"rank 1 = R-worker pid (\d+)", proc.stderr)
+    out = tmp_path / "out.jsonl"
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out)], ranks=3, timeout=120,
+                          env={"FASTDECODE_INJECT_FAULT": f"1:decode:{how}"})
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    roster = re.search(r"rank 1 = R-worker pid (\d+)", proc.stderr)          # without --quiet: the roster
     assert roster, proc.stderr[-2000:]
-    assert f"rank 1 (R-worker pid {roster.group(1)} on" in proc.stderr and "died: exited with code 17" in \
-        proc.stderr, proc.stderr[-2000:]
+    named = f"rank 1 (R-worker pid {roster.group(1)} on"
+    assert named in proc.stderr and f"died: {death}" in proc.stderr, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert report["state"] == "failed" and report["failed_rank"] == 1 and report["exit_code"] == 1, report
+    assert named in report["error"] and death in report["error"], report["error"]
 
 
 def test_a_rank_that_hangs_is_named_and_the_job_ends_for_requeue(tmp_path):

@@ -33,7 +33,8 @@ PROGRAM = os.environ.get("FASTDECODE_TEST_CMD", f"{sys.executable} {FAKE}")
 REAL = f"{sys.executable} -m fastdecode"          # this checkout's CLI (PYTHONPATH below)
 # greedy, fixed length: the same rows whatever the batch, rank count or interruptions
 REAL_BODY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
-REAL_ARGS = "--max-batch 2 --quiet"               # small steps: a run lasts seconds, signals land mid-run
+REAL_ARGS = "--max-batch 2"                       # small steps: a run lasts seconds, signals land mid-run
+# (not --quiet: the tests read rank 0's R-worker roster)
 HET_OPTS = ("--cpus-per-task=1", ":", "--nodes=1")   # fit the test nodes (4 CPUs each)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SLURM: Linux only")

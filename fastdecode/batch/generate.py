@@ -12,6 +12,7 @@ import sys
 import time
 from collections import Counter
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 from fastdecode.batch import report
 from fastdecode.batch.interrupt import StopRequest
@@ -23,8 +24,10 @@ from fastdecode.batch.report_text import text_lines
 from fastdecode.batch.responses import Answer, error_line, success_line
 from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
-from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.request_checks import RequestError
+
+if TYPE_CHECKING:                 # the engine (torch) loads only when a line needs serving
+    from fastdecode.engine.llm_engine import LLMEngine
 
 
 def count_lines(path: str) -> int:
@@ -202,15 +205,10 @@ class BatchJob:
     def __init__(self, input_path: str, output_path: str, overwrite: bool = False, index_dir: str | None = None,
                  stop: StopRequest | None = None, limits: Limits = Limits()):
         self.input_path, self.output_path = input_path, output_path
-        self.limits = limits
+        self.limits, self.index_dir = limits, index_dir
         self.stop = stop
         self.writer = OutputWriter(output_path, overwrite=overwrite)
-        self.index = ResumeIndex(index_dir)
-        try:      # a stop during a long scan leaves the index incomplete: run() then serves nothing
-            self.index.load(output_path, self.writer.start_size, stop=lambda: stop is not None and stop.requested)
-        except BaseException:
-            self.close()
-            raise
+        self.index = self._load_index()
         self.total_lines = count_lines(input_path)      # streamed; for the progress total and messages
         if self.index.prior_rows:
             rows = self.index.prior_rows - self.index.junk
@@ -219,6 +217,47 @@ class BatchJob:
         self.runner: BatchRunner | None = None
         self.wall = 0.0
         self.rewrite_error: str | None = None
+        self.completed = False        # every input line is answered (this run's rows and earlier ones)
+
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.requested
+
+    def _load_index(self) -> ResumeIndex:
+        index = ResumeIndex(self.index_dir)
+        try:      # a stop during a long scan leaves the index incomplete: run() then serves nothing
+            index.load(self.output_path, self.writer.start_size, stop=self._stopping)
+        except BaseException:
+            index.close()
+            self.writer.close()
+            raise
+        return index
+
+    def every_line_answered(self) -> bool:
+        """Whether earlier runs answered every input line, found before any engine exists. Only when
+        the earlier rows could (one done row per line at least) are the lines read and matched, as
+        a run would; if one needs serving, the index is loaded afresh for the run."""
+        index = self.index
+        if not index.complete or not index.prior_rows or index.done_prior() < self.total_lines:
+            return False
+        for i, line in enumerate(read_lines(self.input_path, self.limits)):
+            if i % 10_000 == 0 and self._stopping():
+                return False              # no run follows: the index counts the lines done as it is
+            if index.claim(line.line_no, line.custom_id)[0] != DONE:
+                index.close()
+                self.index = self._load_index()
+                return False
+        self.completed = True
+        return True
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped with input lines left: during the run, or before an engine was made."""
+        return self.runner.interrupted if self.runner is not None else self._stopping() and not self.completed
+
+    @property
+    def errors(self) -> Counter[str]:
+        """Error rows this run wrote, by code."""
+        return self.runner.errors if self.runner is not None else Counter()
 
     def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None) -> bool:
         total = self.total_lines
@@ -230,6 +269,7 @@ class BatchJob:
             progress.finish("interrupted" if interrupted else "done")
         self.wall = time.perf_counter() - start
         self.writer.close()
+        self.completed = not interrupted
         if interrupted:
             print(f"fastdecode: interrupted by {self.stop.name}: {self.done_lines()} of {total} requests done; "
                   f"rerun the same command to resume", file=sys.stderr, flush=True)
@@ -245,7 +285,7 @@ class BatchJob:
 
     def finish(self, sort: bool) -> int:
         """After the engine is closed: the final rewrite of a complete run; rows dropped."""
-        if self.runner is None or self.runner.interrupted:
+        if not self.completed:
             return 0
         try:
             dropped = finalize_output(self.writer, self.index, sort)
@@ -271,33 +311,64 @@ class BatchJob:
         self.close()
 
 
-def run_generate(engine: LLMEngine, args, stop: StopRequest) -> tuple[dict, dict, bool]:
-    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, the run report,
-    interrupted). The engine is closed on every path, and before the final rewrite (which may take
-    a while)."""
+def idle_summary(wall: float) -> dict:
+    """This run's numbers when it served nothing and made no engine."""
+    return {"wall_s": round(wall, 4), "steps": 0, "output_tokens": 0, "prompt_tokens": 0, "requests": 0,
+            "errors": 0, "requests_per_s": None, "output_tokens_per_s": None, "total_tokens_per_s": None}
+
+
+def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None) -> tuple[dict | None, dict, bool]:
+    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, the run report, interrupted).
+
+    The engine (and with it the R-workers' start-up and kernel tune) is made only once the output
+    was read and some input line needs serving; otherwise skip_engine() ends the R-workers and the
+    summary is None: earlier runs answered every line, or a stop came first. The engine is closed
+    on every path, and before the final rewrite (which may take a while)."""
     path = args.summary_json or report.default_path(args.output)
+    engine = None
     closed = []
+    start = time.perf_counter()
 
     def close_engine() -> None:          # once: a second SHUTDOWN would reach R-workers that are gone
-        if not closed:
+        if engine is not None and not closed:
             closed.append(True)
             engine.close()
 
     with ExitStack() as stack:
-        stack.callback(close_engine)
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
                                            index_dir=args.index_dir, stop=stop, limits=limits_from(args)))
+        stack.callback(close_engine)
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output,
                              stats_json=args.stats_json)
-        print(f"fastdecode: {engine.served.describe()}", file=sys.stderr, flush=True)
         try:
+            if stop.requested or job.every_line_answered() or stop.requested:
+                skip_engine()
+                rep = finish_without_engine(job, path, rep, args, stop, time.perf_counter() - start)
+                return None, rep, job.interrupted or job.rewrite_error is not None
+            engine = make_engine()
+            print(f"fastdecode: {engine.served.describe()}", file=sys.stderr, flush=True)
             interrupted = job.run(engine, show_progress=not args.quiet,
                                   progress_interval=getattr(args, "progress_interval", None))
         except BaseException as e:
-            report.failed(path, rep, e)
+            from rworker.host.wait import PeerTimeout
+            report.failed(path, rep, e, exit_code=75 if isinstance(e, PeerTimeout) else 1)   # as mpi_env.fail
             raise
         close_engine()
         dropped = job.finish(sort=args.sort_output)
         summary = run_summary(job.runner, job.wall)
         rep = report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
     return summary, rep, interrupted or job.rewrite_error is not None
+
+
+def finish_without_engine(job: BatchJob, path: str, rep: dict, args, stop: StopRequest, wall: float) -> dict:
+    """A run that made no engine: every line was answered (rewrite if needed, report) or a stop came
+    before the model load."""
+    if job.interrupted:
+        print(f"fastdecode: interrupted by {stop.name} before the model was loaded: {job.done_lines()} of "
+              f"{job.total_lines} requests done; rerun the same command to resume", file=sys.stderr, flush=True)
+        dropped = 0
+    else:
+        dropped = job.finish(sort=args.sort_output)
+        print(f"fastdecode: every line of {args.input} is already answered in {args.output} "
+              f"({job.total_lines} lines); nothing to do (--overwrite starts over)", file=sys.stderr, flush=True)
+    return report.finished(path, rep, job, None, idle_summary(wall), stop.name, dropped, args.sort_output)

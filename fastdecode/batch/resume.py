@@ -120,6 +120,10 @@ class ResumeIndex:
         self.rows_total = self.prior_rows
         return True
 
+    def done_prior(self) -> int:
+        """Earlier rows that answer a line for good: at least one per input line if every line is done."""
+        return self.db.execute("SELECT COUNT(*) FROM prior WHERE done = 1").fetchone()[0]
+
     # ------------------------------------------------------------------ input lines, in input order
 
     def claim(self, line_no: int, custom_id: str | None) -> tuple[str, int | None]:

@@ -41,6 +41,7 @@ class EngineArgs:
     max_request_mem: int = 1 << 30    # rank-0 bytes one request may pin (its tokens, logprobs, output row)
     served_model_name: str | list[str] | None = None   # names requests may give the model; the first is
                                                        # reported in responses (vLLM's; default: `model`)
+    quiet: bool = False               # no start-up lines (the R-worker roster); warnings still print
 
 
 def resolve_device(device: str) -> torch.device:

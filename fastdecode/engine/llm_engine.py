@@ -52,7 +52,7 @@ class LLMEngine:
         self.checks = RequestChecks(self.config.vocab_size, self.max_model_len, self.eos_ids,
                                     self.tokenizer.encode_text, args.max_logprobs, args.max_request_mem)
         self.backend: RBackend = self._make_backend(comm)
-        if comm is not None and comm.Get_size() > 1:
+        if comm is not None and comm.Get_size() > 1 and not args.quiet:
             self._log_roster()
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(kv_itemsize(self.kv_dtype))
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve)

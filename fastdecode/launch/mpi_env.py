@@ -88,6 +88,35 @@ def stop_rworkers(comm) -> None:
         comm.Send(bye, dest=r, tag=P.TAG_CTRL)
 
 
+def share_end_notices(comm) -> dict | None:
+    """Collective, at start-up: rank 0 listens for end notices (rworker/host/end_notice.py) and
+    every other rank passes its address to its supervisor. Returns the address (None on rank 0)."""
+    from rworker.host import end_notice
+    if comm.Get_rank() == 0:
+        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice))
+        comm.bcast(listener.address(), root=0)
+        return None
+    address = comm.bcast(None, root=0)
+    end_notice.tell_supervisor(address)
+    return address
+
+
+def on_end_notice(comm, notice: dict):
+    """Rank 0, on the listener's thread: a rank failed (it aborts the job itself) or died. The run
+    report names it before the job ends; for a dead rank this returns the abort (exit 1), which
+    runs once the notice is answered."""
+    from fastdecode.batch.report import fail_live
+    try:
+        rank, error, code = int(notice["rank"]), str(notice["error"]), int(notice.get("code", 1))
+    except (KeyError, TypeError, ValueError):
+        return None
+    fail_live(error, rank, code)
+    if not notice.get("abort"):
+        return None
+    from rworker.host.wait import abort_job
+    return lambda: abort_job(comm, code)
+
+
 def fail(comm, exc: BaseException, code: int = 1) -> None:
     """Print one line naming this rank and end the whole job. A silent peer (a stuck or lost
     node) ends it with EX_TEMPFAIL so that a batch system requeues it; outputs are on disk."""
@@ -95,8 +124,8 @@ def fail(comm, exc: BaseException, code: int = 1) -> None:
     if isinstance(exc, PeerTimeout):
         code = EXIT_TEMPFAIL
     rank = comm.Get_rank() if comm is not None else 0
-    where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()})" if comm is not None else "fastdecode"
-    print(f"fastdecode: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()}) failed" if comm is not None else "failed"
+    print(f"fastdecode: {where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     if comm is not None and comm.Get_size() > 1:
         from rworker.host.wait import abort_job
         abort_job(comm, code)

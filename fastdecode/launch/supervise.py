@@ -13,6 +13,13 @@ If the supervisor itself dies (SIGKILL: it forwards every other stop signal), th
 saying so (the kernel sends it SIGUSR2, PR_SET_PDEATHSIG; a thread that sees its parent change
 ends it where the handler cannot run), so no orphaned rank holds the job open. Rows written so
 far stay.
+
+The run report must not say "running" after any of that. The supervisor of a dead R-worker
+reports it to rank 0 (rworker/host/end_notice.py: the child passes rank 0's address up a pipe),
+which marks its report failed naming the rank and aborts the job with exit 1; rank 0's own
+supervisor marks the report failed when rank 0 ends abnormally; and rank 0, ended because its
+supervisor was killed, writes the "failed" report prepared at the start of its run
+(note_for_orphan) with plain system calls before it exits.
 """
 from __future__ import annotations
 
@@ -30,6 +37,8 @@ PR_SET_PDEATHSIG = 1
 ORPHAN_SIGNAL = signal.SIGUSR2            # what the child gets when its supervisor dies
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CLEAN_EXITS = (0, 2, 75)      # done, usage error, interrupted with work saved
+WAIT_FOR_ABORT_S = 10.0       # after rank 0 recorded this rank's death: its abort ends this process
+_orphan_note: tuple[str, bytes] | None = None     # (report path, report bytes) rank 0 writes if orphaned
 
 
 def should_supervise() -> bool:
@@ -38,11 +47,14 @@ def should_supervise() -> bool:
         os.environ.get("FASTDECODE_NO_SUPERVISOR") != "1"
 
 
-def run_supervised(argv: list[str]) -> int:
+def run_supervised(argv: list[str], summary_path: str | None = None) -> int:
     from fastdecode.batch.interrupt import STOP
-    from fastdecode.launch.mpi_env import launched_rank, role_name
-    rank = launched_rank()
-    env = dict(os.environ, **{ENV_FLAG: str(os.getpid())})
+    from fastdecode.launch.mpi_env import launched_rank
+    from rworker.host.end_notice import SUPERVISOR_FD, read_from_child
+    rank, started = launched_rank(), time.time()
+    from_child, to_supervisor = os.pipe()          # the child passes rank 0's address up
+    os.set_inheritable(to_supervisor, True)
+    env = dict(os.environ, **{ENV_FLAG: str(os.getpid()), SUPERVISOR_FD: str(to_supervisor)})
     # The child starts with the stop signals blocked (a mask survives exec) and unblocks them once
     # its own handlers are in: a signal forwarded meanwhile waits for them instead of killing it.
     # Its own process group: a launcher that signals the group reaches it only through this
@@ -52,6 +64,7 @@ def run_supervised(argv: list[str]) -> int:
         child = subprocess.Popen([sys.executable, "-m", "fastdecode"] + argv, env=env, close_fds=False,
                                  process_group=0)
     finally:
+        os.close(to_supervisor)
         for sig in FORWARDED:       # R-workers ignore stop signals (rank 0 shuts them down)
             signal.signal(sig, signal.SIG_IGN if rank > 0 else
                           (lambda signum, _frame: child.send_signal(signum)))
@@ -59,12 +72,57 @@ def run_supervised(argv: list[str]) -> int:
     if rank == 0 and STOP.requested:      # received before the child existed (cli.main took it)
         child.send_signal(STOP.signum)
     code = child.wait()                   # retried after each forwarded signal (PEP 475)
-    if code in CLEAN_EXITS or code == 1:     # 1: the child reported its own failure already
-        return code
-    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    print(f"fastdecode: rank {rank} ({role_name(rank)} pid {child.pid} on {socket.gethostname()}) died: {how}",
-          file=sys.stderr, flush=True)
+    rank0_address = read_from_child(from_child)
+    if code not in CLEAN_EXITS:
+        report_end(rank, child.pid, code, rank0_address, summary_path, started)
     return 128 - code if code < 0 else code
+
+
+def report_end(rank: int, pid: int, code: int, rank0_address: dict | None, summary_path: str | None,
+               started: float) -> None:
+    """A child that ended abnormally: name it on stderr (unless it did: exit code 1), and in the run
+    report, through rank 0 (an R-worker) or directly (rank 0)."""
+    from fastdecode.launch.mpi_env import role_name
+    who = f"rank {rank} ({role_name(rank)} pid {pid} on {socket.gethostname()})"
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    if code != 1:                         # 1: the child reported its own failure already
+        print(f"fastdecode: {who} died: {how}", file=sys.stderr, flush=True)
+    if rank == 0 and summary_path:
+        from fastdecode.batch.report import mark_file_failed
+        mark_file_failed(summary_path, f"{who} died: {how}" if code != 1 else f"{who} failed (see its message)",
+                         128 - code if code < 0 else code, started)
+    elif rank > 0 and code != 1 and rank0_address is not None:
+        from rworker.host.end_notice import send
+        if send(rank0_address, {"rank": rank, "error": f"{who} died: {how}", "code": 1, "abort": True}):
+            time.sleep(WAIT_FOR_ABORT_S)  # rank 0 aborts the job with exit 1: the launcher ends this process
+
+
+def note_for_orphan(path: str | None, data: bytes | None) -> None:
+    """Rank 0: the report to write at `path` if this process ends because its supervisor died
+    (None: nothing, the run has ended)."""
+    global _orphan_note
+    _orphan_note = (path, data) if path is not None and data is not None else None
+
+
+def _write_orphan_note() -> None:
+    """Plain system calls only: this runs in a signal handler or as the process ends."""
+    note = _orphan_note
+    if note is None:
+        return
+    path, data = note
+    tmp = path + ".orphaned.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def child_started(rank: int) -> None:
@@ -79,8 +137,11 @@ def child_started(rank: int) -> None:
             f"supervisor (pid {supervisor}) died; ending this rank\n").encode()
 
     def orphaned(*_) -> None:
-        os.write(2, text)
-        os._exit(1)
+        try:                             # whatever goes wrong on the way, the process ends
+            os.write(2, text)
+            _write_orphan_note()
+        finally:
+            os._exit(1)
 
     signal.signal(ORPHAN_SIGNAL, orphaned)
     if sys.platform.startswith("linux"):

@@ -22,36 +22,49 @@ SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
 KV_DTYPES = ["bf16", "fp16", "fp32", "fp8", "int8"]
 
 
+# stated hardware where a flag is not given (a measured profile's own values win over these)
+STATED_CPU_MEM_GB, STATED_LINK_BW_GBPS, STATED_LINK_LATENCY_US, STATED_OVERHEAD_US = 256.0, 12.5, 10.0, 20.0
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "plan", help="predict R-workers needed, latency and throughput",
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("plan", help="predict R-workers needed, latency and throughput", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    measured = "the profile's measurement; stated hardware: "
     src = p.add_argument_group("hardware and model")
-    src.add_argument("--profile", help="profile JSON written by `fastdecode profile`")
+    src.add_argument("--profile", help="profile JSON written by `fastdecode profile` (default: none: stated "
+                                       "hardware)")
     src.add_argument("--gpu-profile", help=f"GPU preset ({', '.join(GPU_PRESETS)}) or a JSON file "
-                     "with name, peak_tflops, mem_bw_GBps, mem_GB")
-    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}) or an HF config.json")
-    src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s")
-    src.add_argument("--cpu-mem", type=float, help="memory of one R-worker, GB [stated default: 256]")
+                     "with name, peak_tflops, mem_bw_GBps, mem_GB (default: the profile's S-worker)")
+    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}) or an HF config.json "
+                                     "(default: the profile's model)")
+    src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s "
+                                                  "(default: the profile's measurement; needed without one)")
+    src.add_argument("--cpu-mem", type=float, help=f"memory of one R-worker, GB (default: {measured}"
+                                                   f"{STATED_CPU_MEM_GB:g})")
     src.add_argument("--cpu-eff", type=float, default=0.66,
-                     help="fraction of --cpu-bw the attention kernel reaches")
-    src.add_argument("--rworker-overhead-us", type=float, help="fixed cost per attention call [20]")
-    src.add_argument("--link-bw", type=float, help="S<->R link bandwidth, GB/s [stated default: 12.5]")
-    src.add_argument("--link-latency", type=float, help="S<->R one-way latency, us [stated default: 10]")
+                     help="fraction of --cpu-bw the attention kernel reaches (default: %(default)s)")
+    src.add_argument("--rworker-overhead-us", type=float,
+                     help=f"fixed cost per attention call, us (default: {measured}{STATED_OVERHEAD_US:g})")
+    src.add_argument("--link-bw", type=float,
+                     help=f"S<->R link bandwidth, GB/s (default: {measured}{STATED_LINK_BW_GBPS:g})")
+    src.add_argument("--link-latency", type=float,
+                     help=f"S<->R one-way latency, us (default: {measured}{STATED_LINK_LATENCY_US:g})")
     tgt = p.add_argument_group("target")
-    tgt.add_argument("--context", type=int, default=1024, help="generation length S (tokens)")
-    tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length (tokens)")
-    tgt.add_argument("--batch", type=int, help="batch B; omitted: a sweep over B")
-    tgt.add_argument("--rworkers", type=int, help="R-workers P; omitted: the number needed")
-    tgt.add_argument("--pipeline-depth", type=int, default=2, help="mini-batches in flight (1 = no pipeline)")
+    tgt.add_argument("--context", type=int, default=1024, help="generation length S, tokens (default: %(default)s)")
+    tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens (default: %(default)s)")
+    tgt.add_argument("--batch", type=int, help=f"batch B (default: a sweep over B from {SWEEP[0]} to {SWEEP[-1]})")
+    tgt.add_argument("--rworkers", type=int, help="R-workers P (default: the number needed)")
+    tgt.add_argument("--pipeline-depth", type=int, default=2,
+                     help="mini-batches in flight, 1 = no pipeline (default: %(default)s)")
     tgt.add_argument("--prefill-chunk", type=int, default=None,
-                     help="prompt tokens per prefill chunk [one admitted micro-batch, B/16 prompts, "
-                          "up to the profile's largest chunk]")
-    tgt.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype [model dtype]")
+                     help="prompt tokens per prefill chunk (default: one admitted micro-batch, B/16 prompts, "
+                          "up to the profile's largest chunk)")
+    tgt.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype (default: the model's dtype)")
     tgt.add_argument("--kv-reserve", choices=KV_RESERVE, default="full",
                      help="how the run reserves KV (generate's --kv-reserve): full holds each sequence's "
-                          "prompt + S from admission on, grow only what it has filled (about half)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+                          "prompt + S from admission on, grow only what it has filled, about half "
+                          "(default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     return p
 
 
@@ -92,16 +105,16 @@ def _gpu(name: str) -> GpuSpec:
 
 def build_profile(args) -> Profile:
     """The profile to plan with: measured, stated, or measured with stated parts replaced."""
-    stated_link = dict(link_bw_GBps=args.link_bw or 12.5, link_latency_us=(
-        10.0 if args.link_latency is None else args.link_latency))
-    overhead = 20.0 if args.rworker_overhead_us is None else args.rworker_overhead_us
+    stated_link = dict(link_bw_GBps=args.link_bw or STATED_LINK_BW_GBPS, link_latency_us=(
+        STATED_LINK_LATENCY_US if args.link_latency is None else args.link_latency))
+    overhead = STATED_OVERHEAD_US if args.rworker_overhead_us is None else args.rworker_overhead_us
     if not args.profile:
         missing = [f for f, v in (("--gpu-profile", args.gpu_profile), ("--model", args.model),
                                   ("--cpu-bw", args.cpu_bw)) if v is None]
         if missing:
             raise PlanError(f"give --profile, or stated hardware (missing {' '.join(missing)})")
         return stated_profile(_gpu(args.gpu_profile), _model(args.model), args.cpu_bw,
-                              args.cpu_mem or 256.0, cpu_attn_eff=args.cpu_eff,
+                              args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
                               call_overhead_us=overhead,
                               kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype] if args.kv_dtype else None,
                               **stated_link)

@@ -2,14 +2,18 @@
 
 Points: hello, prefill, decode (R-workers), step (the S-worker's engine step), rewrite (rank 0's
 final rewrite of the output, before it replaces the file).
-How: raise (default) an exception; exit: die at once without MPI's help (a crash);
-hang: stop answering (a stuck node); enospc: an OSError "No space left on device".
+How: raise (default) an exception; exit: die at once without MPI's help (a crash, exit code 17);
+kill: SIGKILL itself (the OOM killer, `kill -9`); hang: stop answering (a stuck node); enospc: an
+OSError "No space left on device".
 """
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import time
+
+HOWS = ("raise", "exit", "kill", "hang", "enospc")
 
 
 class InjectedFault(RuntimeError):
@@ -26,6 +30,8 @@ def check(rank: int, point: str) -> None:
     how = parts[2] if len(parts) > 2 else "raise"
     if how == "exit":
         os._exit(17)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if how == "hang":
         while True:
             time.sleep(3600)
