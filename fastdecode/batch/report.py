@@ -162,7 +162,8 @@ def _finish(path: str, report: dict, job, engine, this_run: dict, signal_name: s
     latency = this_run["token_latency"]
     report.update(
         state="interrupted" if interrupted else "done", interrupted=interrupted, signal=signal_name,
-        model=engine.served.reported, served_model_names=list(engine.served.names),
+        **({"model": engine.served.reported, "served_model_names": list(engine.served.names)}
+           if engine is not None else {}),
         # this run's rates (the Throughput line); earlier runs are in history
         throughput={k: this_run.get(k) for k in ("wall_s", "requests_per_s", "output_tokens_per_s",
                                                   "total_tokens_per_s")},
