@@ -327,6 +327,15 @@ def cmd_info(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     job = next((w for w in words if not w.startswith("-")), None) in ("generate", "profile")
+    try:
+        return run_command(argv, words, job)
+    finally:
+        if job and argv is None:      # the process ends: the work is saved or reported, and Python's
+            # exit would give a late stop signal its default action (death, a launcher's error code)
+            signal.pthread_sigmask(signal.SIG_BLOCK, mpi_env.STOP_SIGNALS)
+
+
+def run_command(argv: list[str] | None, words: list[str], job: bool) -> int:
     rank = mpi_env.launched_rank()
     if job:
         take_stop_signals(rank)               # first, before the slow imports of the parser

@@ -56,10 +56,10 @@ def rank_processes(launcher: subprocess.Popen, rank: int) -> tuple[psutil.Proces
                                               (signal.SIGUSR1, 4.0, "launcher")])
 def test_a_stop_signal_during_start_up_is_a_clean_stop(tmp_path, sig, delay, target):
     """The launcher (forwarding) or rank 0's own process signalled while ranks start, MPI comes
-    up or the model loads: exit 75, nothing lost, the rerun completes."""
+    up, the model loads or the first requests run: exit 75, nothing lost, the rerun completes."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_lines(inp, 6)
-    job = launch(["generate", "-i", str(inp), "-o", str(out), "--quiet"], ranks=2)
+    write_lines(inp, 6, max_tokens=lambda i: 96)    # serving outlasts the latest signal (seconds)
+    job = launch(["generate", "-i", str(inp), "-o", str(out), "--quiet", "--max-batch", "1"], ranks=2)
     time.sleep(delay)
     if target == "launcher":
         job.send_signal(sig)
