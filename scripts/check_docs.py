@@ -22,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             elif args.fast and any(word in block.text for word in SLOW):
                 skipped.append(f"{block.where} (slow)")
             else:
+                start = time.perf_counter()
                 failure = run_block(block, cwd, args.timeout)
                 ran += 1
-                print(f"{'FAIL' if failure else 'ok  '} {block.where}", flush=True)
+                print(f"{'FAIL' if failure else 'ok  '} {block.where} ({time.perf_counter() - start:.1f} s)", flush=True)
                 if failure:
                     problems.append(failure)
     for s in skipped:

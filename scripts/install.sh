@@ -6,6 +6,16 @@ set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."     # the real checkout, also when called through a link
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+# Whether Python imports fastdecode from this checkout, with a `fastdecode` command, and every
+# kernel built here is newer than csrc/ and setup.py: then a rerun has nothing to rebuild (a minute)
+installed_here() {
+    local oldest here=$PWD
+    oldest=$(ls -tr rworker/_kernels_*.so 2>/dev/null | head -1)
+    [[ -n "$oldest" ]] && [[ -z "$(find csrc setup.py -newer "$oldest" -print -quit)" ]] \
+        && command -v fastdecode >/dev/null 2>&1 \
+        && (cd / && "$PY" -c "import sys, fastdecode; sys.exit(fastdecode.__file__ != sys.argv[1])" \
+            "$here/fastdecode/__init__.py") 2>/dev/null
+}
 
 # torch: a GPU site keeps its own build (setup.py accepts a range); a machine without torch gets the
 # CPU build 2.13.0 (a plain `torch` requirement would pull a multi-GB CUDA build)
@@ -31,6 +41,8 @@ if [[ "${1:-}" == "--test" ]]; then
     fi
     pip_install -e ".[test]"
     if [[ -x scripts/slurm/install_test_cluster.sh ]]; then scripts/slurm/install_test_cluster.sh; fi
+elif installed_here; then
+    echo "install.sh: fastdecode is installed from this checkout and its kernels are newer than their sources"
 else
     pip_install -e .
 fi
