@@ -272,13 +272,6 @@ def run_s_worker(args, comm) -> int:
     # installed as the process started and kept to the exit: a signal at any point is a clean
     # stop, never the default action (which would end rank 0 without a report)
     stop = STOP.install()
-    if stop.requested:                                  # before the (long) model load: nothing to save
-        mpi_env.stop_rworkers(comm)
-        from fastdecode.batch.generate import count_lines
-        rows = count_lines(args.output) if os.path.isfile(args.output) and not args.overwrite else 0
-        print(f"fastdecode: interrupted by {stop.name} before the model was loaded: {args.output} holds {rows} "
-              f"rows of earlier runs; rerun the same command to resume", file=sys.stderr, flush=True)
-        return mpi_env.EXIT_TEMPFAIL
     engines = []
 
     def make_engine():

@@ -139,13 +139,13 @@ class BatchRunner:
         rows not met yet are taken to answer as many of the unread lines."""
         index, total = self.index, self.total_lines
         new_lines = self.lines_read - index.skipped
-        more = 0.0
+        more, expected = 0.0, self.engine.expected_output_tokens()
         if total is not None and not self.exhausted:
             answered_before = max(index.prior_rows - index.junk - index.skipped, 0)
             unread = max(total - self.lines_read - answered_before, 0)
             if unread:
-                more = self.engine.expected_output_tokens() / new_lines * unread if new_lines else None
-        return engine_snapshot(self.engine, self.done_lines(), total, more)
+                more = expected / new_lines * unread if new_lines else None
+        return engine_snapshot(self.engine, self.done_lines(), total, more, engine_expected=expected)
 
     def run(self, progress: Progress) -> bool:
         """Serve until the input is done or a stop is requested; True if stopped early."""

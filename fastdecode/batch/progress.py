@@ -60,10 +60,11 @@ class Snapshot:
 
 
 def engine_snapshot(engine, requests_done: int, requests_total: int | None, more_expected: float | None = 0.0,
-                    since_tokens: int = 0) -> Snapshot:
+                    since_tokens: int = 0, engine_expected: float | None = None) -> Snapshot:
     """The engine's side of a snapshot; `more_expected`: tokens of requests not added yet (None:
     unknown); `since_tokens`: the engine's output tokens before these requests (an API call's
-    progress counts its own)."""
+    progress counts its own); `engine_expected`: engine.expected_output_tokens(), if the caller
+    has it already."""
     sched = engine.scheduler
     kv = [0] * len(engine.placement.capacity_tokens)
     running = 0
@@ -71,9 +72,11 @@ def engine_snapshot(engine, requests_done: int, requests_total: int | None, more
         if s.status is Status.RUNNING:
             kv[s.worker] += s.kv_len
             running += 1
-    expected = None if more_expected is None else engine.expected_output_tokens() + more_expected - since_tokens
-    return Snapshot(engine.num_output_tokens - since_tokens, expected, requests_done, requests_total, running, len(sched.waiting),
-                    kv, list(engine.placement.capacity_tokens))
+    if engine_expected is None and more_expected is not None:
+        engine_expected = engine.expected_output_tokens()
+    expected = None if more_expected is None else engine_expected + more_expected - since_tokens
+    return Snapshot(engine.num_output_tokens - since_tokens, expected, requests_done, requests_total, running,
+                    len(sched.waiting), kv, list(engine.placement.capacity_tokens))
 
 
 def clock(seconds: float | None) -> str:
