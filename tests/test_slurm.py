@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -107,6 +106,13 @@ class Job:
     def records(self) -> list[dict]:
         return self.cluster.job_records(self.name)
 
+    def state(self) -> str:
+        """What a failed wait reports: the job's log tail, its SLURM state and the daemons' logs."""
+        log = self.text()[-4000:] if self.log.exists() else "(no job log)"
+        return (f"== job log (tail)\n{log}\n== live: {self.live()}\n== records: "
+                f"{self.records()}\n== output lines: {len(self.output_ids())}\n"
+                f"{self.cluster.logs()}")
+
     def live(self) -> list[dict]:
         """`scontrol show job` of a job still known to slurmctld: one dict per component."""
         out = self.cluster.run("squeue", "-h", "-n", self.name, "-o", "%A").stdout.split()
@@ -163,13 +169,15 @@ def reference(tmp_path_factory):
     return rows
 
 
-def wait_for(predicate, timeout, what):
+def wait_for(predicate, timeout, what, detail=None):
+    """Poll predicate until true; on timeout fail naming `what`, with detail() if given."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
+                         + (f"\n{detail()}" if detail else ""))
 
 
 # ---- the cluster itself ---------------------------------------------------------------------
@@ -272,22 +280,17 @@ def test_hetjob_one_comm_world_across_components(cluster, tmp_path):
 
 
 # ---- preemption: signal -> exit 75 -> requeue -> resume -------------------------------------
-def release(job, jid):
-    """Start a requeued job now instead of ~2 min later (Reason=BeginTime). Not within the
-    second of the requeue: slurmd then refuses the new run ("Job credential revoked", the old
-    run's credentials are revoked up to that second) and the job ends FAILED. Repeat until the
-    job runs: an update made while the old run is still completing gets overwritten."""
+def release(job):
+    """Wait for a requeued job to run again. The test cluster makes it eligible ~11 s after the
+    requeue (cred_expire=10 in its slurm.conf). Not forced sooner with `scontrol update
+    StartTime=now`: slurmd refuses a run whose credentials predate the old run's revocation
+    ("Job credential revoked"), the job then ends FAILED, and under load that window is longer
+    than any fixed wait."""
     def running():
         comps = job.live()
-        for c in comps:
-            requeued_at = datetime.fromisoformat(c["SubmitTime"]).timestamp()
-            if c["Reason"] == "BeginTime" and time.time() >= requeued_at + 2:
-                job.cluster.run("scontrol", "update", f"JobId={jid}", "StartTime=now",
-                                check=False)
-                break
         return (comps and all(c["JobState"] == "RUNNING" for c in comps)) or \
             len(job.output_ids()) == len(job.ids)
-    wait_for(running, 60, "the requeued job to start again")
+    wait_for(running, 60, "the requeued job to start again", job.state)
 
 
 def ranks_up(log: str, runs: int) -> bool:
@@ -304,23 +307,25 @@ def ranks_up(log: str, runs: int) -> bool:
 
 def interrupt_and_resume(job, opts, signals):
     """`sbatch --wait` the job; for each signal: let it write some lines, signal the batch
-    script, see the job requeue itself, release it; `sbatch --wait` returns when it is done."""
+    script, see the job requeue itself and run again; `sbatch --wait` returns when it is done."""
     proc = subprocess.Popen(job.sbatch_cmd(*opts, wait=True), env=job.env,
                             stdout=subprocess.DEVNULL)
     try:
         for restart, sig in enumerate(signals):
             start = len(job.output_ids())
-            wait_for(lambda: len(job.output_ids()) >= start + 3, 60, f"progress in run {restart}")
+            wait_for(lambda: len(job.output_ids()) >= start + 3, 60, f"progress in run {restart}",
+                     job.state)
             # every rank must be up (its signal handling in place) before the signal: rank 0 may
             # write lines while the other component's tasks are still starting
-            wait_for(lambda: ranks_up(job.text(), restart + 1), 60, f"every rank up in run {restart}")
+            wait_for(lambda: ranks_up(job.text(), restart + 1), 60, f"every rank up in run {restart}",
+                     job.state)
             [jid] = {c["JobId"] for c in job.live() if c.get("HetJobOffset", "0") == "0"}
             assert all(c["Restarts"] == str(restart) for c in job.live())
             job.cluster.run("scancel", f"--signal={sig}", "--batch", jid)
             wait_for(lambda: job.live() and all(c["Restarts"] == str(restart + 1)
                                                 for c in job.live()), 120,
-                     f"requeue #{restart + 1}")
-            release(job, jid)
+                     f"requeue #{restart + 1}", job.state)
+            release(job)
         return proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -364,8 +369,9 @@ def test_time_limit_warning_signal_requeues_before_the_limit(cluster, tmp_path):
     proc = subprocess.Popen(job.sbatch_cmd("-N", "1", "--time=1", "--signal=B:USR1@55"),
                             env=job.env, stdout=subprocess.DEVNULL)
     try:
-        wait_for(lambda: job.live() and job.live()[0]["Restarts"] == "1", 120, "the requeue")
-        release(job, job.live()[0]["JobId"])
+        wait_for(lambda: job.live() and job.live()[0]["Restarts"] == "1", 120, "the requeue",
+                 job.state)
+        release(job)
         assert proc.wait(timeout=60) == 0, job.text()
     finally:
         if proc.poll() is None:

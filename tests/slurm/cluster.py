@@ -42,7 +42,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket
+# cred_expire: a requeued job is eligible again cred_expire+1 s after its requeue (120 s by
+# default); 10 s lets the preemption tests' reruns start on their own, soon.
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=10
 StateSaveLocation={root}/ctld-state
 SlurmdSpoolDir={root}/spool-%n
 # Per-node TmpFS: the PMIx plugin puts its client dir under TmpFS (node name expanded); two
