@@ -28,6 +28,11 @@ from rworker.protocol.wire import split_kv, split_qkv
 from rworker.tune import open_tuned_store
 
 
+# What an R-worker reports after each DECODE step (float64 each): kernel seconds, seconds not
+# waiting for the S-worker, KV bytes held, the step number, prefill append seconds since the last report
+STATS = ("attend_s", "busy_s", "kv_bytes", "step", "append_s")
+
+
 class RWorker:
     def __init__(self, comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
                  timeout: float | None = None, ranks_here: int = 1, s_worker_here: bool = False,
@@ -44,7 +49,8 @@ class RWorker:
         self.policy = "adaptive"
         self.store: KVStore | None = None
         self.known: set[int] = set()    # sequences this worker holds (prefilled, not freed)
-        self.stats = np.zeros(4, dtype=np.float64)   # per step: attend_s, busy_s, kv_bytes, steps
+        self.stats = np.zeros(len(STATS), dtype=np.float64)   # sent after every DECODE step
+        self.append_s = 0.0             # prefill appends since the last DECODE step's stats
 
     # ------------------------------------------------------------------ control
 
@@ -170,7 +176,9 @@ class RWorker:
             self.progress.wait(tickets[cur], self.timeout)
             self._received(tickets[cur], bufs[cur], "PREFILL K/V")
             k, v = split_kv(bufs[cur], rows, hkv, d)
+            t = time.perf_counter()
             self.store.append(layer, msg.row_ids, k, v)
+            self.append_s += time.perf_counter() - t
 
     # ------------------------------------------------------------------ decode: append + attend per layer
 
@@ -214,7 +222,8 @@ class RWorker:
         for t in sends.values():
             prog.wait(t, self.timeout)
         busy_s = time.perf_counter() - t_step - idle_s
-        self.stats[:] = (attend_s, busy_s, self.store.bytes_committed(), step)
+        self.stats[:] = (attend_s, busy_s, self.store.bytes_committed(), step, self.append_s)
+        self.append_s = 0.0
         self.comm.Send(self.stats, dest=0, tag=P.TAG_INFO)
 
 

@@ -41,6 +41,18 @@ def bound_line(run: dict) -> str | None:
             f"busiest R-worker {100 * (1 - r_idle):.0f}%)")
 
 
+def prefill_line(run: dict) -> str | None:
+    """Where prefill time went: S-part compute and attention, the hand-off to the R-part (packing,
+    waiting on it), and the R-workers' appends (the slowest)."""
+    pf = run.get("prefill")
+    if not pf or not pf.get("wall_s"):
+        return None
+    append = max(pf.get("r_append_s") or [0.0])
+    return (f"prefill: {pf['tokens']} tokens in {pf['wall_s']:.2f} s ({pf['tokens_per_s']:.0f} tokens/s): "
+            f"S-part {pf['s_compute_s']:.2f} s + attention {pf['s_attention_s']:.2f} s, hand-off "
+            f"{pf['pack_s']:.2f} s packing + {pf['wait_s']:.2f} s waiting; R-worker appends {append:.2f} s")
+
+
 def text_lines(run: dict, report: dict | None = None) -> list[str]:
     """run: a run's summary (--stats-json's `summary`, a report's `this_run`); report: the run
     report, for the output file's requests. The Throughput line comes last."""
@@ -54,6 +66,9 @@ def text_lines(run: dict, report: dict | None = None) -> list[str]:
                    f"retries those lines)")
     out.append(f"tokens: {run['prompt_tokens']} prompt, {run['output_tokens']} generated")
     out.append(f"time: {run['wall_s']:.1f} s, {run['steps']} steps ({run['decode_steps']} decoding)")
+    prefill = prefill_line(run)
+    if prefill:
+        out.append(prefill)
     bound = bound_line(run)
     if bound:
         out.append(bound)

@@ -214,9 +214,11 @@ class LLMEngine:
         tokens_before = self.num_output_tokens
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)
+        prefill = None
         if new:
             self.num_recomputed_tokens += sum(s.kv_len for s in new if s.output_ids)
             seqs, first = self.runner.prefill(new)
+            prefill = self.runner.last_prefill
             self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
             self._postprocess(seqs, first, finished)
         if self.placement.policy == "grow":
@@ -230,7 +232,7 @@ class LLMEngine:
         self.free_kv(self.scheduler.drop_finished())
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
                              t_prefill, time.perf_counter() - t0, decode=bool(running),
-                             tokens=self.num_output_tokens - tokens_before)
+                             tokens=self.num_output_tokens - tokens_before, prefill=prefill)
         return finished
 
     def free_kv(self, seqs: list[Sequence]) -> None:

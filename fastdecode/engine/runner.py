@@ -20,6 +20,7 @@ from fastdecode.engine.sampler import (
     token_logprobs,
 )
 from fastdecode.engine.sequence import Sequence
+from fastdecode.engine.stats import PrefillPhases
 from fastdecode.engine.token_masks import banned_tokens
 from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.llama import LlamaSPart
@@ -50,6 +51,8 @@ class ModelRunner:
         self.last_r_wait = 0.0          # S-worker time blocked on R-worker replies
         self.decode_rows = 0            # sequence-steps decoded (rows that crossed to the R-part)
         self.prefill_rows = 0           # prompt tokens whose K/V were shipped
+        self.prefill_threads = 0        # torch threads for prefill (0: as decode), where the R-part idles
+        self.last_prefill: PrefillPhases | None = None
         # KV tokens a new sequence reserves on its worker (the engine's placement), sent with its
         # prefill so the worker takes those pages at once: one run per (layer, head), not a page
         # wherever the free list has one every 32 decode steps (bench/kernel/NOTES.md, "Page runs")
@@ -112,8 +115,22 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
         """Prompt forward for `seqs`; their K/V go to their workers. -> (the new sequences in row order,
         their first tokens). A preempted sequence back from the queue has its prompt and all its output
-        but the newest token prefilled (its KV recomputed) and samples nothing: decode goes on from there."""
+        but the newest token prefilled (its KV recomputed) and samples nothing: decode goes on from there.
+        Where the phases went is left in `last_prefill`."""
+        threads = torch.get_num_threads()
+        if self.prefill_threads and self.prefill_threads != threads:
+            torch.set_num_threads(self.prefill_threads)       # the R-part only appends meanwhile
+        try:
+            return self._prefill(seqs)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    def _prefill(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
         m, be = self.model, self.backend
+        clock = time.perf_counter
+        t_start = clock()
+        ph = self.last_prefill = PrefillPhases()
         seqs, counts = group_by_worker(seqs, be.num_workers)
         lengths = [s.kv_len for s in seqs]
         tokens = torch.tensor([t for s in seqs for t in s.request.prompt_ids + s.output_ids[:-1]],
@@ -126,24 +143,43 @@ class ModelRunner:
         if self.reserve_tokens is not None:
             held = np.array([self.reserve_tokens(s) for s in seqs], dtype=np.int64)
             reserve = (seq_ids, held, counts)
+        t = clock()
         be.prefill_begin(row_ids, worker_rows, m.config.num_layers, reserve=reserve)
+        handoff = clock() - t
         x = m.embed_tokens(tokens)                                   # [T, h]
         cos, sin = m.rope.cos_sin(positions)
+        attention = 0.0
         for layer in range(m.config.num_layers):
             q, k, v = m.qkv(layer, x, cos, sin)
-            be.prefill_layer(layer, k, v)
+            t = clock()
+            be.prefill_layer(layer, k, v)                            # leaves while the next layer computes
+            t1 = clock()
             o = m.prompt_attention(q, k, v, lengths)
+            t2 = clock()
             x = m.post_attn(layer, x, o)
+            handoff += t1 - t
+            attention += t2 - t1
+        t = clock()
         be.prefill_end()
+        handoff += clock() - t
         self.prefill_rows += len(row_ids)
         fresh = [i for i, s in enumerate(seqs) if not s.output_ids]
-        if not fresh:
-            return [], np.zeros(0, np.int64)
-        seqs, ends = [seqs[i] for i in fresh], np.cumsum(lengths)[fresh]   # ends: row after each one's last
-        self._prompt_logprobs(seqs, ends.tolist(), x)
-        last = torch.tensor(ends - 1, device=self.device)
-        logits = m.logits(x[last])                                   # [n, V]
-        return seqs, self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
+        first = np.zeros(0, np.int64)
+        if fresh:
+            seqs, ends = [seqs[i] for i in fresh], np.cumsum(lengths)[fresh]   # ends: row after each one's last
+            self._prompt_logprobs(seqs, ends.tolist(), x)
+            last = torch.tensor(ends - 1, device=self.device)
+            logits = m.logits(x[last])                               # [n, V]
+            first = self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
+        else:
+            seqs = []
+        ph.tokens = len(row_ids)
+        ph.wall_s = clock() - t_start
+        ph.s_attention_s = attention
+        ph.s_compute_s = ph.wall_s - handoff - attention
+        times = be.prefill_times
+        ph.pack_s, ph.wait_s, ph.append_s = times.pack_s, times.wait_s, times.append_s
+        return seqs, first
 
     def _prompt_logprobs(self, seqs: list[Sequence], ends: list[int], x: torch.Tensor) -> None:
         """For requests that asked (once per request, by its first sample): the log-probability of each

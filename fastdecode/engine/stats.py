@@ -4,10 +4,34 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 MAX_ROWS = 65_536     # per-step rows kept for --stats-json (about 40 MiB); see StepRecorder
+
+
+@dataclass(slots=True)
+class PrefillPhases:
+    """Where one prefill's time went (seconds on rank 0's host clock; on a CUDA S-worker the
+    compute phases are launch time, the device's work shows up where the host next waits)."""
+    tokens: int = 0            # prompt tokens computed (a preempted sequence's recomputed ones too)
+    wall_s: float = 0.0        # the whole prefill
+    s_compute_s: float = 0.0   # dense S-part work: embedding, projections, MLPs, LM head, sampling
+    s_attention_s: float = 0.0  # causal attention within the prompts, on the S-worker
+    pack_s: float = 0.0        # K/V into wire buffers (MPI) or the store's input arrays (local)
+    wait_s: float = 0.0        # blocked on the R-part: wire buffers in flight, the last sends/appends
+    append_s: float = 0.0      # local mode: the store's appends (on a helper thread when pipelined)
+
+    def row(self, r_append_s: list[float]) -> dict:
+        """The step row's `prefill` entry; r_append_s: each R-worker's append seconds."""
+        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        del out["append_s"]
+        out["r_append_s"] = [round(x, 6) for x in r_append_s]
+        return out
+
+
+PREFILL_SUMS = ("wall_s", "s_compute_s", "s_attention_s", "pack_s", "wait_s")
 
 
 class StepRecorder:
@@ -30,6 +54,9 @@ class StepRecorder:
         self.kv_bytes_peak = [0] * n
         self.attend_s, self.busy_s = [0.0] * n, [0.0] * n
         self.origin: float | None = None      # perf_counter at the start of the first step (rows' t_s)
+        self.prefills = self.prefill_tokens = 0
+        self.prefill_sums = dict.fromkeys(PREFILL_SUMS, 0.0)
+        self.r_append_s = [0.0] * n
 
     def _accumulate(self, row: dict) -> None:
         self.num_steps += 1
@@ -45,6 +72,14 @@ class StepRecorder:
             self.attend_s[w] += t
         for w, t in enumerate(row.get("r_busy_s", ())):
             self.busy_s[w] += t
+        pf = row.get("prefill")
+        if pf is not None:
+            self.prefills += 1
+            self.prefill_tokens += pf["tokens"]
+            for k in PREFILL_SUMS:
+                self.prefill_sums[k] += pf[k]
+            for w, t in enumerate(pf["r_append_s"]):
+                self.r_append_s[w] += t
         if decode:
             self.num_decode += 1
             self.s_busy += row["s_time_s"]
@@ -65,8 +100,9 @@ class StepRecorder:
             self.stride *= 2
 
     def record(self, step: int, active: int, running, runner, stats, prefill_s: float, step_s: float,
-               decode: bool, tokens: int = 0) -> None:
-        """One step: `active` sequences decoded, `tokens` sampled (decode and prefill's first tokens)."""
+               decode: bool, tokens: int = 0, prefill: PrefillPhases | None = None) -> None:
+        """One step: `active` sequences decoded, `tokens` sampled (decode and prefill's first tokens),
+        `prefill` the phases of the step's prefill if it had one."""
         now = time.perf_counter()
         if self.origin is None:
             self.origin = now - step_s
@@ -83,6 +119,10 @@ class StepRecorder:
             row["r_busy_s"] = [round(x, 6) for x in stats.busy_s]
             row["r_time_max_s"] = round(max(stats.attend_s), 6)
             row["kv_bytes"] = stats.kv_bytes
+        if prefill is not None:      # R-workers report appends with the step's decode stats; local mode here
+            appended = list(stats.append_s) if stats is not None and stats.append_s else \
+                [prefill.append_s] + [0.0] * (self.num_workers - 1)
+            row["prefill"] = prefill.row(appended)
         self._accumulate(row)
         self._keep(row)
 
@@ -113,6 +153,11 @@ class StepRecorder:
             # the side busier over the decode steps bounds them (the S-part, or the slowest R-worker)
             "bound": ("S" if s_busy >= r_busy else "R") if decode_s else None,
         }
+        if self.prefills:
+            sums = {k: round(v, 4) for k, v in self.prefill_sums.items()}
+            out["prefill"] = {"steps": self.prefills, "tokens": self.prefill_tokens, **sums,
+                              "tokens_per_s": round(self.prefill_tokens / sums["wall_s"], 2) if sums["wall_s"] else None,
+                              "r_append_s": [round(x, 4) for x in self.r_append_s]}
         if token_gaps.size:
             out["token_latency_p50_s"] = round(float(np.percentile(token_gaps, 50)), 6)
             out["token_latency_p99_s"] = round(float(np.percentile(token_gaps, 99)), 6)

@@ -32,10 +32,20 @@ class StepStats:
     busy_s: list[float] = field(default_factory=list)     # step time not spent waiting for the S-worker
     kv_bytes: list[int] = field(default_factory=list)     # KV bytes held after the step (pages with
                                                           # tokens or reserved; extent slack not counted)
+    append_s: list[float] = field(default_factory=list)   # prefill K/V appends since the last step
+
+
+@dataclass(slots=True)
+class PrefillTimes:
+    """One prefill as the S-worker's side of the R-part saw it (seconds, host clock)."""
+    pack_s: float = 0.0       # K/V into the wire buffer (MPI) or into the store's input arrays (local)
+    wait_s: float = 0.0       # blocked: a wire buffer still in flight, the last layers' sends or appends
+    append_s: float = 0.0     # local mode: the store's appends on this process's R-part
 
 
 class RBackend:
     workers: list[WorkerInfo]
+    prefill_times: PrefillTimes      # the last prefill's hand-off, reset by prefill_begin
 
     # prefill: rows are prompt tokens; row_ids[r] = seq id of row r (a prompt's rows consecutive).
     # `layers`: the step covers the model's first `layers` layers (0: all; profiling uses fewer).

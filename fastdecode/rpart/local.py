@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fastdecode.model.config import ModelConfig
-from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo, as_numpy
+from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo, as_numpy
 from rworker.host.capacity import default_capacity_bytes
 from rworker.protocol.wire import split_qkv
 from rworker.tune import open_tuned_store
@@ -30,19 +30,35 @@ class LocalBackend(RBackend):
         self._mb_ids: list[np.ndarray] = []
         self._out: dict = {}
         self._attend_s = 0.0
+        self.prefill_times = PrefillTimes()
+        self._appends: list = []        # this prefill's appends queued on the helper thread
         # with a pipeline the kernel runs on a helper thread (it releases the GIL) while this
         # thread computes the next mini-batch's S-part; one thread keeps calls in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rpart") if asynchronous else None
 
     def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
         self._row_ids = row_ids
+        self.prefill_times = PrefillTimes()
         if reserve is not None and len(reserve[0]):
             self.store.reserve(reserve[0], reserve[1])
 
+    def _append(self, layer, row_ids, k, v):
+        t = time.perf_counter()
+        self.store.append(layer, row_ids, k, v)
+        self.prefill_times.append_s += time.perf_counter() - t
+
     def prefill_layer(self, layer, k, v):
-        self.store.append(layer, self._row_ids, as_numpy(k), as_numpy(v))
+        t = time.perf_counter()
+        args = (layer, self._row_ids, as_numpy(k), as_numpy(v))
+        self.prefill_times.pack_s += time.perf_counter() - t
+        self._append(*args)
 
     def prefill_end(self):
+        t = time.perf_counter()
+        for f in self._appends:
+            f.result()
+        self._appends = []
+        self.prefill_times.wait_s += time.perf_counter() - t
         self._row_ids = None
 
     def decode_begin(self, minibatches, layers=0):

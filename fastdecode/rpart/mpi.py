@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 from fastdecode.model.config import ModelConfig
-from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo
+from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo
 from fastdecode.rpart.staging import HostBuffer, Stager
 from rworker.host.progressor import Progressor
 from rworker.host.wait import wait_message
@@ -68,13 +68,14 @@ class MPIBackend(RBackend):
         self.bytes_received = 0      # attention outputs, R -> S
         self.step = 0
         self._pending_free: list[list[int]] = [[] for _ in self.ranks]
-        self._stat_bufs = [np.zeros(4, dtype=np.float64) for _ in self.ranks]
+        self._stat_bufs = [np.zeros(5, dtype=np.float64) for _ in self.ranks]   # rworker.worker.STATS
         self._slots: list[_MiniBatch] = []
         # without --timeout: a silent rank is declared after max(AUTO_MIN_S, 50 x the slowest step)
         self._auto_timeout = AUTO_FIRST_S
         self._slowest_step = 0.0
         self._pf_bufs = [HostBuffer(self.act_dtype, self.pinned), HostBuffer(self.act_dtype, self.pinned)]
         self._pf_tickets = [None, None]
+        self.prefill_times = PrefillTimes()
 
     def _who(self, r: int) -> str:
         return f"rank {r} (R-worker)"
@@ -111,6 +112,7 @@ class MPIBackend(RBackend):
     # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
     def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
+        self.prefill_times = PrefillTimes()
         self._flush_frees()
         self._pf_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._pf_counts = list(counts)
@@ -126,7 +128,10 @@ class MPIBackend(RBackend):
 
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
+        t = time.perf_counter()
         self._wait(self._pf_tickets[slot])             # the send two layers ago has left this buffer
+        t1 = time.perf_counter()
+        self.prefill_times.wait_s += t1 - t
         b = self._pf_bounds
         parts = []
         for w in range(len(self.ranks)):
@@ -139,6 +144,7 @@ class MPIBackend(RBackend):
         else:
             packed.copy_(torch.cat(parts))
         ready = self.stager.to_host(packed, buf)
+        self.prefill_times.pack_s += time.perf_counter() - t1
         row = 2 * self.hkv * self.d
         names = [self._names[w] for w, n in enumerate(self._pf_counts) if n]
 
@@ -155,9 +161,11 @@ class MPIBackend(RBackend):
             else self.progress.track_after(ready.query, post_sends, names)
 
     def prefill_end(self):
+        t = time.perf_counter()
         for slot in (0, 1):
             self._wait(self._pf_tickets[slot])
             self._pf_tickets[slot] = None
+        self.prefill_times.wait_s += time.perf_counter() - t
 
     # ------------------------------------------------------------------ decode
 
@@ -247,7 +255,8 @@ class MPIBackend(RBackend):
         self._auto_timeout = max(AUTO_MIN_S, 50 * self._slowest_step)
         return StepStats(attend_s=[float(b[0]) for b in self._stat_bufs],
                          busy_s=[float(b[1]) for b in self._stat_bufs],
-                         kv_bytes=[int(b[2]) for b in self._stat_bufs])
+                         kv_bytes=[int(b[2]) for b in self._stat_bufs],
+                         append_s=[float(b[4]) for b in self._stat_bufs])
 
     # ------------------------------------------------------------------ profiling
 

@@ -9,7 +9,8 @@ Per engine step the S-worker sends each R-worker, in this order:
        DECODE:  per layer, per mini-batch m one message [q | k | v]    (tag_qkv(m))
      and gets back per (layer, mini-batch m) the attention output [n, Hq, D]   (tag_out(m)).
 Replies that are not activations (HELLO's roster entry, a PROFILE result) are JSON on TAG_INFO;
-a decode step ends with the worker's float64 stats [attend_s, busy_s, kv_bytes, step] on TAG_INFO.
+a decode step ends with the worker's float64 stats [attend_s, busy_s, kv_bytes, step, append_s] on TAG_INFO
+(append_s: prefill appends since the previous report).
 
 Header: [MAGIC, VERSION, kind, step, a, b, c, d, e]; a..e mean what each builder below says.
 Every message carries the version, so ranks running different fastdecode versions stop at the
@@ -25,7 +26,7 @@ import numpy as np
 from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
 
 MAGIC = 0x46444543          # "FDEC"
-VERSION = 2                 # bump on any change to a message's layout or meaning
+VERSION = 3                 # bump on any change to a message's layout or meaning
 MAX_SEQ_ID = (1 << 53) - 1  # sequence ids are 0..MAX_SEQ_ID (the engine's stay far below)
 
 # ---------------------------------------------------------------- tags
