@@ -73,6 +73,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "not bit-equal; default fp32)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="prompt tokens prefilled per step (default 8192; on CUDA up to 32768 as memory allows)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="chunked prefill (vLLM's name): tokens per step, a decode row counting one; the running "
+                        "sequences' decode rows come first, prompts are prefilled in chunks of what is left, so "
+                        "a long prompt never stalls decoding (at least --max-batch; default: off, whole prompts "
+                        "up to --max-prefill-tokens per step)")
     p.add_argument("--s-threads", type=positive_int, default=None, help="torch threads on a CPU S-worker")
     p.add_argument("--r-threads", type=positive_int, default=None,
                    help="kernel threads per R-worker (default: the physical cores it may use)")

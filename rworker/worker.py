@@ -3,6 +3,11 @@
 Rank 0 (the S-worker) drives everything; rworker.protocol.control gives the message order. A step's data
 messages have sizes known from its control message, so the next mini-batch's receive is posted
 before the current one is attended.
+
+A PREFILL's K/V layers are appended as their messages come. In a mixed step (a DECODE marked
+mixed, its PREFILL right behind it) they interleave with the decode rows: layer i's appends, then
+layer i's attention, so the S-worker sends one step's prompt-chunk K/V and decode rows layer by
+layer together.
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ class RWorker:
         self.known: set[int] = set()    # sequences this worker holds (prefilled, not freed)
         self.stats = np.zeros(len(STATS), dtype=np.float64)   # sent after every DECODE step
         self.append_s = 0.0             # prefill appends since the last DECODE step's stats
+        self.stream = None              # the PREFILL whose K/V layers are still coming (a generator)
+        self.stream_next = 0            # its next layer
 
     # ------------------------------------------------------------------ control
 
@@ -71,6 +78,7 @@ class RWorker:
                 self.hello(hdr, body)
             elif kind == P.PREFILL:
                 self.prefill(hdr, body)
+                self.advance_prefill()
             elif kind == P.DECODE:
                 self.decode(step, hdr, body)
             elif kind == P.FREE:
@@ -154,16 +162,33 @@ class RWorker:
     # ------------------------------------------------------------------ prefill: append prompt K/V
 
     def prefill(self, hdr: np.ndarray, body: np.ndarray) -> None:
-        """Append the prompt K/V of each layer; the next layer's message is received meanwhile."""
+        """Start a prefill: check and reserve now, append its layers as they come (advance_prefill)."""
         msg = P.parse_prefill(hdr, body)
         layers, rows = self._layers(msg.layers), len(msg.row_ids)
-        new = set(msg.row_ids.tolist())
+        continued = set(msg.continued.tolist())
+        new = set(msg.row_ids.tolist()) - continued
         if new & self.known:
             raise P.ProtocolError(f"protocol error: PREFILL of sequence {min(new & self.known)}, which this worker "
                                   f"already holds")
+        if continued - self.known:
+            raise P.ProtocolError(f"protocol error: PREFILL continues sequence {min(continued - self.known)}, which "
+                                  f"this worker does not hold")
         self.known |= new
         if len(msg.reserve_ids):    # pages for each sequence's whole reservation now: one run per (layer, head)
             self.store.reserve(msg.reserve_ids, msg.reserve_tokens)
+        self.stream, self.stream_next = self._prefill_layers(msg, layers, rows), 0
+
+    def advance_prefill(self, upto: int | None = None) -> None:
+        """Append the pending prefill's layers up to and including `upto` (None: all of them)."""
+        while self.stream is not None and (upto is None or self.stream_next <= upto):
+            try:
+                next(self.stream)
+                self.stream_next += 1
+            except StopIteration:
+                self.stream = None
+
+    def _prefill_layers(self, msg: P.Prefill, layers: int, rows: int):
+        """Per layer: wait for its [k | v] message, append it, yield; the next one is received meanwhile."""
         hkv, d = self.num_kv_heads, self.head_dim
         bufs = [np.empty(2 * rows * hkv * d, dtype=msg.act_dtype) for _ in range(2)]
         tickets = [self.progress.track([self.comm.Irecv(bufs[0], source=0, tag=P.TAG_KV)], self.s_name, sizes=True),
@@ -179,14 +204,25 @@ class RWorker:
             t = time.perf_counter()
             self.store.append(layer, msg.row_ids, k, v)
             self.append_s += time.perf_counter() - t
+            if layer == 0:
+                faults.check(self.rank, "prefill-stream")
+            yield layer
 
     # ------------------------------------------------------------------ decode: append + attend per layer
 
     def decode(self, step: int, hdr: np.ndarray, body: np.ndarray) -> None:
         """Per layer, per mini-batch: receive [q|k|v], append + attend, send O back. Every
-        mini-batch's next message is already posted while this one is attended."""
+        mini-batch's next message is already posted while this one is attended. In a mixed step
+        each layer first appends that layer of the prompt chunks' K/V."""
         msg = P.parse_decode(hdr, body)
         layers, ids = self._layers(msg.layers), msg.ids
+        if msg.mixed:                          # this step's prompt chunks: their PREFILL comes next
+            kind, _, phdr, pbody = P.parse(self.recv_control())
+            if kind != P.PREFILL:
+                raise P.ProtocolError(f"protocol error: a mixed DECODE followed by {P.KIND_NAMES.get(kind, kind)}, "
+                                      f"not PREFILL")
+            faults.check(self.rank, "prefill")
+            self.prefill(phdr, pbody)
         unknown = set(np.concatenate(ids).tolist()) - self.known
         if unknown:
             raise P.ProtocolError(f"protocol error: DECODE of sequence {min(unknown)}, which this worker does not "
@@ -205,6 +241,7 @@ class RWorker:
         t_step = time.perf_counter()
         attend_s = idle_s = 0.0        # idle: blocked on the S-worker's next rows (not R-part work)
         for layer in range(layers):
+            self.advance_prefill(layer)        # a prefill's layer before the attention that may read it
             for m in active:
                 t = time.perf_counter()
                 prog.wait(recvs[m], self.timeout)
@@ -219,6 +256,7 @@ class RWorker:
                 sends[m] = prog.track([self.comm.Isend(outbufs[m], dest=0, tag=P.tag_out(m))], self.s_name)
                 if layer + 1 < layers:
                     recvs[m] = post_recv(m)
+        self.advance_prefill()
         for t in sends.values():
             prog.wait(t, self.timeout)
         busy_s = time.perf_counter() - t_step - idle_s

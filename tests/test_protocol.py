@@ -57,8 +57,20 @@ def test_prefill_round_trips():
 def test_prefill_whose_body_disagrees_with_its_header_is_refused():
     msg = P.prefill_message(1, np.arange(4), 0, 0, np.array([1]), np.array([32]))
     _, _, hdr, body = P.parse(msg)
-    with pytest.raises(P.ProtocolError, match="PREFILL announces 4 rows and 1 reservations"):
+    with pytest.raises(P.ProtocolError, match="PREFILL announces 4 rows, 1 reservations and 0 continued"):
         P.parse_prefill(hdr, body[:-1])
+
+
+def test_a_prefill_chunk_names_the_sequences_it_continues():
+    ids = np.repeat(np.array([7, 9], np.int64), [3, 2])
+    msg = P.prefill_message(5, ids, 0, 0, np.array([9]), np.array([64]), np.array([7]))
+    got = P.parse_prefill(*P.parse(msg)[2:])
+    assert got.continued.tolist() == [7] and got.reserve_ids.tolist() == [9]
+    for reserve, continued in (([], [8]), ([7], [7])):     # not in the chunk; reserved and continued
+        msg = P.prefill_message(5, ids, 0, 0, np.array(reserve, np.int64), np.array([64] * len(reserve)),
+                                np.array(continued, np.int64))
+        with pytest.raises(P.ProtocolError, match="continues a sequence it does not prefill, or reserves"):
+            P.parse_prefill(*P.parse(msg)[2:])
 
 
 def test_decode_round_trips_with_empty_minibatches():

@@ -3,7 +3,7 @@ against the same run's pure S-part prefill, with the prefill phases of every run
 
 Workload `long`: 32 prompts of 1,100 tokens x 64 new tokens (greedy, EOS ignored so every system
 makes the same tokens). Workload `mixed`: 32 prompts of 100..4,000 tokens, 16..256 new tokens
-each, unchunked against `--max-num-batched-tokens` chunks. Prompts are windows of the same token
+each, unchunked against `--max-num-batched-tokens` chunks (local mode; and under mpiexec -n 2). Prompts are windows of the same token
 stream (the docstrings of Python's standard library, tokenized once), given as token ids so
 every system reads exactly the same prompt.
 
@@ -99,7 +99,8 @@ def run_fastdecode(inp: str, ranks: int | None, extra: list[str]) -> dict:
     wall = time.perf_counter() - t
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
-    doc = json.load(open(stats))
+    with open(stats) as f:
+        doc = json.load(f)
     with open(out) as f:
         rows = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in map(json.loads, f)}
     summary = doc["summary"]
@@ -108,6 +109,8 @@ def run_fastdecode(inp: str, ranks: int | None, extra: list[str]) -> dict:
             "decode_s": summary["decode_s"], "prefill": summary.get("prefill"),
             "prefill_steps": [s["prefill"] for s in doc["steps"] if "prefill" in s],
             "output_tokens": summary["output_tokens"], "prompt_tokens": summary["prompt_tokens"],
+            "token_latency_p50_s": summary.get("token_latency_p50_s"),
+            "token_latency_p99_s": summary.get("token_latency_p99_s"),
             "texts": {k: v["text"] for k, v in sorted(rows.items())}}
 
 
@@ -146,7 +149,8 @@ def run_hf(work: list[tuple[list[int], int]]) -> dict:
     """A fresh process: import, load, one prefill forward (timed alone), then `generate`. The
     process wall minus the lone forward is what a user of HF waits for."""
     path = tempfile.mktemp(suffix=".json")
-    json.dump(work, open(path, "w"))
+    with open(path, "w") as f:
+        json.dump(work, f)
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", HF_CODE, path, MODEL], capture_output=True, text=True,
                           cwd=REPO, check=False, env={**os.environ, "PYTHONPATH": REPO})
@@ -195,7 +199,8 @@ print(json.dumps({"tokens": tokens, "wall_s": total, "tokens_per_s": tokens / to
 def run_s_part(step_lengths: list[list[int]]) -> dict:
     """The S-part's prefill alone over the same prefill batches (no R-part, no wire)."""
     path = tempfile.mktemp(suffix=".json")
-    json.dump(step_lengths, open(path, "w"))
+    with open(path, "w") as f:
+        json.dump(step_lengths, f)
     proc = subprocess.run([sys.executable, "-c", S_PART_CODE, path, MODEL], capture_output=True, text=True,
                           cwd=REPO, check=False, env={**os.environ, "PYTHONPATH": REPO})
     if proc.returncode:
@@ -250,8 +255,8 @@ def mixed_workload(chunks: list[int]) -> dict:
     res = {"prompts": len(work), "prompt_tokens": sum(len(w[0]) for w in work),
            "output_tokens": sum(w[1] for w in work), "runs": []}
     texts = None
-    for chunk in [0, *chunks]:
-        r = run_fastdecode(inp, None, engine + (["--max-num-batched-tokens", str(chunk)] if chunk else []))
+    for ranks, chunk in [(None, 0), *[(None, c) for c in chunks], (2, 0), (2, chunks[-1])]:
+        r = run_fastdecode(inp, ranks, engine + (["--max-num-batched-tokens", str(chunk)] if chunk else []))
         texts = texts or r["texts"]
         r["same_text_as_unchunked"] = r.pop("texts") == texts
         r.pop("prefill_steps")
@@ -259,9 +264,9 @@ def mixed_workload(chunks: list[int]) -> dict:
         r["tokens_per_s"] = round((r["output_tokens"] + r["prompt_tokens"]) / r["process_wall_s"], 2)
         print(r, flush=True)
         res["runs"].append(r)
-    base = res["runs"][0]["tokens_per_s"]
-    for r in res["runs"]:
-        r["vs_unchunked"] = round(r["tokens_per_s"] / base, 3)
+    for r in res["runs"]:       # against the unchunked run of the same mode (local, mpiexec)
+        base = next(b for b in res["runs"] if b["system"] == r["system"] and b["chunk"] is None)
+        r["vs_unchunked"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     return res
 
 

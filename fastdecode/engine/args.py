@@ -22,6 +22,8 @@ class EngineArgs:
                                       # for the PV product (V in token pairs) where their tune finds it faster
     max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
     max_prefill_tokens: int | None = None  # prompt tokens per prefill step (8192 on CPU, up to 32768 on CUDA)
+    max_num_batched_tokens: int | None = None  # chunked prefill: tokens per step, decode rows first, then prompt
+                                      # chunks (vLLM's name; None: whole prompts, max_prefill_tokens per step)
     max_model_len: int | None = None  # longest prompt + generation (default: the model's context)
     kv_reserve: str = "full"          # full: reserve each sequence's worst case | grow: page by page, preempt
     seed: int = 0                     # seeds requests that name none
@@ -68,6 +70,10 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
             free, _ = torch.cuda.mem_get_info(device)
             per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
             prefill = int(min(32768, max(8192, free // 4 // per_token)))
+    chunk = args.max_num_batched_tokens
+    if chunk is not None and chunk < max_batch:
+        raise ValueError(f"max_num_batched_tokens ({chunk}) is below max_batch ({max_batch}): decode rows alone "
+                         f"could fill every step and no prompt would be prefilled; raise it or lower max_batch")
     return dataclasses.replace(args, max_batch=max_batch, max_prefill_tokens=prefill)
 
 

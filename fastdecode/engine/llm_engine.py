@@ -57,9 +57,14 @@ class LLMEngine:
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(kv_itemsize(self.kv_dtype))
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve)
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
-                                   args.max_prefill_tokens)
+                                   args.max_prefill_tokens, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
         self.runner.reserve_tokens = self.placement.held_tokens     # workers take those pages at prefill
+        if self.layout is None and self.device.type == "cpu":
+            # local: the R-part only appends during prefill (and attends a mixed step's few decode
+            # rows), so prefill computes on every core
+            from rworker.host.threads import physical_cpus
+            self.runner.prefill_threads = self.args.s_threads or len(physical_cpus())
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no = 0
@@ -196,7 +201,8 @@ class LLMEngine:
         lengths = getattr(self.scheduler.admission, "lengths", None)
         if lengths is None or not lengths.ready:
             return float(self.bound_output_tokens)
-        seqs = [s for s in self.scheduler.running if s.status is Status.RUNNING] + list(self.scheduler.waiting)
+        seqs = [s for s in self.scheduler.running if s.status in (Status.RUNNING, Status.PREFILLING)] \
+            + list(self.scheduler.waiting)
         generated = np.array([len(s.output_ids) for s in seqs], dtype=np.int64)     # [n]
         bound = np.array([s.max_tokens for s in seqs], dtype=np.int64)              # [n]
         return float(self.bound_output_tokens - (bound - lengths.expected_length(generated, bound)).sum())
@@ -210,17 +216,15 @@ class LLMEngine:
         """Admit and prefill, decode one token for every running sequence, return finished requests."""
         self.step_no += 1
         faults.check(0, "step")
+        if self.scheduler.max_num_batched_tokens is not None:
+            return self._mixed_step()
         t0 = time.perf_counter()
         tokens_before = self.num_output_tokens
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)
         prefill = None
         if new:
-            self.num_recomputed_tokens += sum(s.kv_len for s in new if s.output_ids)
-            seqs, first = self.runner.prefill(new)
-            prefill = self.runner.last_prefill
-            self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
-            self._postprocess(seqs, first, finished)
+            prefill = self._prefill(new, finished)
         if self.placement.policy == "grow":
             self.free_kv(self.scheduler.make_room())
         t_prefill = time.perf_counter() - t0
@@ -235,9 +239,48 @@ class LLMEngine:
                              tokens=self.num_output_tokens - tokens_before, prefill=prefill)
         return finished
 
+    def _mixed_step(self) -> list[Request]:
+        """Chunked prefill: the running sequences' decode rows and this step's prompt chunks in one
+        pass through the layers (runner.mixed); a sequence whose last chunk is in it decodes from
+        the next step on."""
+        t0 = time.perf_counter()
+        tokens_before = self.num_output_tokens
+        finished: list[Request] = []
+        if self.placement.policy == "grow":           # room for the decode rows' next tokens first
+            self.free_kv(self.scheduler.make_room())
+        running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        new = self.scheduler.schedule_prefill(self.step_no)
+        prefill, stats, t_prefill = None, None, 0.0
+        if new and running:
+            self.num_recomputed_tokens += sum(s.prefill_to - s.prefilled for s in new if s.output_ids)
+            (seqs, first), (dseqs, tokens, stats) = self.runner.mixed(running, new)
+            prefill = self.runner.last_prefill
+            self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
+            self._postprocess(seqs, first, finished)
+            self._postprocess(dseqs, tokens, finished)
+        elif new:
+            prefill = self._prefill(new, finished)
+            t_prefill = time.perf_counter() - t0
+        elif running:
+            seqs, tokens, stats = self.runner.decode(running)
+            self._postprocess(seqs, tokens, finished)
+        self.free_kv(self.scheduler.drop_finished())
+        self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
+                             t_prefill, time.perf_counter() - t0, decode=bool(running),
+                             tokens=self.num_output_tokens - tokens_before, prefill=prefill)
+        return finished
+
+    def _prefill(self, new: list[Sequence], finished: list[Request]):
+        self.num_recomputed_tokens += sum((s.prefill_to or s.kv_len) - s.prefilled for s in new if s.output_ids)
+        seqs, first = self.runner.prefill(new)
+        self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
+        self._postprocess(seqs, first, finished)
+        return self.runner.last_prefill
+
     def free_kv(self, seqs: list[Sequence]) -> None:
         """Release the sequences' KV on their R-workers (sent before the next prefill or decode)."""
         if seqs:
+            self.runner.forget(seqs)
             by_worker = [[] for _ in self.backend.workers]
             for s in seqs:
                 by_worker[s.worker].append(s.seq_id)

@@ -30,6 +30,34 @@ PROMPT_LOGPROB_BLOCK = 1 << 24   # logits per LM-head block for prompt log-proba
                                  # a 30k-token prompt never needs a [30k, V] tensor
 
 
+class PrefillPlan:
+    """One step's prompt rows: sequence i's chunk covers KV positions starts[i] .. ends[i]-1."""
+
+    def __init__(self, seqs: list[Sequence], starts: list[int], ends: list[int]):
+        self.seqs, self.starts, self.ends = seqs, starts, ends
+        self.lengths = [e - b for b, e in zip(starts, ends)]
+        self.rows = sum(self.lengths)
+        self.done = [e == s.kv_len for s, e in zip(seqs, ends)]     # this chunk ends the prompt
+        self.seq_ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
+        self.row_ids = np.repeat(self.seq_ids, self.lengths)         # [T]
+        self.tokens = self.positions = None                          # [T] on the S-worker's device
+        self.worker_rows: list[int] = []
+        self.reserve = None
+        self.continued = np.zeros(0, np.int64)
+        self._context = None
+
+    def begin(self, be: RBackend, layers: int) -> None:
+        be.prefill_begin(self.row_ids, self.worker_rows, layers, reserve=self.reserve, continued=self.continued)
+
+    @property
+    def context(self):
+        return self._context or (lambda layer, k, v: None)
+
+    @context.setter
+    def context(self, fn) -> None:
+        self._context = fn
+
+
 def group_by_worker(seqs: list[Sequence], num_workers: int) -> tuple[list[Sequence], list[int]]:
     """Stable sort by worker -> (ordered sequences, rows per worker)."""
     ordered = sorted(seqs, key=lambda s: s.worker)
@@ -43,6 +71,7 @@ class ModelRunner:
     def __init__(self, model: LlamaSPart, backend: RBackend, eos_ids: frozenset[int], depth: int = 2,
                  graphs: LayerGraphs | None = None):
         self.model, self.backend = model, backend
+        self.config = model.config
         self.depth = depth
         self.graphs = graphs            # CUDA graphs of the dense work between attentions (or None)
         self.device = model.device
@@ -53,6 +82,8 @@ class ModelRunner:
         self.prefill_rows = 0           # prompt tokens whose K/V were shipped
         self.prefill_threads = 0        # torch threads for prefill (0: as decode), where the R-part idles
         self.last_prefill: PrefillPhases | None = None
+        self.chunk_kv: dict[int, list] = {}   # seq id -> per layer (K, V) [p, Hkv, D] of the prompt chunks
+                                              # prefilled so far, while more chunks are to come
         # KV tokens a new sequence reserves on its worker (the engine's placement), sent with its
         # prefill so the worker takes those pages at once: one run per (layer, head), not a page
         # wherever the free list has one every 32 decode steps (bench/kernel/NOTES.md, "Page runs")
@@ -117,11 +148,14 @@ class ModelRunner:
         their first tokens). A preempted sequence back from the queue has its prompt and all its output
         but the newest token prefilled (its KV recomputed) and samples nothing: decode goes on from there.
         Where the phases went is left in `last_prefill`."""
+        return self._with_prefill_threads(self._prefill, seqs)
+
+    def _with_prefill_threads(self, fn, *args):
         threads = torch.get_num_threads()
         if self.prefill_threads and self.prefill_threads != threads:
             torch.set_num_threads(self.prefill_threads)       # the R-part only appends meanwhile
         try:
-            return self._prefill(seqs)
+            return fn(*args)
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -130,31 +164,19 @@ class ModelRunner:
         m, be = self.model, self.backend
         clock = time.perf_counter
         t_start = clock()
-        ph = self.last_prefill = PrefillPhases()
-        seqs, counts = group_by_worker(seqs, be.num_workers)
-        lengths = [s.kv_len for s in seqs]
-        tokens = torch.tensor([t for s in seqs for t in s.request.prompt_ids + s.output_ids[:-1]],
-                              device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        seq_ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
-        row_ids = np.repeat(seq_ids, lengths)
-        worker_rows = [sum(n for s, n in zip(seqs, lengths) if s.worker == w) for w in range(be.num_workers)]
-        reserve = None
-        if self.reserve_tokens is not None:
-            held = np.array([self.reserve_tokens(s) for s in seqs], dtype=np.int64)
-            reserve = (seq_ids, held, counts)
+        pf = self._prefill_plan(seqs)
         t = clock()
-        be.prefill_begin(row_ids, worker_rows, m.config.num_layers, reserve=reserve)
+        pf.begin(be, m.config.num_layers)
         handoff = clock() - t
-        x = m.embed_tokens(tokens)                                   # [T, h]
-        cos, sin = m.rope.cos_sin(positions)
+        x = m.embed_tokens(pf.tokens)                                # [T, h]
+        cos, sin = m.rope.cos_sin(pf.positions)
         attention = 0.0
         for layer in range(m.config.num_layers):
             q, k, v = m.qkv(layer, x, cos, sin)
             t = clock()
             be.prefill_layer(layer, k, v)                            # leaves while the next layer computes
             t1 = clock()
-            o = m.prompt_attention(q, k, v, lengths)
+            o = m.prompt_attention(q, k, v, pf.lengths, pf.context(layer, k, v))
             t2 = clock()
             x = m.post_attn(layer, x, o)
             handoff += t1 - t
@@ -162,24 +184,78 @@ class ModelRunner:
         t = clock()
         be.prefill_end()
         handoff += clock() - t
-        self.prefill_rows += len(row_ids)
-        fresh = [i for i, s in enumerate(seqs) if not s.output_ids]
-        first = np.zeros(0, np.int64)
-        if fresh:
-            seqs, ends = [seqs[i] for i in fresh], np.cumsum(lengths)[fresh]   # ends: row after each one's last
-            self._prompt_logprobs(seqs, ends.tolist(), x)
-            last = torch.tensor(ends - 1, device=self.device)
-            logits = m.logits(x[last])                               # [n, V]
-            first = self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
-        else:
-            seqs = []
-        ph.tokens = len(row_ids)
-        ph.wall_s = clock() - t_start
-        ph.s_attention_s = attention
+        result = self._prefill_finish(pf, x)
+        ph = self.last_prefill = PrefillPhases(tokens=pf.rows, wall_s=clock() - t_start, s_attention_s=attention)
         ph.s_compute_s = ph.wall_s - handoff - attention
-        times = be.prefill_times
-        ph.pack_s, ph.wait_s, ph.append_s = times.pack_s, times.wait_s, times.append_s
-        return seqs, first
+        ph.pack_s, ph.wait_s, ph.append_s = be.prefill_times.pack_s, be.prefill_times.wait_s, be.prefill_times.append_s
+        return result
+
+    def _prefill_plan(self, seqs: list[Sequence]) -> PrefillPlan:
+        be = self.backend
+        seqs, _ = group_by_worker(seqs, be.num_workers)
+        # each sequence's chunk: KV positions start .. end-1 (the whole prompt unless chunked)
+        starts = [s.prefilled for s in seqs]
+        ends = [s.prefill_to or s.kv_len for s in seqs]
+        pf = PrefillPlan(seqs, starts, ends)
+        pf.tokens = torch.tensor([t for s, b, e in zip(seqs, starts, ends)
+                                  for t in (s.request.prompt_ids + s.output_ids[:-1])[b:e]], device=self.device)
+        pf.positions = torch.cat([torch.arange(b, e, device=self.device) for b, e in zip(starts, ends)])
+        pf.worker_rows = [sum(n for s, n in zip(seqs, pf.lengths) if s.worker == w) for w in range(be.num_workers)]
+        first = np.array([b == 0 for b in starts], dtype=bool)
+        if self.reserve_tokens is not None and first.any():
+            new = [s for s, f in zip(seqs, first) if f]
+            held = np.array([self.reserve_tokens(s) for s in new], dtype=np.int64)
+            pf.reserve = (pf.seq_ids[first], held, [sum(1 for s in new if s.worker == w)
+                                                    for w in range(be.num_workers)])
+        pf.continued = pf.seq_ids[~first]
+        if any(starts) or not all(pf.done):
+            pf.context = self._chunk_context(seqs, starts, pf.lengths, pf.done)
+        return pf
+
+    def _prefill_finish(self, pf: PrefillPlan, x: torch.Tensor) -> tuple[list[Sequence], np.ndarray]:
+        """After the last layer (x [T, h]): sample the first token of each fresh sequence whose
+        prompt ended in this step. -> (those sequences, their tokens)"""
+        self.prefill_rows += pf.rows
+        for s, e, d in zip(pf.seqs, pf.ends, pf.done):
+            s.prefilled, s.prefill_to = (0 if d else e), 0
+        fresh = [i for i, s in enumerate(pf.seqs) if pf.done[i] and not s.output_ids]
+        if not fresh:
+            return [], np.zeros(0, np.int64)
+        seqs, rows_end = [pf.seqs[i] for i in fresh], np.cumsum(pf.lengths)[fresh]   # the row after each one's last
+        self._prompt_logprobs(seqs, rows_end.tolist(), x)
+        last = torch.tensor(rows_end - 1, device=self.device)
+        logits = self.model.logits(x[last])                          # [n, V]
+        return seqs, self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
+
+    def _chunk_context(self, seqs: list[Sequence], starts: list[int], lengths: list[int], done: list[bool]):
+        """For a step with prompt chunks: layer -> per sequence the K/V its chunk attends to (the
+        earlier chunks' kept on this worker, then its own; None: its own rows alone). The K/V of a
+        sequence whose prompt goes on next step are kept until its last chunk."""
+        kept, bounds = self.chunk_kv, np.concatenate([[0], np.cumsum(lengths)])
+        for s, d in zip(seqs, done):
+            if not d and s.seq_id not in kept:
+                kept[s.seq_id] = [None] * self.model.config.num_layers
+
+        def context(layer: int, k: torch.Tensor, v: torch.Tensor) -> list:
+            out = []
+            for i, s in enumerate(seqs):
+                rows = slice(int(bounds[i]), int(bounds[i + 1]))
+                earlier = kept[s.seq_id][layer] if starts[i] else None          # ([p, Hkv, D], [p, Hkv, D])
+                kv = (k[rows], v[rows]) if earlier is None else \
+                    (torch.cat([earlier[0], k[rows]]), torch.cat([earlier[1], v[rows]]))
+                if not done[i]:
+                    kept[s.seq_id][layer] = (kv[0].clone(), kv[1].clone()) if earlier is None else kv
+                elif s.seq_id in kept and layer == len(kept[s.seq_id]) - 1:
+                    del kept[s.seq_id]
+                out.append(None if earlier is None else kv)
+            return out
+        return context
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """Drop what a chunked prefill kept of these sequences (freed before their last chunk)."""
+        for s in seqs:
+            self.chunk_kv.pop(s.seq_id, None)
+            s.prefilled = s.prefill_to = 0
 
     def _prompt_logprobs(self, seqs: list[Sequence], ends: list[int], x: torch.Tensor) -> None:
         """For requests that asked (once per request, by its first sample): the log-probability of each
@@ -198,6 +274,77 @@ class ModelRunner:
             empty = (np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, k), np.int64),
                      np.zeros((0, k), np.float32))
             s.request.prompt_logprobs = tuple(np.concatenate(col) for col in zip(*parts)) if parts else empty
+
+    def mixed(self, decode: list[Sequence], prefill: list[Sequence]):
+        """A chunked-prefill step (_mixed), on prefill's threads: the R-part's share of it is short."""
+        return self._with_prefill_threads(self._mixed, decode, prefill)
+
+    @torch.inference_mode()
+    def _mixed(self, decode: list[Sequence], prefill: list[Sequence]):
+        """One step of decode rows and prompt chunks through the same dense layers (chunked prefill).
+
+        x = [decode rows | prompt rows]; per layer one QKV projection for both, then the decode
+        rows leave for the R-workers while the S-worker attends the prompt rows itself (their
+        K/V leave too), then one MLP for both:
+            for layer: qkv = proj(x); submit(decode rows); send(prompt K/V); o_p = attend(prompt rows)
+                       o_d = wait(decode rows); x = post_attn(x, [o_d | o_p])
+        -> ((fresh sequences whose prompt ended, their first tokens), (decode seqs in row order,
+        their tokens, R-side stats)). Phases of the prompt part are left in `last_prefill`."""
+        m, be, c = self.model, self.backend, self.config
+        clock = time.perf_counter
+        t_start = clock()
+        pf = self._prefill_plan(prefill)
+        # the decode rows: one mini-batch, by worker then seq id (the prompt rows fill the pipeline)
+        meta = np.array([(s.seq_id, s.worker, s.prompt_len + len(s.output_ids) - 1, s.output_ids[-1],
+                          len(s.output_ids)) for s in decode], dtype=np.int64).reshape(-1, 5)
+        #   [B, (seq id, worker, kv_len = position, last token, tokens generated)]
+        order = np.lexsort((meta[:, 0], meta[:, 1]))
+        meta, dseqs = meta[order], [decode[i] for i in order]
+        counts = np.bincount(meta[:, 1], minlength=be.num_workers).tolist()
+        layout = TorchWireLayout(counts, c.num_heads, c.num_kv_heads, c.head_dim)
+        layout.row_offsets(self.device)
+        n = len(dseqs)
+        rope_d = m.rope.cos_sin(torch.from_numpy(meta[:, 2]).to(self.device), int(meta[:, 2].max()))
+        cos_p, sin_p = m.rope.cos_sin(pf.positions)
+        sampling = self._sampling_batch(dseqs, meta[:, 4])
+        x = torch.cat([m.embed_tokens(torch.from_numpy(meta[:, 3]).to(self.device)),
+                       m.embed_tokens(pf.tokens)])                                    # [B + T, h]
+        t = clock()
+        be.decode_begin([(meta[:, 0].copy(), counts)], c.num_layers, mixed=[r > 0 for r in pf.worker_rows])
+        pf.begin(be, c.num_layers)
+        handoff, attention, r_wait = clock() - t, 0.0, 0.0
+        for layer in range(c.num_layers):
+            qkv = m.qkv_proj(layer, x)                                                # [B + T, (Hq + 2 Hkv) D]
+            t = clock()
+            out = be.decode_buffer(layer, 0, layout.numel(), self.device, m.dtype)
+            m.rope_pack(qkv[:n], *rope_d, layout, out)
+            be.decode_submit(layer, 0, out)
+            q, k, v = m.rope_split(qkv[n:], cos_p, sin_p)
+            t1 = clock()
+            be.prefill_layer(layer, k, v)
+            t2 = clock()
+            o_p = m.prompt_attention(q, k, v, pf.lengths, pf.context(layer, k, v))   # [T, Hq, D]
+            t3 = clock()
+            o_d = be.decode_wait(layer, 0)                                            # [B, Hq, D]
+            t4 = clock()
+            x = m.post_attn(layer, x, torch.cat([o_d.to(o_p.dtype), o_p]))
+            handoff += t2 - t1
+            attention += t3 - t2
+            r_wait += t4 - t3
+        t = clock()
+        be.prefill_end()
+        handoff += clock() - t
+        tokens = self._sample(dseqs, m.logits(x[:n]), sampling)
+        stats = be.decode_end()
+        first = self._prefill_finish(pf, x[n:])
+        self.decode_rows += n
+        self.last_r_wait = r_wait
+        wall = clock() - t_start
+        self.last_s_time = wall - r_wait
+        ph = self.last_prefill = PrefillPhases(tokens=pf.rows, wall_s=wall, s_attention_s=attention, mixed=True)
+        ph.s_compute_s = wall - handoff - attention - r_wait
+        ph.pack_s, ph.wait_s, ph.append_s = be.prefill_times.pack_s, be.prefill_times.wait_s, be.prefill_times.append_s
+        return first, (dseqs, tokens, stats)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray, StepStats | None]:

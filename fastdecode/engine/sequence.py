@@ -11,6 +11,7 @@ class Status(enum.Enum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    PREFILLING = 3       # placed, its prompt prefilled in chunks (--max-num-batched-tokens); not decoding yet
 
 
 @dataclass(slots=True)
@@ -51,6 +52,8 @@ class Sequence:
     sampling_row: tuple | None = None   # the runner's cache of its sampling parameters
     logprobs: list[tuple] = field(default_factory=list)   # per output token, if asked for:
     #   (logprob, rank, top ids [k], top logprobs [k])
+    prefilled: int = 0               # KV tokens a chunked prefill in progress has stored (0 otherwise)
+    prefill_to: int = 0              # where this step's prefill chunk ends (set by the scheduler)
 
     @property
     def prompt_len(self) -> int:

@@ -22,6 +22,8 @@ class PrefillPhases:
     pack_s: float = 0.0        # K/V into wire buffers (MPI) or the store's input arrays (local)
     wait_s: float = 0.0        # blocked on the R-part: wire buffers in flight, the last sends/appends
     append_s: float = 0.0      # local mode: the store's appends (on a helper thread when pipelined)
+    mixed: bool = False        # a chunked-prefill step: decode rows shared the dense layers (wall_s and
+                               # s_compute_s are the whole step's, which decode_s counts too)
 
     def row(self, r_append_s: list[float]) -> dict:
         """The step row's `prefill` entry; r_append_s: each R-worker's append seconds."""
@@ -54,7 +56,7 @@ class StepRecorder:
         self.kv_bytes_peak = [0] * n
         self.attend_s, self.busy_s = [0.0] * n, [0.0] * n
         self.origin: float | None = None      # perf_counter at the start of the first step (rows' t_s)
-        self.prefills = self.prefill_tokens = 0
+        self.prefills = self.prefill_tokens = self.mixed_steps = 0
         self.prefill_sums = dict.fromkeys(PREFILL_SUMS, 0.0)
         self.r_append_s = [0.0] * n
 
@@ -75,6 +77,7 @@ class StepRecorder:
         pf = row.get("prefill")
         if pf is not None:
             self.prefills += 1
+            self.mixed_steps += bool(pf["mixed"])
             self.prefill_tokens += pf["tokens"]
             for k in PREFILL_SUMS:
                 self.prefill_sums[k] += pf[k]
@@ -155,7 +158,8 @@ class StepRecorder:
         }
         if self.prefills:
             sums = {k: round(v, 4) for k, v in self.prefill_sums.items()}
-            out["prefill"] = {"steps": self.prefills, "tokens": self.prefill_tokens, **sums,
+            out["prefill"] = {"steps": self.prefills, "mixed_steps": self.mixed_steps, "tokens": self.prefill_tokens,
+                              **sums,
                               "tokens_per_s": round(self.prefill_tokens / sums["wall_s"], 2) if sums["wall_s"] else None,
                               "r_append_s": [round(x, 4) for x in self.r_append_s]}
         if token_gaps.size:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from rworker.host.faults import HOWS as FAULT_HOWS
 from rworker.protocol.control import KIND_NAMES
 
-FAULT_POINTS = tuple(sorted({name.lower() for name in KIND_NAMES.values()} | {"step", "rewrite"}))
+FAULT_POINTS = tuple(sorted({name.lower() for name in KIND_NAMES.values()} | {"step", "rewrite", "prefill-stream"}))
 
 
 def one_of(*values: str, fold: bool = False) -> Callable[[str], str | None]:
@@ -42,10 +42,11 @@ def isa_name(value: str) -> str | None:
 
 def fault_spec(value: str) -> str | None:
     parts = value.split(":")
-    ok = len(parts) in (2, 3) and parts[0].isdigit() and parts[1] in FAULT_POINTS and \
-        (len(parts) == 2 or parts[2] in FAULT_HOWS)
-    return None if ok else (f"expected <rank>:<point>[:<how>] with point one of {', '.join(FAULT_POINTS)} and "
-                            f"how one of {', '.join(FAULT_HOWS)}")
+    ok = len(parts) in (2, 3, 4) and parts[0].isdigit() and parts[1] in FAULT_POINTS and \
+        (len(parts) == 2 or parts[2] in FAULT_HOWS or (parts[2] == "" and len(parts) == 4)) and \
+        (len(parts) < 4 or (parts[3].isdigit() and int(parts[3]) > 0))
+    return None if ok else (f"expected <rank>:<point>[:<how>[:<nth>]] with point one of {', '.join(FAULT_POINTS)}, "
+                            f"how one of {', '.join(FAULT_HOWS)} and nth a positive count")
 
 
 ON_OFF = one_of("0", "1")

@@ -36,7 +36,7 @@ class LocalBackend(RBackend):
         # thread computes the next mini-batch's S-part; one thread keeps calls in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rpart") if asynchronous else None
 
-    def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None):
         self._row_ids = row_ids
         self.prefill_times = PrefillTimes()
         if reserve is not None and len(reserve[0]):
@@ -51,7 +51,10 @@ class LocalBackend(RBackend):
         t = time.perf_counter()
         args = (layer, self._row_ids, as_numpy(k), as_numpy(v))
         self.prefill_times.pack_s += time.perf_counter() - t
-        self._append(*args)
+        if self._pool:      # the helper thread appends layer i while this one computes layer i + 1
+            self._appends.append(self._pool.submit(self._append, *args))
+        else:
+            self._append(*args)
 
     def prefill_end(self):
         t = time.perf_counter()
@@ -61,7 +64,7 @@ class LocalBackend(RBackend):
         self.prefill_times.wait_s += time.perf_counter() - t
         self._row_ids = None
 
-    def decode_begin(self, minibatches, layers=0):
+    def decode_begin(self, minibatches, layers=0, mixed=None):
         self._mb_ids = [ids for ids, _ in minibatches]
         self._attend_s = 0.0
 

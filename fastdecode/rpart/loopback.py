@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.rpart.base import RBackend, StepStats, WorkerInfo
+from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo
 from fastdecode.rpart.staging import HostBuffer, Stager
 
 
@@ -28,9 +28,10 @@ class LoopbackBackend(RBackend):
         self.slots: dict[int, dict] = {}
         self.n: dict[int, int] = {}
         self.prefill_buf = HostBuffer(dtype, self.pinned)
+        self.prefill_times = PrefillTimes()
 
     # prefill: the prompt K/V are staged to host as the MPI transport would send them
-    def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None):
         pass
 
     def prefill_layer(self, layer, k, v):
@@ -40,7 +41,7 @@ class LoopbackBackend(RBackend):
     def prefill_end(self):
         pass
 
-    def decode_begin(self, minibatches, layers=0):
+    def decode_begin(self, minibatches, layers=0, mixed=None):
         self.n = {mb: len(ids) for mb, (ids, _) in enumerate(minibatches)}
         for mb, n in self.n.items():
             if mb not in self.slots:

@@ -111,7 +111,7 @@ class MPIBackend(RBackend):
 
     # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
-    def prefill_begin(self, row_ids, counts, layers=0, reserve=None):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None):
         self.prefill_times = PrefillTimes()
         self._flush_frees()
         self._pf_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -123,8 +123,10 @@ class MPIBackend(RBackend):
             if n:
                 s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
                 r0, r1 = res_bounds[w], res_bounds[w + 1]
-                self._send_control(w, P.prefill_message(self.step, row_ids[s:e], code, layers,
-                                                        np.asarray(res_ids[r0:r1]), np.asarray(res_tokens[r0:r1])))
+                mine = row_ids[s:e]
+                more = np.intersect1d(mine, continued) if continued is not None and len(continued) else ()
+                self._send_control(w, P.prefill_message(self.step, mine, code, layers, np.asarray(res_ids[r0:r1]),
+                                                        np.asarray(res_tokens[r0:r1]), np.asarray(more, np.int64)))
 
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
@@ -169,7 +171,7 @@ class MPIBackend(RBackend):
 
     # ------------------------------------------------------------------ decode
 
-    def decode_begin(self, minibatches, layers=0):
+    def decode_begin(self, minibatches, layers=0, mixed=None):
         self._flush_frees()
         self.step += 1
         while len(self._slots) < len(minibatches):
@@ -184,7 +186,8 @@ class MPIBackend(RBackend):
             for w in range(len(self.ranks)):
                 per_worker_ids[w].append(ids[slot.bounds[w]:slot.bounds[w + 1]])
         for w in range(len(self.ranks)):
-            self._send_control(w, P.decode_message(self.step, per_worker_ids[w], code, layers))
+            self._send_control(w, P.decode_message(self.step, per_worker_ids[w], code, layers,
+                                                   bool(mixed and mixed[w])))
         self._stat_reqs = [self.comm.Irecv(self._stat_bufs[w], source=r, tag=P.TAG_INFO)
                            for w, r in enumerate(self.ranks)]
         self._step_start = time.perf_counter()

@@ -5,6 +5,10 @@ Admission is delegated to a controller from admission.py with one method,
 load-stabilizing controller and plain FIFO plug in alike; a controller that learns generation
 lengths also hears of each finished sequence (observe_finished). Placement then finds each admitted
 sequence an R-worker; a sequence that fits nowhere right now waits (FIFO order is kept).
+With a token budget per step (`--max-num-batched-tokens`, vLLM's chunked prefill) a step's rows
+are the running sequences' decode rows first, then prompt chunks in the budget left: a prompt
+longer than that is prefilled over several steps (PREFILLING until its last chunk), so decode never
+waits for a whole long prompt. A request asking for prompt_logprobs is prefilled in one piece.
 Under `--kv-reserve grow`, `make_room` preempts the youngest sequences of a worker that has no
 page left for an older one's next token; they go back to the head of the queue with what they
 generated and are prefilled again (prompt + output) when re-admitted.
@@ -19,12 +23,20 @@ from fastdecode.sched.admission import HEAD_WINDOW
 from fastdecode.sched.placement import Placement
 
 
+def splittable(seq: Sequence) -> bool:
+    """Whether seq's prompt may be prefilled in chunks: not when it asks for prompt_logprobs
+    (those come from the last layer over the whole prompt at once)."""
+    return seq.request.params.prompt_logprobs is None
+
+
 class Scheduler:
-    def __init__(self, admission, placement: Placement, max_batch: int, max_prefill_tokens: int):
+    def __init__(self, admission, placement: Placement, max_batch: int, max_prefill_tokens: int,
+                 max_num_batched_tokens: int | None = None):
         self.admission = admission
         self.placement = placement
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens      # None: whole prompts, prefill first
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -36,9 +48,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule_prefill(self, step: int) -> list[Sequence]:
-        """Sequences to prefill now; they are placed and counted as running from here on."""
+        """Sequences to prefill now, each up to its `prefill_to`; they are placed and counted as
+        running from here on (PREFILLING while chunks of their prompt remain)."""
+        budget = None
+        chosen = []
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens - sum(1 for s in self.running if s.status is Status.RUNNING)
+            for seq in self.running:                 # prefills in progress go on first, oldest first
+                if seq.status is Status.PREFILLING and budget > 0:
+                    budget -= self._chunk(seq, budget)
+                    chosen.append(seq)
+            if budget <= 0:
+                return chosen
         if not self.waiting:
-            return []
+            return chosen
         # the head of the queue is all a controller reads (it admits a prefix of at most
         # max_batch, estimates from HEAD_WINDOW); converting a 100k queue every step would not pay
         head = islice(self.waiting, max(HEAD_WINDOW, self.max_batch))
@@ -46,20 +69,36 @@ class Scheduler:
         running = [(s.kv_len, s.max_tokens - len(s.output_ids), len(s.output_ids)) for s in self.running]
         k = self.admission.admit(step, waiting, running, self.placement.total_capacity_tokens())
         k = min(k, self.max_batch - len(self.running))
-        chosen, tokens = [], 0
-        while self.waiting and len(chosen) < k:
+        admitted, tokens = [], 0
+        while self.waiting and len(admitted) < k:
             seq = self.waiting[0]
-            if chosen and tokens + seq.kv_len > self.max_prefill_tokens:
+            if budget is None and admitted and tokens + seq.kv_len > self.max_prefill_tokens:
                 break                       # the rest waits for the next step's prefill
+            if budget is not None and budget <= 0:
+                break
+            if budget is not None and not splittable(seq) and seq.kv_len > budget and (chosen or admitted):
+                break                       # prefilled in one piece: waits for a step with room
             if self.placement.place(seq) is None:
                 break                       # no worker has room now; keep FIFO order
             self.waiting.popleft()
-            seq.status = Status.RUNNING
             seq.start_step = step
-            chosen.append(seq)
+            if budget is None:
+                seq.prefill_to, seq.status = seq.kv_len, Status.RUNNING
+            else:
+                budget -= self._chunk(seq, budget if splittable(seq) else seq.kv_len)
+            admitted.append(seq)
             tokens += seq.kv_len
-        self.running.extend(chosen)
-        return chosen
+        self.running.extend(admitted)
+        return chosen + admitted
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """This step's chunk of seq's prompt, at most `budget` tokens; -> its size. The last chunk
+        makes it RUNNING (it decodes in this step)."""
+        take = min(seq.kv_len - seq.prefilled, budget)
+        seq.prefill_to = seq.prefilled + take
+        seq.status = Status.RUNNING if seq.prefill_to == seq.kv_len else Status.PREFILLING
+        return take
 
     def make_room(self) -> list[Sequence]:
         """grow: reserve room for every running sequence's next token, oldest first, preempting the

@@ -1,7 +1,9 @@
-"""Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>[:<how>]".
+"""Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>[:<how>[:<nth>]]".
 
-Points: hello, prefill, decode (R-workers), step (the S-worker's engine step), rewrite (rank 0's
-final rewrite of the output, before it replaces the file).
+Points: hello, prefill, decode (R-workers, on the step's control message), prefill-stream (an
+R-worker, after a prefill's first layer of K/V is appended: mid-stream), step (the S-worker's
+engine step), rewrite (rank 0's final rewrite of the output, before it replaces the file).
+nth: fire on the nth time the point is reached (default the first).
 How: raise (default) an exception; exit: die at once without MPI's help (a crash, exit code 17);
 kill: SIGKILL itself (the OOM killer, `kill -9`); hang: stop answering (a stuck node); enospc: an
 OSError "No space left on device".
@@ -20,6 +22,9 @@ class InjectedFault(RuntimeError):
     pass
 
 
+_reached: dict[str, int] = {}     # point -> times reached in this process
+
+
 def check(rank: int, point: str) -> None:
     spec = os.environ.get("FASTDECODE_INJECT_FAULT")
     if not spec:
@@ -27,7 +32,10 @@ def check(rank: int, point: str) -> None:
     parts = spec.split(":")
     if parts[:2] != [str(rank), point]:
         return
-    how = parts[2] if len(parts) > 2 else "raise"
+    how = parts[2] if len(parts) > 2 and parts[2] else "raise"
+    _reached[point] = _reached.get(point, 0) + 1
+    if len(parts) > 3 and _reached[point] != int(parts[3]):
+        return
     if how == "exit":
         os._exit(17)
     if how == "kill":

@@ -132,14 +132,17 @@ def parse_hello(hdr: np.ndarray, body: np.ndarray) -> Hello:
                  threads=int(body[1]), capacity_bytes=int(body[2]), s_cores=int(body[3]), bf16_probs=bool(body[4]))
 
 # ---------------------------------------------------------------- PREFILL
-# a=rows b=act dtype code c=layers in this step (0: all) d=reservations;
-# body: seq_ids[rows] (a prompt's rows consecutive), then d seq ids and d token counts to reserve
+# a=rows b=act dtype code c=layers in this step (0: all) d=reservations e=continued sequences;
+# body: seq_ids[rows] (a prompt's rows consecutive), then d seq ids and d token counts to reserve,
+# then e seq ids whose earlier prompt chunks the worker holds (their rows append after them)
 
 
 def prefill_message(step: int, row_ids: np.ndarray, act_code: int, layers: int,
-                    reserve_ids: np.ndarray, reserve_tokens: np.ndarray) -> np.ndarray:
-    return control(PREFILL, step, len(row_ids), act_code, layers, len(reserve_ids),
-                   body=[row_ids, reserve_ids, reserve_tokens])
+                    reserve_ids: np.ndarray, reserve_tokens: np.ndarray,
+                    continued: np.ndarray | None = None) -> np.ndarray:
+    continued = np.zeros(0, np.int64) if continued is None else continued
+    return control(PREFILL, step, len(row_ids), act_code, layers, len(reserve_ids), len(continued),
+                   body=[row_ids, reserve_ids, reserve_tokens, continued])
 
 
 @dataclass(slots=True)
@@ -149,29 +152,37 @@ class Prefill:
     layers: int                 # 0: all of the model's
     reserve_ids: np.ndarray     # [d] sequences whose reservation the worker takes as pages now
     reserve_tokens: np.ndarray  # [d] KV tokens each reserves
+    continued: np.ndarray       # [c] sequences whose earlier prompt chunks the worker holds (appended to)
 
 
 def parse_prefill(hdr: np.ndarray, body: np.ndarray) -> Prefill:
-    rows, act, layers, nres = int(hdr[0]), int(hdr[1]), int(hdr[2]), int(hdr[3])
-    if rows < 0 or nres < 0 or body.size != rows + 2 * nres or act not in ACT_DTYPES:
-        raise ProtocolError(f"protocol error: PREFILL announces {rows} rows and {nres} reservations "
-                            f"(activation code {act}), its body has {body.size} words")
+    rows, act, layers, nres, ncont = int(hdr[0]), int(hdr[1]), int(hdr[2]), int(hdr[3]), int(hdr[4])
+    if rows < 0 or nres < 0 or ncont < 0 or body.size != rows + 2 * nres + ncont or act not in ACT_DTYPES:
+        raise ProtocolError(f"protocol error: PREFILL announces {rows} rows, {nres} reservations and {ncont} "
+                            f"continued sequences (activation code {act}), its body has {body.size} words")
     row_ids = check_ids(body[:rows].copy(), "PREFILL")
     reserve_ids, tokens = check_ids(body[rows:rows + nres], "PREFILL's reservations"), body[rows + nres:rows + 2 * nres]
     if nres and ((tokens < 0).any() or not np.isin(reserve_ids, row_ids).all()):
         raise ProtocolError("protocol error: PREFILL reserves a negative token count or for a sequence it does not "
                             "prefill")
-    return Prefill(row_ids, ACT_DTYPES[act], layers, reserve_ids, tokens)
+    continued = check_ids(body[rows + 2 * nres:], "PREFILL's continued sequences")
+    if ncont and (not np.isin(continued, row_ids).all() or np.isin(reserve_ids, continued).any()):
+        raise ProtocolError("protocol error: PREFILL continues a sequence it does not prefill, or reserves for one "
+                            "it continues")
+    return Prefill(row_ids, ACT_DTYPES[act], layers, reserve_ids, tokens, continued)
 
 # ---------------------------------------------------------------- DECODE
 # a=mini-batches b=act dtype code c=layers in this step (0: all; `fastdecode profile` times the
-# R-part on the first few); body: counts[mini-batches], then each mini-batch's seq ids
+# R-part on the first few) d=mixed (1: a PREFILL control follows at once, and its K/V layers come
+# interleaved with the decode rows: layer i's K/V before layer i's q/k/v);
+# body: counts[mini-batches], then each mini-batch's seq ids
 
 
-def decode_message(step: int, ids_per_minibatch: list[np.ndarray], act_code: int, layers: int) -> np.ndarray:
+def decode_message(step: int, ids_per_minibatch: list[np.ndarray], act_code: int, layers: int,
+                   mixed: bool = False) -> np.ndarray:
     n_mb = len(ids_per_minibatch)
     _minibatch(n_mb - 1)
-    return control(DECODE, step, n_mb, act_code, layers, body=[[len(x) for x in ids_per_minibatch]]
+    return control(DECODE, step, n_mb, act_code, layers, int(mixed), body=[[len(x) for x in ids_per_minibatch]]
                    + list(ids_per_minibatch))
 
 
@@ -180,13 +191,14 @@ class Decode:
     ids: list[np.ndarray]       # per mini-batch [n_m] int64 (empty: nothing is sent for it)
     act_dtype: type
     layers: int
+    mixed: bool = False         # a PREFILL follows whose K/V layers interleave with this step's
 
 
 def parse_decode(hdr: np.ndarray, body: np.ndarray) -> Decode:
-    n_mb, act, layers = int(hdr[0]), int(hdr[1]), int(hdr[2])
-    if not 0 < n_mb <= MAX_MINIBATCHES or act not in ACT_DTYPES or body.size < n_mb:
+    n_mb, act, layers, mixed = int(hdr[0]), int(hdr[1]), int(hdr[2]), int(hdr[3])
+    if not 0 < n_mb <= MAX_MINIBATCHES or act not in ACT_DTYPES or body.size < n_mb or mixed not in (0, 1):
         raise ProtocolError(f"protocol error: DECODE with {n_mb} mini-batches (at most {MAX_MINIBATCHES}), "
-                            f"activation code {act}, {body.size} body words")
+                            f"activation code {act}, mixed flag {mixed}, {body.size} body words")
     counts = body[:n_mb]
     ends = np.cumsum(counts) + n_mb
     if (counts < 0).any() or body.size != ends[-1]:
@@ -195,7 +207,7 @@ def parse_decode(hdr: np.ndarray, body: np.ndarray) -> Decode:
     if np.unique(ids).size != ids.size:
         raise ProtocolError("protocol error: DECODE names a sequence twice in one step")
     starts = ends - counts - n_mb
-    return Decode([ids[s:e] for s, e in zip(starts, ends - n_mb)], ACT_DTYPES[act], layers)
+    return Decode([ids[s:e] for s, e in zip(starts, ends - n_mb)], ACT_DTYPES[act], layers, bool(mixed))
 
 # ---------------------------------------------------------------- the rest
 #   FREE:     a=n; body: seq_ids[n]
