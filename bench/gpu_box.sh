@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup tests kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests prefill kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 30 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so the calls go by what each issue still lacks, one call per issue first:
-#   call 1: setup tests soverhead   (~5 min, issue 5: CUDA tests incl. CUDA graphs; S-overhead, depths 1-3)
-#   call 2: fidelity                (~6 min, issue 4: plan vs measured with the chain hand-off term)
-#   call 3: amx kernel              (~7 min, issue 3: the AMX tile scores' tests on the instructions and
+#   call 1: setup prefill           (~7 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
+#                                    alone, dense + flash attention on the GPU, same run; 1,024- and 4,096-token prompts)
+#   call 2: tests soverhead         (~5 min, issue 5: CUDA tests incl. CUDA graphs; S-overhead, depths 1-3)
+#   call 3: fidelity                (~6 min, issue 4: plan vs measured with the chain hand-off term)
+#   call 4: amx kernel              (~7 min, issue 3: the AMX tile scores' tests on the instructions and
 #                                    their A/B against vdpbf16ps; the 16-core kernel vs read BW, AVX2 too)
-#   call 4: e2e8b e2e7b             (~5 min, issue 5: GQA end-to-end; R-worker scaling 1..14)
+#   call 5: e2e8b e2e7b             (~5 min, issue 5: GQA end-to-end; R-worker scaling 1..14)
 #   then, while time lasts: vtile (V tiles of 32 / token pairs vs token-major), pageruns (page layouts x
 #   prefetch modes), roofline (compute vs memory bound per shape, one core and 16)
 # A fresh machine needs `setup` again (it builds the extension).
@@ -41,6 +43,13 @@ setup)
     if ! ls rworker/_kernels_avx512*.so >/dev/null 2>&1; then stage build 120 $PY setup.py build_ext --inplace -j 3; fi
     $LAUNCHER -n 2 $PY -c "from mpi4py import MPI; c=MPI.COMM_WORLD; assert c.size == 2; print('mpi ok', MPI.Get_library_version()[:40])" 2>&1 | tail -2 | tee -a "$LOG"
     $PY -m fastdecode info 2>&1 | tee -a "$LOG" ;;
+prefill)     # issue 30: prefill through the engine (1 and 8 R-workers) vs the S-part alone on the GPU
+    stage prefill 240 $PY bench/e2e/prefill_bench.py --label h100-box --workload long --skip-hf \
+        --model random:llama-2-7b:layers=4 --prompts 64 --prompt-len 1024 --new-tokens 16 --ranks 2,9 \
+        --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768
+    stage prefill4k 240 $PY bench/e2e/prefill_bench.py --label h100-box-4k --workload long --skip-hf \
+        --model random:llama-3-8b:layers=4 --prompts 64 --prompt-len 4096 --new-tokens 16 --ranks 15 \
+        --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768 ;;
 tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local mode on CUDA
     stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py tests/test_layer_graphs.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores

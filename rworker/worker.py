@@ -161,8 +161,10 @@ class RWorker:
 
     # ------------------------------------------------------------------ prefill: append prompt K/V
 
-    def prefill(self, hdr: np.ndarray, body: np.ndarray) -> None:
-        """Start a prefill: check and reserve now, append its layers as they come (advance_prefill)."""
+    def prefill(self, hdr: np.ndarray, body: np.ndarray, patient: bool = True) -> None:
+        """Start a prefill: check and reserve now, append its layers as they come (advance_prefill).
+        patient: the S-worker computes a whole layer between two K/V messages (not a mixed step),
+        so waiting for them need not keep the progress thread polling fast."""
         msg = P.parse_prefill(hdr, body)
         layers, rows = self._layers(msg.layers), len(msg.row_ids)
         continued = set(msg.continued.tolist())
@@ -176,7 +178,7 @@ class RWorker:
         self.known |= new
         if len(msg.reserve_ids):    # pages for each sequence's whole reservation now: one run per (layer, head)
             self.store.reserve(msg.reserve_ids, msg.reserve_tokens)
-        self.stream, self.stream_next = self._prefill_layers(msg, layers, rows), 0
+        self.stream, self.stream_next = self._prefill_layers(msg, layers, rows, patient), 0
 
     def advance_prefill(self, upto: int | None = None) -> None:
         """Append the pending prefill's layers up to and including `upto` (None: all of them)."""
@@ -187,7 +189,7 @@ class RWorker:
             except StopIteration:
                 self.stream = None
 
-    def _prefill_layers(self, msg: P.Prefill, layers: int, rows: int):
+    def _prefill_layers(self, msg: P.Prefill, layers: int, rows: int, patient: bool):
         """Per layer: wait for its [k | v] message, append it, yield; the next one is received meanwhile."""
         hkv, d = self.num_kv_heads, self.head_dim
         bufs = [np.empty(2 * rows * hkv * d, dtype=msg.act_dtype) for _ in range(2)]
@@ -198,7 +200,7 @@ class RWorker:
             if layer + 1 < layers:
                 tickets[1 - cur] = self.progress.track(
                     [self.comm.Irecv(bufs[1 - cur], source=0, tag=P.TAG_KV)], self.s_name, sizes=True)
-            self.progress.wait(tickets[cur], self.timeout)
+            self.progress.wait(tickets[cur], self.timeout, patient=patient)
             self._received(tickets[cur], bufs[cur], "PREFILL K/V")
             k, v = split_kv(bufs[cur], rows, hkv, d)
             t = time.perf_counter()
@@ -222,7 +224,7 @@ class RWorker:
                 raise P.ProtocolError(f"protocol error: a mixed DECODE followed by {P.KIND_NAMES.get(kind, kind)}, "
                                       f"not PREFILL")
             faults.check(self.rank, "prefill")
-            self.prefill(phdr, pbody)
+            self.prefill(phdr, pbody, patient=False)
         unknown = set(np.concatenate(ids).tolist()) - self.known
         if unknown:
             raise P.ProtocolError(f"protocol error: DECODE of sequence {min(unknown)}, which this worker does not "

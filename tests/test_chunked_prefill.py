@@ -170,3 +170,23 @@ def test_an_rworker_killed_mid_prefill_stream_is_named_and_nothing_finished_is_l
     assert sorted(after) == [f"r{i}" for i in range(len(PROMPT_LENS))]
     for cid, row in before.items():                      # kept as they were
         assert after[cid]["response"]["body"]["choices"] == row["response"]["body"]["choices"]
+
+
+def test_chunked_prefill_with_preemption_gives_the_tokens_of_full_reservation():
+    """--kv-reserve grow in 9 MiB of KV (three 64-token pages of fp32 SmolLM2 per layer): sequences
+    are preempted and their prompt + output prefilled again, in chunks."""
+    from fastdecode import LLM, SamplingParams
+    prompts = ["Story number 1: once upon a time", "Story number 2: once upon a time",
+               "Story number 3: once upon a time"]
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    got = {}
+    for policy, chunk in (("full", None), ("grow", 16)):
+        llm = LLM("smollm2-135m", kv_dtype="fp32", dtype="float32", device="cpu", rworker_mem=9 * 2 ** 20,
+                  kv_reserve=policy, max_batch=4, max_num_batched_tokens=chunk)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[policy] = ([o.outputs[0].token_ids for o in outs], llm.engine.scheduler.num_preemptions,
+                       llm.engine.num_recomputed_tokens, llm.engine.runner.chunk_kv)
+        llm.close()
+    (full, _, _, _), (grow, preemptions, recomputed, kept) = got["full"], got["grow"]
+    assert preemptions >= 1 and recomputed >= 64 and not kept
+    assert grow == full

@@ -15,6 +15,11 @@ Peers and limits measured in the same run:
 
     python3 bench/e2e/prefill_bench.py [--label NAME] [--workload long|mixed|both] [--skip-hf]
 
+On a GPU box (the S-part alone is then its dense layers and flash attention on the GPU):
+    prefill_bench.py --label h100-box --workload long --model random:llama-2-7b:layers=4 \
+        --prompts 64 --prompt-len 1024 --new-tokens 16 --ranks 2,9 --launcher "mpirun ..." \
+        --device cuda --dtype bfloat16 --skip-hf
+
 Writes bench/e2e/results/prefill_<label>.json (and .png with matplotlib).
 """
 from __future__ import annotations
@@ -35,6 +40,22 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, REPO)          # this checkout's packages, whatever else is installed
 MODEL = "smollm2-135m"
+
+
+class Opts:
+    """What the command line sets for every run (defaults: the dev box's case)."""
+    model = MODEL
+    device, dtype = "cpu", "float32"
+    prompts, prompt_len, new_tokens = 32, 1100, 64
+    ranks = [2]                       # mpiexec -n values besides local mode
+    launcher = None                   # default: the mpiexec on PATH
+    chunk = 8192                      # the engine's --max-prefill-tokens (the S-part alone groups alike)
+
+    @classmethod
+    def engine(cls) -> list[str]:
+        kv = "fp32" if cls.dtype == "float32" else "bf16"
+        return ["--device", cls.device, "--dtype", cls.dtype, "--kv-dtype", kv,
+                "--max-prefill-tokens", str(cls.chunk)]
 STDLIB = ("collections", "json", "argparse", "subprocess", "threading", "asyncio", "pathlib", "typing",
           "functools", "itertools", "logging", "unittest", "email", "http.client", "xml.dom", "sqlite3",
           "decimal", "fractions", "statistics", "datetime", "calendar", "random", "re", "string",
@@ -56,8 +77,10 @@ def token_stream() -> list[int]:
         texts.append(pydoc.render_doc(mod, renderer=pydoc.plaintext))
         texts.extend(inspect.getdoc(obj) or "" for _, obj in sorted(vars(mod).items())
                      if inspect.isclass(obj) or inspect.isfunction(obj))
+    from fastdecode.model.source import read_config
     tok = Tokenizer(resolve_model(MODEL))
-    return tok.encode_text("\n\n".join(texts))
+    vocab = read_config(resolve_model(Opts.model)).vocab_size       # a random model's may be smaller
+    return [t % vocab for t in tok.encode_text("\n\n".join(texts))]
 
 
 def workload(kind: str, stream: list[int]) -> list[tuple[list[int], int]]:
@@ -66,7 +89,7 @@ def workload(kind: str, stream: list[int]) -> list[tuple[list[int], int]]:
     import random
     rng = random.Random(0)
     if kind == "long":
-        shapes = [(1100, 64)] * 32
+        shapes = [(Opts.prompt_len, Opts.new_tokens)] * Opts.prompts
     else:
         shapes = [(rng.randint(100, 4000), rng.choice((16, 32, 64, 128, 256))) for _ in range(32)]
     out, at = [], 0
@@ -81,7 +104,7 @@ def workload(kind: str, stream: list[int]) -> list[tuple[list[int], int]]:
 def batch_file(path: str, work: list[tuple[list[int], int]]) -> None:
     with open(path, "w") as f:
         for i, (ids, new) in enumerate(work):
-            body = {"model": MODEL, "prompt": ids, "max_tokens": new, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": ids, "max_tokens": new, "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
                                 "body": body}) + "\n")
 
@@ -90,10 +113,10 @@ def batch_file(path: str, work: list[tuple[list[int], int]]) -> None:
 
 def run_fastdecode(inp: str, ranks: int | None, extra: list[str]) -> dict:
     out, stats = tempfile.mktemp(suffix=".jsonl"), tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, "-m", "fastdecode", "generate", "-m", MODEL, "-i", inp, "-o", out, "--quiet",
+    cmd = [sys.executable, "-m", "fastdecode", "generate", "-m", Opts.model, "-i", inp, "-o", out, "--quiet",
            "--overwrite", "--stats-json", stats, *extra]
     if ranks:
-        cmd = [shutil.which("mpiexec"), "-n", str(ranks)] + cmd
+        cmd = (Opts.launcher.split() if Opts.launcher else [shutil.which("mpiexec")]) + ["-n", str(ranks)] + cmd
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
     wall = time.perf_counter() - t
@@ -104,7 +127,7 @@ def run_fastdecode(inp: str, ranks: int | None, extra: list[str]) -> dict:
     with open(out) as f:
         rows = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in map(json.loads, f)}
     summary = doc["summary"]
-    return {"system": "fastdecode local" if not ranks else f"fastdecode mpiexec -n {ranks}",
+    return {"system": "fastdecode local" if not ranks else f"fastdecode {ranks - 1} R-worker(s), mpiexec -n {ranks}",
             "args": extra, "process_wall_s": round(wall, 2), "generate_wall_s": summary["wall_s"],
             "decode_s": summary["decode_s"], "prefill": summary.get("prefill"),
             "prefill_steps": [s["prefill"] for s in doc["steps"] if "prefill" in s],
@@ -173,35 +196,38 @@ from fastdecode.model.weights import load_weights
 from rworker.host.threads import physical_cpus
 torch.set_num_threads(len(physical_cpus()))
 steps = json.load(open(sys.argv[1]))          # [[prompt lengths of one prefill step], ...]
-src = resolve_model(sys.argv[2]); cfg = read_config(src)
-m = LlamaSPart(cfg, load_weights(src, cfg, torch.float32, torch.device("cpu")), "cpu", torch.float32)
+model, device, dtype = sys.argv[2], torch.device(sys.argv[3]), getattr(torch, sys.argv[4])
+src = resolve_model(model); cfg = read_config(src)
+m = LlamaSPart(cfg, load_weights(src, cfg, dtype, device), device, dtype)
 gen = torch.Generator().manual_seed(0)
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 total = tokens = 0
 with torch.inference_mode():
     for rep in range(2):                       # the first pass warms the allocator and kernels
         total = tokens = 0
         for lengths in steps:
-            ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), generator=gen)
-            pos = torch.cat([torch.arange(n) for n in lengths])
-            t = time.perf_counter()
+            ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), generator=gen).to(device)
+            pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
+            sync(); t = time.perf_counter()
             x = m.embed_tokens(ids); cos, sin = m.rope.cos_sin(pos)
             for layer in range(cfg.num_layers):
                 q, k, v = m.qkv(layer, x, cos, sin)
                 x = m.post_attn(layer, x, m.prompt_attention(q, k, v, lengths))
-            m.logits(x[torch.tensor(lengths).cumsum(0) - 1])
-            total += time.perf_counter() - t
+            m.logits(x[torch.tensor(lengths, device=device).cumsum(0) - 1])
+            sync(); total += time.perf_counter() - t
             tokens += sum(lengths)
 print(json.dumps({"tokens": tokens, "wall_s": total, "tokens_per_s": tokens / total,
-                  "threads": torch.get_num_threads()}))
+                  "threads": torch.get_num_threads(), "device": str(device), "dtype": str(dtype)}))
 """
 
 
-def run_s_part(step_lengths: list[list[int]]) -> dict:
+def run_s_part(step_lengths: list[list[int]], dtype: str | None = None) -> dict:
     """The S-part's prefill alone over the same prefill batches (no R-part, no wire)."""
     path = tempfile.mktemp(suffix=".json")
     with open(path, "w") as f:
         json.dump(step_lengths, f)
-    proc = subprocess.run([sys.executable, "-c", S_PART_CODE, path, MODEL], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", S_PART_CODE, path, Opts.model, Opts.device, dtype or Opts.dtype],
+                          capture_output=True, text=True,
                           cwd=REPO, check=False, env={**os.environ, "PYTHONPATH": REPO})
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
@@ -225,21 +251,32 @@ def long_workload(stream, skip_hf: bool) -> dict:
     work = workload("long", stream)
     inp = tempfile.mktemp(suffix=".jsonl")
     batch_file(inp, work)
-    engine = ["--kv-dtype", "fp32", "--max-batch", str(len(work))]
+    engine = Opts.engine() + ["--max-batch", str(len(work))]
     res = {"prompts": len(work), "prompt_tokens": sum(len(w[0]) for w in work), "new_tokens": work[0][1],
            "runs": []}
     if not skip_hf:
         res["hf"] = run_hf(work)
         print("hf", res["hf"], flush=True)
-    res["s_part"] = run_s_part(prefill_batches(work, 8192))
+    res["s_part"] = run_s_part(prefill_batches(work, Opts.chunk))
     print("s-part alone", res["s_part"], flush=True)
     texts = None
-    for ranks in (None, 2):
+    for ranks in (None, *Opts.ranks):
         r = run_fastdecode(inp, ranks, engine)
         texts = texts or r["texts"]
         r["same_text_as_local"] = r.pop("texts") == texts
         pf = r["prefill"]
         r["prefill_vs_s_part"] = round(pf["tokens_per_s"] / res["s_part"]["tokens_per_s"], 3)
+        if "hf" in res:
+            r["hf_wall_over_ours"] = round(res["hf"]["process_wall_s"] / r["process_wall_s"], 3)
+        print(r["system"], {k: v for k, v in r.items() if k != "prefill_steps"}, flush=True)
+        res["runs"].append(r)
+    if Opts.device == "cpu" and Opts.dtype == "float32":     # what --dtype bfloat16 gives on this CPU
+        res["s_part_bf16"] = run_s_part(prefill_batches(work, Opts.chunk), "bfloat16")
+        r = run_fastdecode(inp, None, [a if a not in ("float32", "fp32") else {"float32": "bfloat16", "fp32": "bf16"}[a]
+                                       for a in engine])
+        r["system"] += " --dtype bfloat16 (bf16 KV)"
+        r["same_text_as_local"] = r.pop("texts") == texts
+        r["prefill_vs_s_part"] = round(r["prefill"]["tokens_per_s"] / res["s_part_bf16"]["tokens_per_s"], 3)
         if "hf" in res:
             r["hf_wall_over_ours"] = round(res["hf"]["process_wall_s"] / r["process_wall_s"], 3)
         print(r["system"], {k: v for k, v in r.items() if k != "prefill_steps"}, flush=True)
@@ -251,11 +288,11 @@ def mixed_workload(chunks: list[int]) -> dict:
     work = workload("mixed", token_stream())
     inp = tempfile.mktemp(suffix=".jsonl")
     batch_file(inp, work)
-    engine = ["--kv-dtype", "fp32", "--max-batch", "64"]
+    engine = Opts.engine() + ["--max-batch", "64"]
     res = {"prompts": len(work), "prompt_tokens": sum(len(w[0]) for w in work),
            "output_tokens": sum(w[1] for w in work), "runs": []}
     texts = None
-    for ranks, chunk in [(None, 0), *[(None, c) for c in chunks], (2, 0), (2, chunks[-1])]:
+    for ranks, chunk in [(None, 0), *[(None, c) for c in chunks], (Opts.ranks[0], 0), (Opts.ranks[0], chunks[-1])]:
         r = run_fastdecode(inp, ranks, engine + (["--max-num-batched-tokens", str(chunk)] if chunk else []))
         texts = texts or r["texts"]
         r["same_text_as_unchunked"] = r.pop("texts") == texts
@@ -314,10 +351,22 @@ def main() -> None:
     ap.add_argument("--label", default=platform.node() or "host")
     ap.add_argument("--workload", choices=("long", "mixed", "both"), default="both")
     ap.add_argument("--chunks", default="512,2048", help="--max-num-batched-tokens values (mixed)")
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF transformers peer (it loads only the embedded model)")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--prompts", type=int, default=Opts.prompts)
+    ap.add_argument("--prompt-len", type=int, default=Opts.prompt_len)
+    ap.add_argument("--new-tokens", type=int, default=Opts.new_tokens)
+    ap.add_argument("--ranks", default="2", help="mpiexec -n values besides local mode, comma-separated")
+    ap.add_argument("--launcher", default=None, help="the MPI launcher command (default: mpiexec on PATH)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=Opts.chunk)
     args = ap.parse_args()
+    Opts.model, Opts.device, Opts.dtype, Opts.launcher = args.model, args.device, args.dtype, args.launcher
+    Opts.prompts, Opts.prompt_len, Opts.new_tokens = args.prompts, args.prompt_len, args.new_tokens
+    Opts.ranks, Opts.chunk = [int(r) for r in args.ranks.split(",")], args.max_prefill_tokens
     result = {"label": args.label, "cpu": platform.processor(), "cores": os.cpu_count(),
-              "model": f"{MODEL} (fp32 S-part, fp32 KV)", "date": time.strftime("%Y-%m-%d")}
+              "model": f"{Opts.model} ({Opts.dtype} S-part on {Opts.device})", "date": time.strftime("%Y-%m-%d")}
     try:
         import subprocess as sp
         result["commit"] = sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -325,7 +374,7 @@ def main() -> None:
     except OSError:
         pass
     if args.workload in ("long", "both"):
-        result["long"] = long_workload(token_stream(), args.skip_hf)
+        result["long"] = long_workload(token_stream(), args.skip_hf or Opts.model != MODEL)
     if args.workload in ("mixed", "both"):
         result["mixed"] = mixed_workload([int(c) for c in args.chunks.split(",") if c])
     os.makedirs(RESULTS, exist_ok=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
 
@@ -60,11 +61,13 @@ class LLMEngine:
                                    args.max_prefill_tokens, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
         self.runner.reserve_tokens = self.placement.held_tokens     # workers take those pages at prefill
-        if self.layout is None and self.device.type == "cpu":
-            # local: the R-part only appends during prefill (and attends a mixed step's few decode
-            # rows), so prefill computes on every core
+        if self.device.type == "cpu" and not self.args.s_threads and (self.layout is None or self._node_cpus):
+            # the R-part only appends during prefill (and attends a mixed step's few decode rows),
+            # so a CPU S-worker prefills on every core of its node: local mode's, or those it left
+            # to the R-workers beside it when it bound itself to its share
             from rworker.host.threads import physical_cpus
-            self.runner.prefill_threads = self.args.s_threads or len(physical_cpus())
+            self.runner.prefill_threads = len(physical_cpus(self._node_cpus or None))
+            self.runner.prefill_cpus = self._node_cpus
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no = 0
@@ -89,6 +92,7 @@ class LLMEngine:
 
         MPI launchers make torch/MKL default to 1 thread (MPI_LOCALNRANKS), so set it always."""
         from rworker.host.cores import bind, launcher_bound, s_worker_cores
+        self._node_cpus: list[int] = []          # set if it binds itself to its share of the node
         pipelined = self.args.pipeline_depth > 1
         cpu = self.device.type == "cpu"
         if self.layout is None:                  # local mode: the R-part runs in this process
@@ -97,7 +101,9 @@ class LLMEngine:
             ranks_here, s_here, _ = self.layout
             s_cores = s_worker_cores(cpu, pipelined, rworkers_here=ranks_here - 1)
             if ranks_here > 1 and pipelined and not launcher_bound():
-                from rworker.host.threads import physical_cpus
+                from rworker.host.threads import cpu_set, physical_cpus
+                if hasattr(os, "sched_setaffinity"):
+                    self._node_cpus = cpu_set()
                 bind(physical_cpus()[:s_cores])
         if cpu:
             torch.set_num_threads(self.args.s_threads or s_cores)

@@ -4,6 +4,7 @@ Rows of a batch are ordered by R-worker so each worker's rows are one contiguous
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -81,6 +82,7 @@ class ModelRunner:
         self.decode_rows = 0            # sequence-steps decoded (rows that crossed to the R-part)
         self.prefill_rows = 0           # prompt tokens whose K/V were shipped
         self.prefill_threads = 0        # torch threads for prefill (0: as decode), where the R-part idles
+        self.prefill_cpus: list[int] = []   # CPUs for prefill, where the S-worker bound itself narrower
         self.last_prefill: PrefillPhases | None = None
         self.chunk_kv: dict[int, list] = {}   # seq id -> per layer (K, V) [p, Hkv, D] of the prompt chunks
                                               # prefilled so far, while more chunks are to come
@@ -151,14 +153,20 @@ class ModelRunner:
         return self._with_prefill_threads(self._prefill, seqs)
 
     def _with_prefill_threads(self, fn, *args):
-        threads = torch.get_num_threads()
+        """fn(*args) on prefill's threads (and CPUs, where the S-worker bound itself to its share)."""
+        threads, mask = torch.get_num_threads(), None
+        if self.prefill_cpus:
+            mask = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.prefill_cpus)      # OpenMP threads made now inherit it
         if self.prefill_threads and self.prefill_threads != threads:
-            torch.set_num_threads(self.prefill_threads)       # the R-part only appends meanwhile
+            torch.set_num_threads(self.prefill_threads)
         try:
             return fn(*args)
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
+            if mask is not None:
+                os.sched_setaffinity(0, mask)
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
         m, be = self.model, self.backend

@@ -106,7 +106,10 @@ class Progressor:
         self._wake.set()
         return ticket
 
-    def wait(self, ticket: Ticket, timeout: float | None = None) -> None:
+    def wait(self, ticket: Ticket, timeout: float | None = None, patient: bool = False) -> None:
+        """Block until the ticket's requests are done. patient: a wait whose answer is not urgent
+        (an R-worker's prefill K/V while the S-worker computes the next layer): the thread keeps
+        polling at its idle pace, which leaves the cores to co-located compute."""
         if ticket.event.is_set():
             return
         if not self.threaded:
@@ -117,6 +120,9 @@ class Progressor:
             ticket.event.set()
             return
         start = time.perf_counter()
+        if patient:
+            self._wait_event(ticket, timeout, start)
+            return
         self._waiters += 1
         self._wake.set()
         try:
