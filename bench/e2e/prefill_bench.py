@@ -47,7 +47,7 @@ class Opts:
     model = MODEL
     device, dtype = "cpu", "float32"
     prompts, prompt_len, new_tokens = 32, 1100, 64
-    ranks = [2]                       # mpiexec -n values besides local mode
+    ranks = (2,)                      # mpiexec -n values besides local mode
     launcher = None                   # default: the mpiexec on PATH
     chunk = 8192                      # the engine's --max-prefill-tokens (the S-part alone groups alike)
 
