@@ -6,8 +6,9 @@
 # is set) so that a cut run still returns what it finished.
 # A lent session has 30 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so the calls go by what each issue still lacks, one call per issue first:
-#   call 1: setup prefill           (~7 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
-#                                    alone, dense + flash attention on the GPU, same run; 1,024- and 4,096-token prompts)
+#   call 1: setup prefill           (~9 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
+#                                    alone, dense + flash attention on the GPU, same run; 1,024- and 4,096-token
+#                                    prompts; the mixed workload chunked and not)
 #   call 2: tests soverhead         (~5 min, issue 5: CUDA tests incl. CUDA graphs; S-overhead, depths 1-3)
 #   call 3: fidelity                (~6 min, issue 4: plan vs measured with the chain hand-off term)
 #   call 4: amx kernel              (~7 min, issue 3: the AMX tile scores' tests on the instructions and
@@ -49,7 +50,11 @@ prefill)     # issue 30: prefill through the engine (1 and 8 R-workers) vs the S
         --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768
     stage prefill4k 240 $PY bench/e2e/prefill_bench.py --label h100-box-4k --workload long --skip-hf \
         --model random:llama-3-8b:layers=4 --prompts 64 --prompt-len 4096 --new-tokens 16 --ranks 15 \
-        --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768 ;;
+        --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768
+    # chunked prefill where it should pay: the GPU S-part with 8 R-workers on their own cores
+    stage prefillmix 300 $PY bench/e2e/prefill_bench.py --label h100-box-mixed --workload mixed \
+        --model random:llama-2-7b:layers=4 --ranks 9 --chunks 2048,8192 --launcher "$LAUNCHER" \
+        --device cuda --dtype bfloat16 --max-prefill-tokens 32768 ;;
 tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local mode on CUDA
     stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py tests/test_layer_graphs.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores

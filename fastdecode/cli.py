@@ -63,7 +63,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="HF model directory, .gguf file, or embedded name (default: smollm2-135m)")
     p.add_argument("--device", default="auto", help="S-worker device: auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA)")
+                   help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
+                        "with AVX512-BF16 prefills ~3x as fast: docs/tuning.md)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16)")
     p.add_argument("--attn-probs", default="fp32", choices=["fp32", "bf16"],

@@ -92,4 +92,5 @@ class LLM:
     def close(self) -> None:
         if not getattr(self, "_closed", True):
             self._closed = True
+            atexit.unregister(self.close)     # the exit hook held the engine (weights, KV) until exit
             self.engine.close()

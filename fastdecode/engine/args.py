@@ -80,6 +80,9 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
 def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype, str]:
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    # auto stays fp32 on a CPU S-worker: bf16 prefills ~3x as fast on CPUs with AVX512-BF16, but its
+    # greedy tokens then depend on the batch around them often enough that a resumed or requeued
+    # job's rows differ from an uninterrupted run's (docs/tuning.md, --dtype)
     dtype = (torch.float32 if device.type == "cpu" else torch.bfloat16) if args.dtype == "auto" \
         else names[args.dtype]
     kv = args.kv_dtype

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from fastdecode.engine.prefill_plan import PrefillPlan, chunk_context
 from fastdecode.engine.sampler import (
     AllowedTokens,
     LogitBias,
@@ -29,34 +30,6 @@ from fastdecode.rpart.base import RBackend, StepStats, TorchWireLayout
 
 PROMPT_LOGPROB_BLOCK = 1 << 24   # logits per LM-head block for prompt log-probabilities (64 MB fp32):
                                  # a 30k-token prompt never needs a [30k, V] tensor
-
-
-class PrefillPlan:
-    """One step's prompt rows: sequence i's chunk covers KV positions starts[i] .. ends[i]-1."""
-
-    def __init__(self, seqs: list[Sequence], starts: list[int], ends: list[int]):
-        self.seqs, self.starts, self.ends = seqs, starts, ends
-        self.lengths = [e - b for b, e in zip(starts, ends)]
-        self.rows = sum(self.lengths)
-        self.done = [e == s.kv_len for s, e in zip(seqs, ends)]     # this chunk ends the prompt
-        self.seq_ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
-        self.row_ids = np.repeat(self.seq_ids, self.lengths)         # [T]
-        self.tokens = self.positions = None                          # [T] on the S-worker's device
-        self.worker_rows: list[int] = []
-        self.reserve = None
-        self.continued = np.zeros(0, np.int64)
-        self._context = None
-
-    def begin(self, be: RBackend, layers: int) -> None:
-        be.prefill_begin(self.row_ids, self.worker_rows, layers, reserve=self.reserve, continued=self.continued)
-
-    @property
-    def context(self):
-        return self._context or (lambda layer, k, v: None)
-
-    @context.setter
-    def context(self, fn) -> None:
-        self._context = fn
 
 
 def group_by_worker(seqs: list[Sequence], num_workers: int) -> tuple[list[Sequence], list[int]]:
@@ -217,7 +190,8 @@ class ModelRunner:
                                                     for w in range(be.num_workers)])
         pf.continued = pf.seq_ids[~first]
         if any(starts) or not all(pf.done):
-            pf.context = self._chunk_context(seqs, starts, pf.lengths, pf.done)
+            pf.context = chunk_context(self.chunk_kv, self.model.config.num_layers, seqs, starts, pf.lengths,
+                                       pf.done)
         return pf
 
     def _prefill_finish(self, pf: PrefillPlan, x: torch.Tensor) -> tuple[list[Sequence], np.ndarray]:
@@ -234,30 +208,6 @@ class ModelRunner:
         last = torch.tensor(rows_end - 1, device=self.device)
         logits = self.model.logits(x[last])                          # [n, V]
         return seqs, self._sample(seqs, logits, self._sampling_batch(seqs, np.zeros(len(seqs), dtype=np.int64)))
-
-    def _chunk_context(self, seqs: list[Sequence], starts: list[int], lengths: list[int], done: list[bool]):
-        """For a step with prompt chunks: layer -> per sequence the K/V its chunk attends to (the
-        earlier chunks' kept on this worker, then its own; None: its own rows alone). The K/V of a
-        sequence whose prompt goes on next step are kept until its last chunk."""
-        kept, bounds = self.chunk_kv, np.concatenate([[0], np.cumsum(lengths)])
-        for s, d in zip(seqs, done):
-            if not d and s.seq_id not in kept:
-                kept[s.seq_id] = [None] * self.model.config.num_layers
-
-        def context(layer: int, k: torch.Tensor, v: torch.Tensor) -> list:
-            out = []
-            for i, s in enumerate(seqs):
-                rows = slice(int(bounds[i]), int(bounds[i + 1]))
-                earlier = kept[s.seq_id][layer] if starts[i] else None          # ([p, Hkv, D], [p, Hkv, D])
-                kv = (k[rows], v[rows]) if earlier is None else \
-                    (torch.cat([earlier[0], k[rows]]), torch.cat([earlier[1], v[rows]]))
-                if not done[i]:
-                    kept[s.seq_id][layer] = (kv[0].clone(), kv[1].clone()) if earlier is None else kv
-                elif s.seq_id in kept and layer == len(kept[s.seq_id]) - 1:
-                    del kept[s.seq_id]
-                out.append(None if earlier is None else kv)
-            return out
-        return context
 
     def forget(self, seqs: list[Sequence]) -> None:
         """Drop what a chunked prefill kept of these sequences (freed before their last chunk)."""

@@ -1,0 +1,64 @@
+"""One step's prompt rows (whole prompts or chunks of them) and the K/V that chunked prefill keeps
+on the S-worker between a prompt's chunks."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fastdecode.engine.sequence import Sequence
+from fastdecode.rpart.base import RBackend
+
+
+class PrefillPlan:
+    """One step's prompt rows: sequence i's chunk covers KV positions starts[i] .. ends[i]-1."""
+
+    def __init__(self, seqs: list[Sequence], starts: list[int], ends: list[int]):
+        self.seqs, self.starts, self.ends = seqs, starts, ends
+        self.lengths = [e - b for b, e in zip(starts, ends)]
+        self.rows = sum(self.lengths)
+        self.done = [e == s.kv_len for s, e in zip(seqs, ends)]     # this chunk ends the prompt
+        self.seq_ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
+        self.row_ids = np.repeat(self.seq_ids, self.lengths)         # [T]
+        self.tokens = self.positions = None                          # [T] on the S-worker's device
+        self.worker_rows: list[int] = []
+        self.reserve = None
+        self.continued = np.zeros(0, np.int64)
+        self._context = None
+
+    def begin(self, be: RBackend, layers: int) -> None:
+        be.prefill_begin(self.row_ids, self.worker_rows, layers, reserve=self.reserve, continued=self.continued)
+
+    @property
+    def context(self):
+        return self._context or (lambda layer, k, v: None)
+
+    @context.setter
+    def context(self, fn) -> None:
+        self._context = fn
+
+
+def chunk_context(kept: dict[int, list], num_layers: int, seqs: list[Sequence], starts: list[int],
+                  lengths: list[int], done: list[bool]):
+    """For a step with prompt chunks: layer -> per sequence the K/V its chunk attends to (the
+    earlier chunks' from `kept`, then its own; None: its own rows alone). `kept` (seq id -> per
+    layer (K, V) [p, Hkv, D]) holds the K/V of a sequence whose prompt goes on next step, until
+    its last chunk."""
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    for s, d in zip(seqs, done):
+        if not d and s.seq_id not in kept:
+            kept[s.seq_id] = [None] * num_layers
+
+    def context(layer: int, k: torch.Tensor, v: torch.Tensor) -> list:
+        out = []
+        for i, s in enumerate(seqs):
+            rows = slice(int(bounds[i]), int(bounds[i + 1]))
+            earlier = kept[s.seq_id][layer] if starts[i] else None          # ([p, Hkv, D], [p, Hkv, D])
+            kv = (k[rows], v[rows]) if earlier is None else \
+                (torch.cat([earlier[0], k[rows]]), torch.cat([earlier[1], v[rows]]))
+            if not done[i]:
+                kept[s.seq_id][layer] = (kv[0].clone(), kv[1].clone()) if earlier is None else kv
+            elif s.seq_id in kept and layer == num_layers - 1:
+                del kept[s.seq_id]
+            out.append(None if earlier is None else kv)
+        return out
+    return context
