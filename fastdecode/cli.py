@@ -193,13 +193,22 @@ def validate_generate(args) -> None:
 
 
 def check_model(args) -> None:
-    """The model's config is readable and servable, and --max-model-len fits it."""
+    """The model's config is readable and servable, --max-model-len fits it, and a chunked-prefill
+    budget holds --max-batch decode rows."""
+    from fastdecode.engine.args import check_batch_budget, default_max_batch, resolve_device
     from fastdecode.model.config import ConfigError
     from fastdecode.model.source import read_config, resolve_model
     try:
         read_config(resolve_model(args.model)).resolve_max_model_len(getattr(args, "max_model_len", None))
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    budget = getattr(args, "max_num_batched_tokens", None)
+    try:
+        if budget is not None:
+            check_batch_budget(budget, args.max_batch or default_max_batch(resolve_device(args.device)))
+    except ValueError as e:
+        raise UsageError(str(e).replace("max_num_batched_tokens", "--max-num-batched-tokens")
+                         .replace("max_batch", "--max-batch")) from None
 
 
 def agree_on_usage(comm, error: str | None) -> bool:

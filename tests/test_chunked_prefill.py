@@ -108,6 +108,16 @@ def test_a_budget_below_max_batch_is_refused():
         resolve_batch_limits(args, torch.device("cpu"), None, torch.float32)
 
 
+def test_a_budget_below_max_batch_on_the_command_line_is_a_usage_error_before_the_model_loads(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(batch_line("a", {"prompt": "Hi", "max_tokens": 2}) + "\n")
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--max-batch", "8",
+                           "--max-num-batched-tokens", "4"], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--max-num-batched-tokens (4) is below --max-batch (8)" in proc.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 # ---------------------------------------------------------------------------- the same tokens
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def default_max_batch(device: torch.device) -> int:
+    return 4096 if device.type == "cuda" else 256
+
+
+def check_batch_budget(max_num_batched_tokens: int | None, max_batch: int) -> None:
+    """A chunked-prefill budget must hold a step of decode rows and still leave prompt tokens."""
+    if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) is below max_batch ({max_batch}): "
+                         f"decode rows alone could fill every step and no prompt would be prefilled; raise it or "
+                         f"lower max_batch")
+
+
 def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelConfig,
                          dtype: torch.dtype) -> EngineArgs:
     """Check the pipeline depth (the protocol's mini-batch limit) and fill in max_batch and
@@ -62,7 +74,7 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
     if not 1 <= args.pipeline_depth <= MAX_MINIBATCHES:
         raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {args.pipeline_depth}")
     cuda = device.type == "cuda"
-    max_batch = args.max_batch or (4096 if cuda else 256)
+    max_batch = args.max_batch or default_max_batch(device)
     prefill = args.max_prefill_tokens
     if prefill is None:
         prefill = 8192
@@ -70,10 +82,7 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
             free, _ = torch.cuda.mem_get_info(device)
             per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
             prefill = int(min(32768, max(8192, free // 4 // per_token)))
-    chunk = args.max_num_batched_tokens
-    if chunk is not None and chunk < max_batch:
-        raise ValueError(f"max_num_batched_tokens ({chunk}) is below max_batch ({max_batch}): decode rows alone "
-                         f"could fill every step and no prompt would be prefilled; raise it or lower max_batch")
+    check_batch_budget(args.max_num_batched_tokens, max_batch)
     return dataclasses.replace(args, max_batch=max_batch, max_prefill_tokens=prefill)
 
 

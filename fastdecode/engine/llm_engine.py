@@ -239,11 +239,7 @@ class LLMEngine:
         if running:
             seqs, tokens, stats = self.runner.decode(running)
             self._postprocess(seqs, tokens, finished)
-        self.free_kv(self.scheduler.drop_finished())
-        self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
-                             t_prefill, time.perf_counter() - t0, decode=bool(running),
-                             tokens=self.num_output_tokens - tokens_before, prefill=prefill)
-        return finished
+        return self._end_step(t0, tokens_before, running, stats, t_prefill, prefill, finished)
 
     def _mixed_step(self) -> list[Request]:
         """Chunked prefill: the running sequences' decode rows and this step's prompt chunks in one
@@ -258,11 +254,10 @@ class LLMEngine:
         new = self.scheduler.schedule_prefill(self.step_no)
         prefill, stats, t_prefill = None, None, 0.0
         if new and running:
-            self.num_recomputed_tokens += sum(s.prefill_to - s.prefilled for s in new if s.output_ids)
+            self._count_recomputed(new)
             (seqs, first), (dseqs, tokens, stats) = self.runner.mixed(running, new)
             prefill = self.runner.last_prefill
-            self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
-            self._postprocess(seqs, first, finished)
+            self._first_tokens(seqs, first, finished)
             self._postprocess(dseqs, tokens, finished)
         elif new:
             prefill = self._prefill(new, finished)
@@ -270,6 +265,11 @@ class LLMEngine:
         elif running:
             seqs, tokens, stats = self.runner.decode(running)
             self._postprocess(seqs, tokens, finished)
+        return self._end_step(t0, tokens_before, running, stats, t_prefill, prefill, finished)
+
+    def _end_step(self, t0: float, tokens_before: int, running: list[Sequence], stats, t_prefill: float,
+                  prefill, finished: list[Request]) -> list[Request]:
+        """Free what finished, record the step (--stats-json, the summary), return the finished requests."""
         self.free_kv(self.scheduler.drop_finished())
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
                              t_prefill, time.perf_counter() - t0, decode=bool(running),
@@ -277,11 +277,18 @@ class LLMEngine:
         return finished
 
     def _prefill(self, new: list[Sequence], finished: list[Request]):
+        self._count_recomputed(new)
+        self._first_tokens(*self.runner.prefill(new), finished)
+        return self.runner.last_prefill
+
+    def _count_recomputed(self, new: list[Sequence]) -> None:
+        """KV recomputed for preempted sequences (those with output) in this step's prompt rows."""
         self.num_recomputed_tokens += sum((s.prefill_to or s.kv_len) - s.prefilled for s in new if s.output_ids)
-        seqs, first = self.runner.prefill(new)
+
+    def _first_tokens(self, seqs: list[Sequence], first: np.ndarray, finished: list[Request]) -> None:
+        """Sequences whose prompt ended in this step, with the token sampled from its last row."""
         self.num_prompt_tokens += sum(s.prompt_len for s in seqs)
         self._postprocess(seqs, first, finished)
-        return self.runner.last_prefill
 
     def free_kv(self, seqs: list[Sequence]) -> None:
         """Release the sequences' KV on their R-workers (sent before the next prefill or decode)."""

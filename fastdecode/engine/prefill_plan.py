@@ -23,18 +23,14 @@ class PrefillPlan:
         self.worker_rows: list[int] = []
         self.reserve = None
         self.continued = np.zeros(0, np.int64)
-        self._context = None
+        self.context_fn = None      # chunk_context(...) where a chunk attends to earlier ones, else None
 
     def begin(self, be: RBackend, layers: int) -> None:
         be.prefill_begin(self.row_ids, self.worker_rows, layers, reserve=self.reserve, continued=self.continued)
 
-    @property
-    def context(self):
-        return self._context or (lambda layer, k, v: None)
-
-    @context.setter
-    def context(self, fn) -> None:
-        self._context = fn
+    def context(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list | None:
+        """What each chunk attends to at `layer` (prompt_attention's context); None: its own rows."""
+        return None if self.context_fn is None else self.context_fn(layer, k, v)
 
 
 def chunk_context(kept: dict[int, list], num_layers: int, seqs: list[Sequence], starts: list[int],

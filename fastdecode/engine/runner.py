@@ -190,7 +190,7 @@ class ModelRunner:
                                                     for w in range(be.num_workers)])
         pf.continued = pf.seq_ids[~first]
         if any(starts) or not all(pf.done):
-            pf.context = chunk_context(self.chunk_kv, self.model.config.num_layers, seqs, starts, pf.lengths,
+            pf.context_fn = chunk_context(self.chunk_kv, self.model.config.num_layers, seqs, starts, pf.lengths,
                                        pf.done)
         return pf
 
