@@ -31,7 +31,7 @@ import numpy as np
 
 from rworker import isa as _isa
 from rworker.host.threads import default_threads, pin_cpus
-from rworker.protocol.kvformat import DTYPE_BYTES, KV_DTYPES
+from rworker.protocol.kvformat import KV_DTYPES, kv_token_bytes
 
 V_PAIRS = -2      # the V layout "token pairs" (csrc/avx512/simd_avx512.h), where the build has it
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -48,7 +48,7 @@ class KVStore:
                  amx: bool | str | None = None):
         kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
         if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be 'bf16', 'fp16' or 'fp32', got {kv_dtype!r}")
+            raise ValueError(f"kv_dtype must be 'bf16', 'fp16', 'fp32' or 'int8', got {kv_dtype!r}")
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if int(val) != val or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
@@ -194,7 +194,14 @@ class KVStore:
         return self._st.bytes_reserved()
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+        """K and V bytes of one token over all layers (int8: its scales included), padding aside."""
+        return self.num_layers * kv_token_bytes(self.kv_dtype, self.num_kv_heads, self.head_dim)
+
+    @property
+    def vnni(self) -> bool:
+        """int8 stores: the passes run on vpdpbusd (AVX512-VNNI; FASTDECODE_VNNI=0 turns it off),
+        else on vpmaddubsw (AVX-512BW, AVX2) or in plain C++. The same integers either way."""
+        return bool(getattr(self._st, "vnni", False))
 
     @property
     def page_tokens(self) -> int:

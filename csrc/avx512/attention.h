@@ -74,10 +74,21 @@ public:
         const bool pairs = false;
 #endif
         if (vtile_ != V_TILE && vtile_ != V_TILE_ALT && !pairs) throw std::invalid_argument("v_tile: not a layout of this build");
+#if defined(FD_AVX512)
+        // int8 scores and PV by vpdpbusd where the CPU has AVX512-VNNI (FASTDECODE_VNNI=0: the
+        // AVX-512BW build of the same passes, for measurements and tests; SIMDe emulates both)
+#if defined(FD_SIMDE_AVX512)
+        const bool has_vnni = true;
+#else
+        const bool has_vnni = cpu_has("avx512vnni");
+#endif
+        use_vnni_ = has_vnni && !(getenv("FASTDECODE_VNNI") && std::string(getenv("FASTDECODE_VNNI")) == "0");
+#endif
         for (int d = 0; d < Dp_; ++d) apos_.push_back(pairs ? d : apos(dt_, d, Dp_));   // pairs: natural order
     }
 
     int amx() const { return amx_; }
+    bool vnni() const { return use_vnni_; }
     // AMX tile products for the scores (amx.h): hardware where the CPU and the OS allow it, the
     // emulation (tests) in any build that has the AVX512-BF16 scores, or off
     void set_amx(int mode) {
@@ -190,23 +201,31 @@ private:
         const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
 
         // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g][L_LANES] | qw [g][Dp/2] words
+        //          | qs [g] | qz [g] (int8: query scales, bias sums)
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + (size_t)g * (1 + L_LANES) + (size_t)g * Dp / 2 + 64);
+        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + (size_t)g * (3 + L_LANES) + (size_t)g * Dp / 2 + 64);
         float* acc = qf + (size_t)g * Dp;
         float* S = acc + (size_t)g * Dp;
         float* m = S + (size_t)g * PT;
         float* l = m + g;
         uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)g * L_LANES);
+        float* qs = reinterpret_cast<float*>(qw + (size_t)g * Dp / 2);
+        int32_t* qz = reinterpret_cast<int32_t*>(qs + g);
         auto l_of = [&](int j) { return l + (size_t)j * L_LANES; };   // head j's lane sums
+        const bool i8 = dt_ == I8;
 
         // 1. queries of this group: fp32 pre-scaled so scores are in log2 units, or (bf16 q and
-        //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product
+        //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product,
+        //    or (int8 K) int8 with their scales (quant.h)
         const size_t qisz = dtype_size(C.qdt);
         const char* qbase = static_cast<const char*>(C.q) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * qisz;
         const float sc = scale_ * LOG2E;
         for (int j = 0; j < g; ++j) {
             const char* qj = qbase + (size_t)j * D * qisz;
-            if (C.dp) {
+            if (i8) {
+                quant_query(qj, C.qdt, D, Dp, reinterpret_cast<int8_t*>(qw + (size_t)j * Dp / 4), qs[j], qz[j]);
+                qs[j] *= sc;
+            } else if (C.dp) {
                 uint16_t* h = reinterpret_cast<uint16_t*>(qw + (size_t)j * Dp / 2);
                 std::memcpy(h, qj, (size_t)D * 2);
                 for (int d = D; d < Dp; ++d) h[d] = 0;
@@ -223,14 +242,13 @@ private:
         if (C.amx) amx_begin(C.amx, g);
 #endif
         const int pf_mode = prefetch_.load(std::memory_order_relaxed);
-        const size_t run_bytes = (size_t)P * Dp * isz_;
         const auto& pages = s.pages[C.layer];
         const int32_t plast = (t1 - 1) / P;
         for (int32_t tb = t0; tb < t1; tb += P) {
             const int nvalid = std::min(P, t1 - tb);
             const int32_t pi = tb / P;
             const char* kr = pages[(size_t)pi * Hkv_ + it.h];
-            const char* vr = kr + run_bytes;
+            const char* vr = kr + half_bytes_;
 
             // 2a. what to prefetch while this page is computed: the next page of this item, or
             //     the first page of the item this thread runs next (simd.h: "Software prefetch");
@@ -243,6 +261,8 @@ private:
                 if (pf_mode == PF_ALL || isolated(ns, C.layer, ni, nh, kr)) pf = ns.pages[C.layer][ni * Hkv_ + nh];
             }
             // 2b. scores of every query head of the group: one pass over the K run
+            if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qs, qz, g, S, pf);
+            else
 #if defined(FD_HAVE_DPBF16)
             if (C.amx) scores_page_amx(C.amx, kr, Dp, qw, sc, g, S, pf);
             else if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
@@ -255,6 +275,8 @@ private:
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
+            if (i8) pv_page_i8(use_vnni_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
+            else
 #if defined(FD_HAVE_DPBF16)
             if (vtile_ == V_PAIRS) pv_page_pairs(vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
             else
@@ -314,6 +336,7 @@ private:
     std::atomic<int> prefetch_{prefetch_mode_env()};
     std::vector<int> apos_;   // [Dp] accumulator index of each dim
     bool use_dp_ = false;     // AVX512-BF16 present (and allowed): bf16-q scores by vdpbf16ps
+    bool use_vnni_ = false;   // AVX512-VNNI present (and allowed): int8 passes by vpdpbusd
     int amx_ = AMX_OFF;  // bf16-q scores as AMX tile products: AMX_HW, AMX_EMU (amx.h) or off
 
     // per-call scratch, reused

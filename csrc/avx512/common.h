@@ -32,9 +32,10 @@ namespace FD_NS {
 // ----------------------------------------------------------------------------
 // dtypes of the KV store and of the arrays crossing the Python boundary
 
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+// I8: the store's int8 KV (quant.h); never an array crossing the Python boundary
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 };
 
-inline size_t dtype_size(int dt) { return dt == F32 ? 4 : 2; }
+inline size_t dtype_size(int dt) { return dt == F32 ? 4 : dt == I8 ? 1 : 2; }
 
 constexpr float LOG2E = 1.4426950408889634f;
 

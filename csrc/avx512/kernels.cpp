@@ -85,7 +85,8 @@ struct PyStore {
         if (s == "fp32" || s == "float32") return F32;
         if (s == "bf16" || s == "bfloat16") return BF16;
         if (s == "fp16" || s == "float16") return F16;
-        throw py::value_error("kv_dtype must be 'bf16', 'fp16' or 'fp32', got '" + s + "'");
+        if (s == "int8") return I8;
+        throw py::value_error("kv_dtype must be 'bf16', 'fp16', 'fp32' or 'int8', got '" + s + "'");
     }
 
     bool append(int layer, const py::array& ids, const py::array& k, const py::array& v) {
@@ -187,6 +188,8 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
             [](PyStore& s, int e) { s.st.set_extent_pages(e); })
         .def_property_readonly("page_bytes", [](PyStore& s) { return s.st.page_bytes(); })
         .def_property_readonly("v_tile", [](PyStore& s) { return s.st.v_tile(); })
+        .def_property_readonly("vnni", [](PyStore& s) { return s.st.vnni(); },
+                               "int8 passes by vpdpbusd (AVX512-VNNI); False: vpmaddubsw (or plain C++)")
         .def_property(
             "amx", [](PyStore& s) { return s.st.amx(); },
             [](PyStore& s, int mode) {

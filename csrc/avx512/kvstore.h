@@ -31,6 +31,7 @@ public:
     // ---- settings ---------------------------------------------------------------
     int v_tile() const { return pages_.geometry().vtile_; }
     int amx() const { return attn_.amx(); }
+    bool vnni() const { return attn_.vnni(); }
     void set_amx(int mode) {
         std::lock_guard<std::mutex> lk(mu_);
         attn_.set_amx(mode);

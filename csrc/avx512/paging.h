@@ -3,7 +3,8 @@
 // Layout. A page holds PT = 32 consecutive tokens of one (sequence, layer, kv-head):
 //
 //   page: [ K run: Dw words x PT tokens | V run: PT tokens x Dp dims ]   kv dtype, 64-B aligned
-//   (the V run in tiles of V_TILE dims where the ISA's V pass wants them: simd.h)
+//   (the V run in tiles of V_TILE dims where the ISA's V pass wants them: simd.h; int8 pages
+//   carry each run's per-token scales after it and hold V in 4-token words: quant.h)
 //   AVX2 runs V in tiles of 16; AVX-512 token-major, or in tiles of 32 with FASTDECODE_VTILE=32
 //
 // (simd.h says why K is word-major). Pages come from an arena of big chunks that never move
@@ -43,14 +44,17 @@ namespace FD_NS {
 struct Geometry {
     const int L_, Hkv_, D_, Dp_, dt_;
     const size_t isz_;
-    const size_t page_bytes_;   // one head's K run + V run
-    const int vtile_;           // V run layout: token-major (0) or tiles of this many dims (simd.h)
+    const size_t half_bytes_;   // one head's K run (int8: and its scales); the V half is the same size
+    const size_t page_bytes_;   // one head's K half + V half
+    const int vtile_;           // V run layout: token-major (0) or tiles of this many dims (simd.h);
+                                // int8 stores have their own (quant.h) and ignore it
 
     Geometry(int L, int Hkv, int D, int dtype, int vtile)
         : L_(L), Hkv_(Hkv), D_(D), Dp_((int)round_up(D, 16)), dt_(dtype), isz_(dtype_size(dtype)),
-          page_bytes_(2 * (size_t)PT * round_up(D, 16) * dtype_size(dtype)), vtile_(vtile) {
+          half_bytes_(dtype == I8 ? i8_half_bytes((int)round_up(D, 16)) : (size_t)PT * round_up(D, 16) * dtype_size(dtype)),
+          page_bytes_(2 * half_bytes_), vtile_(vtile) {
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
-        if (dtype != F32 && dtype != BF16 && dtype != F16) throw std::invalid_argument("bad kv dtype");
+        if (dtype != F32 && dtype != BF16 && dtype != F16 && dtype != I8) throw std::invalid_argument("bad kv dtype");
     }
 };
 
@@ -254,11 +258,15 @@ public:
             const int64_t i0 = segs_[si], nr = segs_[si + 1] - i0;    // nr <= P rows, slots s0..
             const int s0 = rows_[i0].slot;
             char* krun = rows_[i0].pages[h];
-            char* vrun = krun + (size_t)P * Dp_ * isz_;
+            char* vrun = krun + half_bytes_;
             const char* ksrc = static_cast<const char*>(k) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
             const char* vsrc = static_cast<const char*>(v) + (size_t)i0 * src_row + (size_t)h * D_ * sisz;
             thread_local AlignedBuf tmpb;
             char* tmp = reinterpret_cast<char*>(tmpb.get((size_t)P * Dp_));   // [nr][Dp] in kv dtype
+            if (dt_ == I8) {
+                quantize_in(ksrc, vsrc, src_row, sdt, nr, reinterpret_cast<uint8_t*>(tmp), krun, vrun, s0);
+                return;
+            }
             for (int64_t r = 0; r < nr; ++r) {
                 if (vtile_ == 0) store_row(vsrc + r * src_row, sdt, vrun + (size_t)(s0 + r) * Dp_ * isz_, dt_, D_, Dp_);
                 store_row(ksrc + r * src_row, sdt, tmp + (size_t)r * Dp_ * isz_, dt_, D_, Dp_);
@@ -349,6 +357,20 @@ private:
             uint32_t* line = kr + (size_t)w * P;
             for (int64_t r = 0; r < nr; ++r) line[r] = b[(size_t)r * Dw + w];
         }
+    }
+
+    // int8 (quant.h): rows s0 .. s0+nr-1 quantized, K biased into its word-major run, V into
+    // 4-token words, each row's scale after its run; blk: [nr][Dp] bytes of scratch
+    void quantize_in(const char* ksrc, const char* vsrc, size_t src_row, int sdt, int64_t nr, uint8_t* blk,
+                     char* krun, char* vrun, int s0) const {
+        float* ksc = reinterpret_cast<float*>(krun + (size_t)P * Dp_);
+        float* vsc = reinterpret_cast<float*>(vrun + (size_t)P * Dp_);
+        for (int64_t r = 0; r < nr; ++r)
+            ksc[s0 + r] = quant_row(ksrc + r * src_row, sdt, D_, Dp_, blk + (size_t)r * Dp_, K_BIAS);
+        transpose_in(reinterpret_cast<const char*>(blk), nr, krun, s0);
+        for (int64_t r = 0; r < nr; ++r)
+            vsc[s0 + r] = quant_row(vsrc + r * src_row, sdt, D_, Dp_, blk + (size_t)r * Dp_, 0);
+        quads_in(blk, nr, reinterpret_cast<uint8_t*>(vrun), s0, Dp_);
     }
 
     // V run [Dp/vt][P][vt] (+ [P][Dp % vt] last), vt = vtile_: rows s0 .. s0+nr-1 <- rows of blk [nr][Dp]

@@ -46,6 +46,13 @@
 //   V_PAIRS                              a third V layout: bf16 V in token pairs (opt-in)
 //   pv_page_pairs(V, nvalid, Dp, S, g, acc, pf, pf_bytes)   pv_page for the V_PAIRS layout
 //   pairs_in(blk, nr, vrun, s0, Dp)      rows into a V run of token pairs (the store's append)
+//
+// int8 stores (quant.h: the page format and the arithmetic), in each ISA's *_i8.h:
+//   scores_page_i8(vnni, K, Dp, qw, qs, qz, g, S, pf)   S[j][t] = (K[t] . qq_j) qs[j] ksc[t]; qw [g][Dp/4]
+//                                        query words, qs the query scales (times scale*log2e), qz
+//                                        the bias sums (quant_query); vnni: the AVX512-VNNI build
+//   pv_page_i8(vnni, V, nvalid, Dp, S, g, acc, pf, page_bytes)   acc[j][d] += psc_j sum_t pq_j[t] vq[t][d]
+//                                        (natural dim order: apos is the identity for int8)
 #pragma once
 
 #include <algorithm>
@@ -155,10 +162,14 @@ static inline void for_groups(int dt, int g, F&& f) {
 
 // one ISA header: the functions of the contract above for this build
 #define FD_SIMD_H 1   // the ISA headers check that they come through here
+#include "quant.h"
 #if defined(FD_AVX512)
 #include "simd_avx512.h"
+#include "simd_avx512_i8.h"
 #elif defined(__AVX2__)
 #include "simd_avx2.h"
+#include "simd_avx2_i8.h"
 #else
 #include "simd_portable.h"
+#include "simd_portable_i8.h"
 #endif

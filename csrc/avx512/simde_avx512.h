@@ -104,9 +104,40 @@ static inline long long reduce_add_epi64(__m512i x) {
     return (long long)s;
 }
 
+static inline __m512 cvtepi32_ps(__m512i x) {
+    alignas(64) int32_t s[16];
+    alignas(64) float d[16];
+    _mm512_store_si512(s, x);
+    for (int i = 0; i < 16; ++i) d[i] = (float)s[i];
+    return _mm512_load_ps(d);
+}
+
+static inline __m512i cvtps_epi32(__m512 x) {   // round to nearest even (the default MXCSR mode)
+    __m256 lo, hi;
+    halves_ps(x, lo, hi);
+    alignas(64) int32_t d[16];
+    _mm256_store_si256((__m256i*)d, _mm256_cvtps_epi32(lo));
+    _mm256_store_si256((__m256i*)(d + 8), _mm256_cvtps_epi32(hi));
+    return _mm512_load_si512(d);
+}
+
+// SIMDe 0.7.4 defines _mm512_madd_epi16 with the masked form's 4 arguments
+static inline __m512i madd_epi16(__m512i a, __m512i b) {
+    alignas(64) int16_t x[32], y[32];
+    alignas(64) int32_t d[16];
+    _mm512_store_si512(x, a);
+    _mm512_store_si512(y, b);
+    for (int i = 0; i < 16; ++i) d[i] = (int32_t)x[2 * i] * y[2 * i] + (int32_t)x[2 * i + 1] * y[2 * i + 1];
+    return _mm512_load_si512(d);
+}
+
 }  // namespace fd_simde
 
 #define _mm512_cvtph_ps(h) fd_simde::cvtph_ps(h)
+#define _mm512_cvtepi32_ps(x) fd_simde::cvtepi32_ps(x)
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16(a, b) fd_simde::madd_epi16(a, b)
+#define _mm512_cvtps_epi32(x) fd_simde::cvtps_epi32(x)
 #define _mm512_cvtps_ph(x, r) fd_simde::cvtps_ph<(r)>(x)
 #define _mm512_cvtepi32_epi16(x) fd_simde::cvtepi32_epi16(x)
 #define _mm512_cvtepu16_epi32(x) fd_simde::cvtepu16_epi32(x)
