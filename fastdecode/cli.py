@@ -65,8 +65,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
                         "with AVX512-BF16 prefills ~3x as fast: docs/tuning.md)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8"],
+                   help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16; int8: "
+                        "per-token scales, about half of bf16's bytes read per token: docs/tuning.md)")
     p.add_argument("--attn-probs", default="fp32", choices=["fp32", "bf16"],
                    help="precision of the attention probabilities in the R-workers' PV product: bf16 (with bf16 KV) "
                         "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products where its "

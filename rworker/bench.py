@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from rworker.kvstore import KVStore
-from rworker.protocol.kvformat import kv_itemsize
+from rworker.protocol.kvformat import kv_token_bytes
 
 
 def largest_cache_bytes() -> int:
@@ -62,7 +62,7 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype
     (v_tile, prefetch: rworker.tune)."""
     rng = np.random.default_rng(seed)
     target_bytes = target_bytes or default_target_bytes()
-    token_bytes = 2 * num_kv_heads * head_dim * kv_itemsize(kv_dtype)          # K and V of one token, one layer
+    token_bytes = kv_token_bytes(kv_dtype, num_kv_heads, head_dim)              # K and V of one token, one layer
     long_len = max(64, int(target_bytes // (seqs * token_bytes)))
     points = []
     for length in (32, long_len):

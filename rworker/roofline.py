@@ -40,6 +40,9 @@ def page_ops(group: int, head_dim: int, kv_dtype: str, bf16_dot: bool, v_pairs: 
     if group < 1 or head_dim < 1 or kv_dtype not in KV_DTYPES:
         raise ValueError(f"page_ops: group {group} and head_dim {head_dim} must be >= 1, kv_dtype one of "
                          f"{sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype == "int8":
+        raise ValueError("page_ops counts the fp32/bf16/fp16 passes; int8's integer passes (csrc/avx512/quant.h) "
+                         "are measured, not counted: bench/kernel/int8_bench.py")
     if (bf16_dot or v_pairs) and kv_dtype != "bf16":
         raise ValueError(f"page_ops: vdpbf16ps needs bf16 KV, got {kv_dtype}")
     if v_pairs and not bf16_dot:

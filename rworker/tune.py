@@ -31,7 +31,7 @@ import numpy as np
 from rworker import isa as _isa
 from rworker.bench import default_target_bytes
 from rworker.kvstore import V_PAIRS, KVStore
-from rworker.protocol.kvformat import kv_itemsize
+from rworker.protocol.kvformat import kv_token_bytes
 
 CONTEXT = 1024                # tokens per probe sequence: the contexts the issue's targets name
 MAX_WORKING_SET = 256 << 20   # bytes per probe store: the issue's ">= 256 MB", past this VM's 32 MiB L3
@@ -81,7 +81,7 @@ def candidates(isa: str | None = None, kv_dtype: str = "fp32", bf16_probs: bool 
     on AVX512-BF16) V in token pairs joins, with both prefetch modes: it gives other bits, within
     a bf16 bound, so only a job that allows it times it."""
     mod = _isa.load(isa)
-    if mod.V_TILE == mod.V_TILE_ALT:
+    if mod.V_TILE == mod.V_TILE_ALT or kv_dtype == "int8":     # int8 has one V layout (quant.h)
         cands = [(mod.V_TILE, "on"), (mod.V_TILE, "scattered")]
     else:                                   # AVX-512: token-major with both modes, tiles with prefetch
         tiles = max(mod.V_TILE, mod.V_TILE_ALT)
@@ -142,7 +142,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
         return KernelChoice(cands[0][0], cands[0][1], tuned=False)
     t_start = time.perf_counter()
     rng = np.random.default_rng(seed)
-    token_bytes = 2 * num_kv_heads * head_dim * kv_itemsize(kv_dtype)        # K and V, one layer
+    token_bytes = kv_token_bytes(kv_dtype, num_kv_heads, head_dim)            # K and V, one layer
     want = working_set_bytes or min(default_target_bytes(), MAX_WORKING_SET)
     seqs = max(2 * (threads or 1), -(-want // (CONTEXT * token_bytes)))
     nbytes = seqs * CONTEXT * token_bytes

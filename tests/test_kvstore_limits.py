@@ -73,7 +73,7 @@ def test_bad_inputs_raise_value_error():
         lambda: st.attend(0, [0, 1, 2], q, out=np.empty(q.shape, np.float64)),         # out dtype
         lambda: st.attend(0, [0, 1, 2], q, out=np.empty((3, 2, D), np.float32)),       # out shape
         lambda: st.attend(9, [0, 1, 2], q),
-        lambda: KVStore(1, 2, 64, "int8"),
+        lambda: KVStore(1, 2, 64, "int4"),
         lambda: KVStore(0, 2, 64),
         lambda: KVStore(1, 2, 64, threads=0),
     ]

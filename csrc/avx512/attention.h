@@ -201,9 +201,10 @@ private:
         const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
 
         // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g][L_LANES] | qw [g][Dp/2] words
-        //          | qs [g] | qz [g] (int8: query scales, bias sums)
+        //          | qs [g] | qz [g][2] (int8: qw holds the query's hi parts [g][Dp/4] then its lo parts,
+        //          qs their scales, qz their bias sums: quant.h)
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + (size_t)g * (3 + L_LANES) + (size_t)g * Dp / 2 + 64);
+        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + (size_t)g * (4 + L_LANES) + (size_t)g * Dp / 2 + 64);
         float* acc = qf + (size_t)g * Dp;
         float* S = acc + (size_t)g * Dp;
         float* m = S + (size_t)g * PT;
@@ -223,7 +224,9 @@ private:
         for (int j = 0; j < g; ++j) {
             const char* qj = qbase + (size_t)j * D * qisz;
             if (i8) {
-                quant_query(qj, C.qdt, D, Dp, reinterpret_cast<int8_t*>(qw + (size_t)j * Dp / 4), qs[j], qz[j]);
+                quant_query(qj, C.qdt, D, Dp, reinterpret_cast<int8_t*>(qw + (size_t)j * Dp / 4),
+                            reinterpret_cast<int8_t*>(qw + (size_t)(g + j) * Dp / 4), qs[j], qz + 2 * j,
+                            acc + (size_t)j * Dp);       // the accumulator row as scratch (zeroed below)
                 qs[j] *= sc;
             } else if (C.dp) {
                 uint16_t* h = reinterpret_cast<uint16_t*>(qw + (size_t)j * Dp / 2);
@@ -261,7 +264,7 @@ private:
                 if (pf_mode == PF_ALL || isolated(ns, C.layer, ni, nh, kr)) pf = ns.pages[C.layer][ni * Hkv_ + nh];
             }
             // 2b. scores of every query head of the group: one pass over the K run
-            if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qs, qz, g, S, pf);
+            if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qw + (size_t)g * Dp / 4, qs, qz, g, S, pf);
             else
 #if defined(FD_HAVE_DPBF16)
             if (C.amx) scores_page_amx(C.amx, kr, Dp, qw, sc, g, S, pf);

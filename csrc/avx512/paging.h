@@ -359,17 +359,17 @@ private:
         }
     }
 
-    // int8 (quant.h): rows s0 .. s0+nr-1 quantized, K biased into its word-major run, V into
+    // int8 (quant.h): rows s0 .. s0+nr-1 quantized, K turned and biased into its word-major run, V into
     // 4-token words, each row's scale after its run; blk: [nr][Dp] bytes of scratch
     void quantize_in(const char* ksrc, const char* vsrc, size_t src_row, int sdt, int64_t nr, uint8_t* blk,
                      char* krun, char* vrun, int s0) const {
         float* ksc = reinterpret_cast<float*>(krun + (size_t)P * Dp_);
         float* vsc = reinterpret_cast<float*>(vrun + (size_t)P * Dp_);
-        for (int64_t r = 0; r < nr; ++r)
-            ksc[s0 + r] = quant_row(ksrc + r * src_row, sdt, D_, Dp_, blk + (size_t)r * Dp_, K_BIAS);
+        thread_local AlignedBuf xb;
+        float* x = xb.get(Dp_);
+        for (int64_t r = 0; r < nr; ++r) ksc[s0 + r] = quant_key(ksrc + r * src_row, sdt, D_, Dp_, blk + (size_t)r * Dp_, x);
         transpose_in(reinterpret_cast<const char*>(blk), nr, krun, s0);
-        for (int64_t r = 0; r < nr; ++r)
-            vsc[s0 + r] = quant_row(vsrc + r * src_row, sdt, D_, Dp_, blk + (size_t)r * Dp_, 0);
+        for (int64_t r = 0; r < nr; ++r) vsc[s0 + r] = quant_value(vsrc + r * src_row, sdt, D_, Dp_, blk + (size_t)r * Dp_, x);
         quads_in(blk, nr, reinterpret_cast<uint8_t*>(vrun), s0, Dp_);
     }
 

@@ -12,17 +12,24 @@
 //   V run    [PT/4][Dp] words: word (s, d) holds dim d of tokens 4s..4s+3 (int8)
 //   V scales [PT] fp32
 // x = scale * xq with xq = rint(x * 127 / amax) in [-127, 127], scale = amax / 127, amax the
-// row's largest |x| (all zero: scale 0). K is stored biased (+128) so that the unsigned operand
+// row's largest |x| (all zero: scale 0). K rows are stored turned by a Hadamard rotation (hadamard
+// below; queries turn the same way, so scores are unchanged): per-token scales then lose little to
+// the keys' outlier channels. K is stored biased (+128) so that the unsigned operand
 // of vpdpbusd is K and the signed one the query: q . k = sum (kq + 128) q - 128 sum q, the second
 // term once per query. V is stored 4 tokens to a word so that one vpdpbusd adds 4 tokens' products.
 //
 // The attention over an int8 page (the ISA headers' scores_page_i8 / pv_page_i8):
-//   query  qq = rint(q * 127 / amax_q), once per (row, head) and call (quant_query)
-//   scores s[t] = (sum_d qq[d] kq[t][d]) * (amax_q / 127) * ksc[t] * scale * log2(e): integer
-//          dot products, exact in int32 (|sum| <= 256 * 127 * 127 * Dp / 4)
-//   PV     w[t] = p[t] * vsc[t], pq = rint(w * 127 / max_t w) in [0, 127] per (page, head),
-//          acc[d] += (max_t w / 127) * sum_t pq[t] vq[t][d]: integer again, 7-bit p so that the
-//          AVX2 pair products (vpmaddubsw, saturating at 32767) stay exact: 2 * 127 * 127
+//   query  q = sq * (qh + ql / 254), two int8 parts, once per (row, head) and call (quant_query)
+//   scores s[t] = (K[t] . qh + K[t] . ql / 254) * sq * ksc[t] * scale * log2(e): two integer dot
+//          products per K word, exact in int32 (|sum| <= 255 * 127 * Dp)
+//   PV     w[t] = p[t] * vsc[t] = ps * (ph[t] + pl[t] / 127) per (page, head), ph and pl in
+//          [0, 127] (quant_p); acc[d] += ps * (sum_t ph[t] vq[t][d] + sum_t pl[t] vq[t][d] / 127):
+//          integer again, 7-bit parts so that the AVX2 pair products (vpmaddubsw, saturating at
+//          32767) stay exact: 2 * 127 * 127
+// Why two parts each: on the embedded model's K/V/q (bench/kernel/int8_granularity.py) one 8-bit
+// query and one 7-bit weight per page each erred as much as int8 K itself (relative error of the
+// output ~1.6% each, 3.2% in all), and greedy tokens followed fp32 KV at 98.5% of positions; the
+// residual parts cost one more integer dot product and leave the error to K and V.
 // Every ISA computes the same integers; only the fp32 epilogues may round differently.
 #pragma once
 
@@ -30,6 +37,7 @@
 #error "quant.h is included through simd.h (it needs PT)"
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,37 +53,94 @@ constexpr size_t I8_SCALE_BYTES = (size_t)PT * 4;  // the scales after a K or V 
 // bytes of one K or V half of an int8 page (run + scales)
 inline size_t i8_half_bytes(int Dp) { return (size_t)PT * Dp + I8_SCALE_BYTES; }
 
-// rint(x * inv) clamped to [-127, 127]; NaN -> 0 (the row's scale is NaN then, and so its output)
+// rint(x * inv) clamped to [-127, 127]; NaN -> 0 (the row's scale is NaN then, and so its output).
+// Selects, not branches, so that loops over it vectorize.
 static inline int quant_one(float x, float inv) {
     float y = x * inv;
-    if (!(y == y)) return 0;
-    y = y > (float)I8_MAX ? (float)I8_MAX : y < -(float)I8_MAX ? -(float)I8_MAX : y;
+    y = y == y ? y : 0.f;
+    y = y > (float)I8_MAX ? (float)I8_MAX : y;
+    y = y < -(float)I8_MAX ? -(float)I8_MAX : y;
     return (int)std::nearbyint(y);
 }
 
-// one row of D values (sdt F32 or BF16) -> Dp bytes (xq + bias, pad dims 0 + bias); its scale
-static inline float quant_row(const void* src, int sdt, int D, int Dp, uint8_t* dst, int bias) {
-    float amax = 0.f;
-    bool finite = true;
-    for (int i = 0; i < D; ++i) {
-        const float a = std::fabs(load_scalar(src, i, sdt));
-        finite &= a <= 3.4e38f;                            // false for inf and NaN
-        amax = std::fmax(amax, a);
-    }
-    if (!finite) amax = NAN;                               // inf or NaN in the row: NaN out, as fp32 KV gives
-    const float inv = amax > 0.f ? (float)I8_MAX / amax : 0.f;
-    for (int i = 0; i < D; ++i) dst[i] = (uint8_t)(quant_one(load_scalar(src, i, sdt), inv) + bias);
-    for (int i = D; i < Dp; ++i) dst[i] = (uint8_t)bias;
-    return amax / (float)I8_MAX;
+// one row of D values (sdt F32 or BF16) -> x [Dp] floats, pad dims 0
+static inline void load_row(const void* src, int sdt, int D, int Dp, float* x) {
+    for (int i = 0; i < D; ++i) x[i] = load_scalar(src, i, sdt);
+    for (int i = D; i < Dp; ++i) x[i] = 0.f;
 }
 
-// a query row -> Dp int8 (as bytes of 32-bit words), its scale amax/127 and 128 * sum(qq) (the
-// bias correction of the K bytes)
-static inline void quant_query(const void* src, int qdt, int D, int Dp, int8_t* dst, float& scale, int32_t& bias_sum) {
-    scale = quant_row(src, qdt, D, Dp, reinterpret_cast<uint8_t*>(dst), 0);
-    int32_t s = 0;
-    for (int i = 0; i < Dp; ++i) s += dst[i];
-    bias_sum = K_BIAS * s;
+// x [n] <- blocks of B dims each times the orthonormal Hadamard matrix H_B / sqrt(B), B the largest
+// power of two dividing n, at most 128 (n is a multiple of 16). Keys and queries both turn, so
+// q . k is unchanged, while a few large channels (the keys' outliers) spread over all B dims and
+// a per-token scale no longer has to span them (as QuaRot rotates its KV-cache).
+static inline void hadamard(float* x, int n) {
+    const int B = std::min(n & -n, 128);
+    const float norm = 1.f / std::sqrt((float)B);
+    for (int b0 = 0; b0 < n; b0 += B) {
+        float* y = x + b0;
+        for (int h = 1; h < B; h *= 2)
+            for (int i = 0; i < B; i += 2 * h)
+                for (int j = i; j < i + h; ++j) {
+                    const float a = y[j], c = y[j + h];
+                    y[j] = a + c;
+                    y[j + h] = a - c;
+                }
+        for (int i = 0; i < B; ++i) y[i] *= norm;
+    }
+}
+
+// x [Dp] -> Dp bytes xq + bias; its scale amax / 127 (NaN where x has inf or NaN: NaN out, as
+// fp32 KV gives)
+static inline float quant_floats(const float* x, int Dp, uint8_t* dst, int bias) {
+    float amax = 0.f;
+    int finite = 1;
+    for (int i = 0; i < Dp; ++i) {
+        const float a = std::fabs(x[i]);
+        finite &= a <= 3.4e38f;                            // false for inf and NaN
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.f ? (float)I8_MAX / amax : 0.f;
+    for (int i = 0; i < Dp; ++i) dst[i] = (uint8_t)(quant_one(x[i], inv) + bias);
+    return finite ? amax / (float)I8_MAX : NAN;
+}
+
+// a K row: turned (hadamard), then quantized biased; a V row: quantized as it is. x: [Dp] scratch
+static inline float quant_key(const void* src, int sdt, int D, int Dp, uint8_t* dst, float* x) {
+    load_row(src, sdt, D, Dp, x);
+    hadamard(x, Dp);
+    return quant_floats(x, Dp, dst, K_BIAS);
+}
+static inline float quant_value(const void* src, int sdt, int D, int Dp, uint8_t* dst, float* x) {
+    load_row(src, sdt, D, Dp, x);
+    return quant_floats(x, Dp, dst, 0);
+}
+
+// a query row, turned as the keys are, -> two int8 parts, q = scale * (hi + lo / 254): hi =
+// rint(q * 127 / amax), lo the residual (|q / scale - hi| <= 1/2) in steps of 1/254, so the scores
+// see a ~15-bit query for a second integer dot product; bias_sums[0..1] = 128 * sum(hi),
+// 128 * sum(lo) (the K bias). x: [Dp] scratch
+static inline void quant_query(const void* src, int qdt, int D, int Dp, int8_t* hi, int8_t* lo, float& scale,
+                               int32_t* bias_sums, float* x) {
+    load_row(src, qdt, D, Dp, x);
+    hadamard(x, Dp);
+    float amax = 0.f;
+    for (int i = 0; i < Dp; ++i) {
+        const float a = std::fabs(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.f ? (float)I8_MAX / amax : 0.f;
+    int32_t sh = 0, sl = 0;
+    for (int i = 0; i < Dp; ++i) {
+        const int h = quant_one(x[i], inv);
+        const int l = quant_one(x[i] * inv - (float)h, (float)(2 * I8_MAX));
+        hi[i] = (int8_t)h;
+        lo[i] = (int8_t)l;
+        sh += h;
+        sl += l;
+    }
+    scale = amax / (float)I8_MAX;
+    bias_sums[0] = K_BIAS * sh;
+    bias_sums[1] = K_BIAS * sl;
 }
 
 // V run of 4-token words: rows s0 .. s0+nr-1 of blk [nr][Dp] (int8) into byte (t % 4) of word
@@ -89,10 +154,12 @@ static inline void quads_in(const uint8_t* blk, int64_t nr, uint8_t* vrun, int s
     }
 }
 
-// one head's page weights for the int8 PV: w[t] = p[t] * vsc[t] (t < nvalid, else 0) -> pq [PT]
-// in [0, 127]; returns the scale max(w) / 127 (0: the page adds nothing). Written so that -O3
-// vectorizes it; the AVX-512 build has its own (simd_avx512_i8.h), equal in every bit.
-static inline float quant_p(const float* p, const float* vsc, int nvalid, uint8_t* pq) {
+// one head's page weights for the int8 PV: w[t] = p[t] * vsc[t] (t < nvalid, else 0) as two 7-bit
+// parts, w = scale * (hi + lo / 127): hi = floor(w / scale), lo = rint((w / scale - hi) * 127), both
+// in [0, 127] (unsigned, as vpdpbusd's first operand wants; 7 bits for vpmaddubsw), ~14 bits in
+// all; returns scale = max(w) / 127 (0: the page adds nothing). Written so that -O3 vectorizes it;
+// the AVX-512 build has its own (simd_avx512_i8.h), equal in every bit.
+static inline float quant_p(const float* p, const float* vsc, int nvalid, uint8_t* hi, uint8_t* lo) {
     float w[PT];
     float wmax = 0.f;
     bool finite = true;
@@ -102,7 +169,13 @@ static inline float quant_p(const float* p, const float* vsc, int nvalid, uint8_
         wmax = std::fmax(wmax, w[t]);
     }
     const float inv = wmax > 0.f ? (float)I8_MAX / wmax : 0.f;
-    for (int t = 0; t < PT; ++t) pq[t] = (uint8_t)quant_one(w[t], inv);
+    for (int t = 0; t < PT; ++t) {
+        float y = w[t] * inv;
+        y = y == y ? std::fmin(y, (float)I8_MAX) : 0.f;
+        const float h = std::floor(y);
+        hi[t] = (uint8_t)(int)h;
+        lo[t] = (uint8_t)(int)std::nearbyint((y - h) * (float)I8_MAX);
+    }
     return finite ? wmax / (float)I8_MAX : NAN;          // a NaN scale (NaN input rows): NaN out
 }
 

@@ -48,11 +48,13 @@
 //   pairs_in(blk, nr, vrun, s0, Dp)      rows into a V run of token pairs (the store's append)
 //
 // int8 stores (quant.h: the page format and the arithmetic), in each ISA's *_i8.h:
-//   scores_page_i8(vnni, K, Dp, qw, qs, qz, g, S, pf)   S[j][t] = (K[t] . qq_j) qs[j] ksc[t]; qw [g][Dp/4]
-//                                        query words, qs the query scales (times scale*log2e), qz
-//                                        the bias sums (quant_query); vnni: the AVX512-VNNI build
-//   pv_page_i8(vnni, V, nvalid, Dp, S, g, acc, pf, page_bytes)   acc[j][d] += psc_j sum_t pq_j[t] vq[t][d]
-//                                        (natural dim order: apos is the identity for int8)
+//   scores_page_i8(vnni, K, Dp, qh, ql, qs, qz, g, S, pf)   S[j][t] = (K[t] . (qh_j + ql_j / 254)) qs[j] ksc[t];
+//                                        qh, ql [g][Dp/4] the query's two parts as words, qs their
+//                                        scales (times scale*log2e), qz [g][2] their bias sums
+//                                        (quant_query); vnni: the AVX512-VNNI build (AVX-512 only)
+//   pv_page_i8(vnni, V, nvalid, Dp, S, g, acc, pf, page_bytes)   acc[j][d] += sum_t w_j[t] vq[t][d],
+//                                        w = p * vsc in two 7-bit parts (quant_p); natural dim
+//                                        order (apos is the identity for int8)
 #pragma once
 
 #include <algorithm>

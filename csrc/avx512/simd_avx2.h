@@ -231,7 +231,7 @@ static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const floa
 }
 
 static inline __m256 exp2v(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));  // keeps 2^n a normal float
+    x = _mm256_max_ps(_mm256_set1_ps(-126.f), x);  // keeps 2^n a normal float; NaN stays NaN (second operand)
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_sub_ps(x, n);
     __m256 p = _mm256_set1_ps(EXP2_POLY[7]);

@@ -394,7 +394,8 @@ static inline void pairs_in(const uint16_t* blk, int64_t nr, uint16_t* vrun, int
 
 // 2^x for x <= 0 (softmax arguments): 2^round(x) * poly(frac), degree-7 Taylor, rel err < 1e-8
 static inline __m512 exp2v(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));  // -inf -> 2^-200 -> 0 after scalef
+    // -inf -> 2^-200 -> 0 after scalef; NaN stays NaN (maxps returns its second operand if either is NaN)
+    x = _mm512_max_ps(_mm512_set1_ps(-200.f), x);
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(EXP2_POLY[7]);

@@ -17,23 +17,27 @@
 
 namespace FD_NS {
 
-// the page weights of one head as 8 words of 4 tokens' pq (quant_p, in intrinsics, same bits)
-static inline float quant_p_words(const float* p, const float* vsc, int nvalid, uint32_t* pw) {
+// the page weights of one head as 8 words of 4 tokens' hi parts and 8 of their lo parts (quant_p,
+// in intrinsics, the same bits)
+static inline float quant_p_words(const float* p, const float* vsc, int nvalid, uint32_t* ph, uint32_t* pl) {
     const __mmask16 ka = (__mmask16)((1u << (nvalid < 16 ? nvalid : 16)) - 1u);
     const __mmask16 kb = (__mmask16)((1u << (nvalid > 16 ? nvalid - 16 : 0)) - 1u);
-    const __m512 wa = _mm512_maskz_mul_ps(ka, _mm512_loadu_ps(p), _mm512_loadu_ps(vsc));
-    const __m512 wb = _mm512_maskz_mul_ps(kb, _mm512_loadu_ps(p + 16), _mm512_loadu_ps(vsc + 16));
-    const bool finite = !(_mm512_cmp_ps_mask(wa, _mm512_set1_ps(3.4e38f), _CMP_NLE_UQ) |
-                          _mm512_cmp_ps_mask(wb, _mm512_set1_ps(3.4e38f), _CMP_NLE_UQ));
-    const __m512 zero = _mm512_setzero_ps();
-    const float wmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(wa, zero), _mm512_max_ps(wb, zero)));
+    const __m512 w[2] = {_mm512_maskz_mul_ps(ka, _mm512_loadu_ps(p), _mm512_loadu_ps(vsc)),
+                         _mm512_maskz_mul_ps(kb, _mm512_loadu_ps(p + 16), _mm512_loadu_ps(vsc + 16))};
+    const __m512 big = _mm512_set1_ps(3.4e38f), zero = _mm512_setzero_ps(), lim = _mm512_set1_ps((float)I8_MAX);
+    const bool finite = !(_mm512_cmp_ps_mask(w[0], big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(w[1], big, _CMP_NLE_UQ));
+    const float wmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(w[0], zero), _mm512_max_ps(w[1], zero)));
     const __m512 inv = _mm512_set1_ps(wmax > 0.f ? (float)I8_MAX / wmax : 0.f);
-    // NaN lanes (non-finite w) -> 0, as quant_one
-    const __m512 ya = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(wa, wa, _CMP_ORD_Q), _mm512_mul_ps(wa, inv));
-    const __m512 yb = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(wb, wb, _CMP_ORD_Q), _mm512_mul_ps(wb, inv));
-    const __m512 lim = _mm512_set1_ps((float)I8_MAX);
-    _mm_storeu_si128((__m128i*)pw, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(ya, lim))));
-    _mm_storeu_si128((__m128i*)(pw + 4), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(yb, lim))));
+    for (int i = 0; i < 2; ++i) {
+        // NaN lanes (non-finite w) -> 0, as quant_p
+        __m512 y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w[i], w[i], _CMP_ORD_Q), _mm512_mul_ps(w[i], inv));
+        y = _mm512_min_ps(y, lim);
+        const __m512i hi = _mm512_cvttps_epi32(y);                  // floor: y >= 0
+        const __m512 h = _mm512_cvtepi32_ps(hi);
+        const __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y, h), lim));
+        _mm_storeu_si128((__m128i*)(ph + 4 * i), _mm512_cvtsepi32_epi8(hi));
+        _mm_storeu_si128((__m128i*)(pl + 4 * i), _mm512_cvtsepi32_epi8(l));
+    }
     return finite ? wmax / (float)I8_MAX : NAN;
 }
 
@@ -80,10 +84,10 @@ static inline __m512i dot_pv(__m512i acc, __m512i p, __m512i v) {
 }  // namespace i8_bw
 
 // the contract's entry points (simd.h): vnni picks the build
-static inline void scores_page_i8(bool vnni, const void* K, int Dp, const uint32_t* qw, const float* qs,
-                                  const int32_t* qz, int g, float* S, const char* pf) {
-    if (vnni) i8_vnni::scores_page(static_cast<const char*>(K), Dp, qw, qs, qz, g, S, pf);
-    else i8_bw::scores_page(static_cast<const char*>(K), Dp, qw, qs, qz, g, S, pf);
+static inline void scores_page_i8(bool vnni, const void* K, int Dp, const uint32_t* qh, const uint32_t* ql,
+                                  const float* qs, const int32_t* qz, int g, float* S, const char* pf) {
+    if (vnni) i8_vnni::scores_page(static_cast<const char*>(K), Dp, qh, ql, qs, qz, g, S, pf);
+    else i8_bw::scores_page(static_cast<const char*>(K), Dp, qh, ql, qs, qz, g, S, pf);
 }
 
 static inline void pv_page_i8(bool vnni, const void* V, int nvalid, int Dp, const float* S, int g, float* acc,

@@ -195,7 +195,8 @@ def run_summary(runner: BatchRunner, wall: float) -> dict:
                model_not_found=runner.errors.get("model_not_found", 0),
                requests=runner.num_requests, errors=runner.num_errors,
                requests_per_s=round(runner.num_requests / wall, 4) if wall else None,
-               preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens)
+               preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens,
+               kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token)
     return out
 
 

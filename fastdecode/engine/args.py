@@ -10,6 +10,7 @@ import torch
 
 from fastdecode.model.config import ModelConfig
 from rworker.protocol.control import MAX_MINIBATCHES
+from rworker.protocol.kvformat import KV_DTYPES
 
 
 @dataclass(slots=True)
@@ -17,7 +18,7 @@ class EngineArgs:
     model: str = "smollm2-135m"
     device: str = "auto"              # auto | cpu | cuda[:i]
     dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
-    kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16
+    kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16 | int8
     attn_probs: str = "fp32"          # fp32 | bf16: R-workers may round attention probabilities to bf16
                                       # for the PV product (V in token pairs) where their tune finds it faster
     max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
@@ -97,6 +98,8 @@ def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype,
     kv = args.kv_dtype
     if kv == "auto":
         kv = "fp32" if dtype == torch.float32 else "bf16"
+    if kv not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {args.kv_dtype!r}")
     if args.attn_probs not in ("fp32", "bf16"):
         raise ValueError(f"attn_probs must be 'fp32' or 'bf16', got {args.attn_probs!r}")
     if args.attn_probs == "bf16" and kv != "bf16":

@@ -28,7 +28,6 @@ from fastdecode.sched.placement import Placement
 from fastdecode.sched.scheduler import Scheduler
 from rworker.host import faults
 from rworker.host.wait import node_layout
-from rworker.protocol.kvformat import kv_itemsize
 
 
 class LLMEngine:
@@ -40,6 +39,7 @@ class LLMEngine:
         self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
         self.device = resolve_device(args.device)
         self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
+        self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.kv_dtype)
         self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
         self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
         self.s_cores = self._setup_cores()
@@ -55,7 +55,6 @@ class LLMEngine:
         self.backend: RBackend = self._make_backend(comm)
         if comm is not None and comm.Get_size() > 1 and not args.quiet:
             self._log_roster()
-        self.kv_bytes_per_token = self.config.kv_bytes_per_token(kv_itemsize(self.kv_dtype))
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve)
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens, args.max_num_batched_tokens)
@@ -143,7 +142,8 @@ class LLMEngine:
             kv = (f"{w.capacity_bytes / 2**30:.1f} GiB" if w.capacity_bytes >= 2**30
                   else f"{w.capacity_bytes / 2**20:.0f} MiB")
             print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
-                  f"{kv} KV" + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
+                  f"{kv} {self.kv_dtype} KV ({self.kv_bytes_per_token / 1024:.1f} KiB/token)"
+                  + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
 

@@ -26,6 +26,8 @@ def collect() -> dict:
         info["kernel_amx"] = ("AMX-BF16 present: FASTDECODE_AMX=1 puts the scores (bf16 KV and queries, GQA 2..16) "
                               "on the tiles; off by default until measured here" if "amx-bf16" in feats
                               else "no (needs AMX-BF16: Xeon Sapphire Rapids or later)")
+        info["kernel_int8"] = int8_path(feats, rworker.selected_isa())
+        info["kv_bytes_per_token"] = kv_bytes_line()
         info["kernel_tune"] = ("at R-worker start (FASTDECODE_KERNEL_TUNE=0: off)" if tune.tune_enabled()
                                else "off (FASTDECODE_KERNEL_TUNE=0): the first candidate runs")
     except Exception as e:  # a broken build must still let info report the rest
@@ -54,6 +56,23 @@ def collect() -> dict:
     except ImportError:
         info["torch"] = "not installed (R-worker-only node)"
     return info
+
+
+def int8_path(features, isa: str) -> str:
+    """Which instructions run int8 KV's dot products here (csrc/avx512/quant.h)."""
+    if isa == "avx512":
+        return ("vpdpbusd (AVX512-VNNI)" if "avx512vnni" in features and os.environ.get("FASTDECODE_VNNI") != "0"
+                else "vpmaddubsw (AVX-512BW" + (", FASTDECODE_VNNI=0)" if "avx512vnni" in features else ", no VNNI)"))
+    return {"avx2": "vpmaddubsw (AVX2)", "avx512emu": "SIMDe emulation (tests)"}.get(isa, "plain C++")
+
+
+def kv_bytes_line(model: str = "smollm2-135m") -> str:
+    """K and V bytes per token (all layers) of the default model in each store dtype."""
+    from fastdecode.model.presets import PRESETS
+    from rworker.protocol.kvformat import KV_DTYPES, kv_token_bytes
+    c = PRESETS[model]
+    per = {dt: c["num_hidden_layers"] * kv_token_bytes(dt, c["num_key_value_heads"], c["head_dim"]) for dt in KV_DTYPES}
+    return f"{model}: " + ", ".join(f"{dt} {b / 1024:.1f} KiB" for dt, b in per.items()) + " (int8: scales included)"
 
 
 def render(info: dict) -> str:

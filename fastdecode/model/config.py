@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from rworker.protocol.kvformat import kv_token_bytes
+
 SUPPORTED_ARCHS = {
     # model_type -> QKV projections carry a bias
     "llama": False,
@@ -74,8 +76,10 @@ class ModelConfig:
                               f"{' / sliding_window' if self.sliding_window else ''})")
         return requested
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        """K and V bytes of one token over all layers in an R-worker store of kv_dtype (int8: its
+        per-token scales included)."""
+        return self.num_layers * kv_token_bytes(kv_dtype, self.num_kv_heads, self.head_dim)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}

@@ -72,7 +72,7 @@ def s_worker_from_spec(gpu: GpuSpec, model: ModelDims, grid=DEFAULT_GRID) -> SWo
 def stated_profile(gpu: GpuSpec, model: ModelDims, cpu_bw_GBps: float, cpu_mem_GB: float,
                    link_bw_GBps: float = 12.5, link_latency_us: float = 10.0,
                    cpu_attn_eff: float = 0.66, call_overhead_us: float = 20.0,
-                   kv_dtype_bytes: int | None = None, mem_reserve: float = 0.10) -> Profile:
+                   kv_dtype_bytes: float | None = None, mem_reserve: float = 0.10) -> Profile:
     """A Profile from stated hardware: one R-worker type per CPU socket with `cpu_bw_GBps` read
     bandwidth of which attention reaches `cpu_attn_eff` (0.66: torch SDPA bf16 on the H100 box,
     docs/design.md, "The sizing model"), and `cpu_mem_GB` of memory less a reserve for the OS and buffers."""

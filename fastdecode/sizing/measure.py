@@ -25,7 +25,6 @@ from fastdecode.engine.sampling_params import SamplingParams
 from fastdecode.rpart.loopback import LoopbackBackend
 from fastdecode.sizing.model import layer_times
 from fastdecode.sizing.schema import Profile
-from rworker.protocol.kvformat import kv_itemsize
 
 # Steps of at most 1.5x from 512 up: the per-token cost is not smooth in the prompt length (dev VM,
 # chunks of ~8192: 1.5 / 1.7 / 3.2 ms at 512 / 768 / 1024), so a 2x step misprices what lies between.
@@ -148,7 +147,7 @@ def prompts_that_fit(engine: LLMEngine, prompt_len: int) -> int:
     as placed_sequences spreads them (every layer's KV, whole pages, a tenth kept free): a prefill chunk
     the profile times must fit, as a job's chunks do (admission only prefills what fits)."""
     c, workers = engine.config, engine.backend.workers
-    token_bytes = c.kv_bytes_per_token(kv_itemsize(engine.kv_dtype))
+    token_bytes = c.kv_bytes_per_token(engine.kv_dtype)
     per_worker = min(int(0.9 * w.capacity_bytes // token_bytes) // (-(-prompt_len // max(w.page_tokens, 1))
                                                                    * max(w.page_tokens, 1)) for w in workers)
     return per_worker * len(workers)
@@ -217,7 +216,7 @@ def _busy_per_call(engine: LLMEngine, seqs_per_worker: int, context: int) -> lis
     (the control message, its buffers, the stats reply) is not charged to the calls."""
     be, m, c = engine.backend, engine.model, engine.config
     depth = engine.args.pipeline_depth
-    token_bytes = c.kv_bytes_per_token(kv_itemsize(engine.kv_dtype)) // c.num_layers       # K+V, one layer
+    token_bytes = c.kv_bytes_per_token(engine.kv_dtype) // c.num_layers       # K+V, one layer
     seqs = placed_sequences(engine, seqs_per_worker * be.num_workers, 1, SYNTHETIC_SEQ_BASE + (1 << 40))
     for s in seqs:
         s.request.prompt_ids = [1] * context            # only the length matters: K/V are synthetic
@@ -261,7 +260,7 @@ def time_r_part_in_step(engine: LLMEngine, seqs_per_worker: int, target_bytes: i
     be, c = engine.backend, engine.config
     if not be.workers or be.workers[0].rank == 0 or c.num_layers < 2:
         return None
-    token_bytes = c.kv_bytes_per_token(kv_itemsize(engine.kv_dtype)) // c.num_layers
+    token_bytes = c.kv_bytes_per_token(engine.kv_dtype) // c.num_layers
     room = min(w.capacity_bytes for w in be.workers) * 0.8 / (2 * seqs_per_worker * token_bytes)
     long_ctx = int(min(target_bytes / (seqs_per_worker * token_bytes), room,
                        c.max_position - 4 * (IN_STEP_STEPS + 1) - 2))

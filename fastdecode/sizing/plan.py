@@ -16,7 +16,7 @@ from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
 from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
 from fastdecode.sizing.model import predict
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
-from rworker.protocol.kvformat import DTYPE_BYTES
+from rworker.protocol.kvformat import kv_elem_bytes
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
 KV_DTYPES = ["bf16", "fp16", "fp32", "fp8", "int8"]
@@ -113,10 +113,11 @@ def build_profile(args) -> Profile:
                                   ("--cpu-bw", args.cpu_bw)) if v is None]
         if missing:
             raise PlanError(f"give --profile, or stated hardware (missing {' '.join(missing)})")
-        return stated_profile(_gpu(args.gpu_profile), _model(args.model), args.cpu_bw,
+        model = _model(args.model)
+        return stated_profile(_gpu(args.gpu_profile), model, args.cpu_bw,
                               args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
                               call_overhead_us=overhead,
-                              kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype] if args.kv_dtype else None,
+                              kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
                               **stated_link)
     try:
         prof = Profile.from_dict(_load_json(args.profile))
@@ -143,7 +144,7 @@ def build_profile(args) -> Profile:
             bandwidth_Bps=prof.link.bandwidth_Bps if args.link_bw is None else args.link_bw * 1e9,
             latency_s=prof.link.latency_s if args.link_latency is None else args.link_latency * 1e-6)
     if args.kv_dtype:
-        prof.kv_dtype_bytes = DTYPE_BYTES[args.kv_dtype]
+        prof.kv_dtype_bytes = kv_elem_bytes(args.kv_dtype, prof.model.head_dim)
     return prof
 
 
@@ -177,7 +178,7 @@ def _header(prof: Profile, knee: int, depth: int) -> list[str]:
     m, w, link = prof.model, prof.r_workers[0], prof.link
     kvb = m.kv_bytes_per_token_layer(prof.kv_dtype_bytes)
     lines = [f"model {m.name}: {m.num_layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, "
-             f"KV {kvb * m.num_layers / 1024:.0f} KiB/token ({prof.kv_dtype_bytes} B/elem)",
+             f"KV {kvb * m.num_layers / 1024:.0f} KiB/token ({prof.kv_dtype_bytes:.4g} B/elem)",
              f"S-worker {prof.s_worker.device}: E(B) reaches 90% of its best at B = {knee // depth} per S-part "
              f"call, so B = {knee} with {depth} mini-batch(es)",
              f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "

@@ -37,7 +37,7 @@ from fastdecode.sizing.measure import (
 )
 from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
 from rworker.bench import largest_cache_bytes
-from rworker.protocol.kvformat import kv_itemsize
+from rworker.protocol.kvformat import kv_elem_bytes
 
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
@@ -83,7 +83,7 @@ def run_profile(engine: LLMEngine, settings: ProfileSettings | None = None, log=
     notes = (f"measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}; S-worker {s_worker.device}; "
              f"{len(r_workers)} R-worker(s); kv {engine.kv_dtype}")
     prof = Profile(model=dims, s_worker=s_worker, r_workers=r_workers, link=link,
-                   kv_dtype_bytes=kv_itemsize(engine.kv_dtype), source="measured", notes=notes)
+                   kv_dtype_bytes=kv_elem_bytes(engine.kv_dtype, c.head_dim), source="measured", notes=notes)
     link.hop_s = time_chain_hop(engine, prof, log=log)
     return prof
 

@@ -42,8 +42,10 @@ class ModelDims:
     def weight_bytes(self) -> float:
         return self.num_layers * self.layer_weight_bytes() + 2 * self.vocab * self.hidden * self.dtype_bytes
 
-    def kv_bytes_per_token_layer(self, kv_dtype_bytes: int) -> int:
-        return 2 * self.kv_heads * self.head_dim * kv_dtype_bytes
+    def kv_bytes_per_token_layer(self, kv_dtype_bytes: float) -> int:
+        """K and V bytes of one token at one layer; kv_dtype_bytes per element, scales included
+        (int8: 1 + 4 / head_dim, rworker.protocol.kvformat.kv_elem_bytes)."""
+        return round(2 * self.kv_heads * self.head_dim * kv_dtype_bytes)
 
     def to_rworker_bytes_per_token(self) -> int:
         """Q, K, V of one token of one layer, S-worker -> R-worker."""
@@ -178,7 +180,7 @@ class Profile:
     s_worker: SWorkerProfile
     r_workers: list[RWorkerProfile]
     link: LinkProfile
-    kv_dtype_bytes: int = 2
+    kv_dtype_bytes: float = 2       # per K or V element, scales included (int8: 1 + 4/head_dim)
     source: str = "measured"        # or "stated"
     notes: str = ""
 
