@@ -73,12 +73,15 @@ static inline void load_row(const void* src, int sdt, int D, int Dp, float* x) {
 // power of two dividing n, at most 128 (n is a multiple of 16). Keys and queries both turn, so
 // q . k is unchanged, while a few large channels (the keys' outliers) spread over all B dims and
 // a per-token scale no longer has to span them (as QuaRot rotates its KV-cache).
-static inline void hadamard(float* x, int n) {
-    const int B = std::min(n & -n, 128);
+static inline int hadamard_block(int n) { return std::min(n & -n, 128); }
+
+// the butterflies y[j] = a + c, y[j + h] = a - c of stages h = h0, 2 h0, .. < B, then the norm
+static inline void hadamard_stages(float* x, int n, int h0) {
+    const int B = hadamard_block(n);
     const float norm = 1.f / std::sqrt((float)B);
     for (int b0 = 0; b0 < n; b0 += B) {
         float* y = x + b0;
-        for (int h = 1; h < B; h *= 2)
+        for (int h = h0; h < B; h *= 2)
             for (int i = 0; i < B; i += 2 * h)
                 for (int j = i; j < i + h; ++j) {
                     const float a = y[j], c = y[j + h];
@@ -89,19 +92,30 @@ static inline void hadamard(float* x, int n) {
     }
 }
 
+// each ISA's i8 header defines hadamard(x, n): the same butterflies in the same order (so the same
+// bits), the first stages inside vectors where it can
+static inline void hadamard(float* x, int n);
+
 // x [Dp] -> Dp bytes xq + bias; its scale amax / 127 (NaN where x has inf or NaN: NaN out, as
 // fp32 KV gives)
-static inline float quant_floats(const float* x, int Dp, uint8_t* dst, int bias) {
-    float amax = 0.f;
-    int finite = 1;
-    for (int i = 0; i < Dp; ++i) {
-        const float a = std::fabs(x[i]);
-        finite &= a <= 3.4e38f;                            // false for inf and NaN
-        amax = a > amax ? a : amax;
+// largest |x[i]| by the bits: for |x| the integer order is the float order, and inf/NaN sort
+// above every finite value (0x7f800000 and up), so one integer max (which vectorizes, where a
+// float max with NaN semantics does not) gives both the max and whether the row is finite
+static inline uint32_t abs_max_bits(const float* x, int n) {
+    uint32_t m = 0;
+    for (int i = 0; i < n; ++i) {
+        const uint32_t b = f32_bits(x[i]) & 0x7fffffffu;
+        m = b > m ? b : m;
     }
-    const float inv = amax > 0.f ? (float)I8_MAX / amax : 0.f;
+    return m;
+}
+
+static inline float quant_floats(const float* x, int Dp, uint8_t* dst, int bias) {
+    const uint32_t m = abs_max_bits(x, Dp);
+    const float amax = bits_f32(m);
+    const float inv = amax > 0.f && m < 0x7f800000u ? (float)I8_MAX / amax : 0.f;
     for (int i = 0; i < Dp; ++i) dst[i] = (uint8_t)(quant_one(x[i], inv) + bias);
-    return finite ? amax / (float)I8_MAX : NAN;
+    return m < 0x7f800000u ? amax / (float)I8_MAX : NAN;
 }
 
 // a K row: turned (hadamard), then quantized biased; a V row: quantized as it is. x: [Dp] scratch
@@ -123,11 +137,8 @@ static inline void quant_query(const void* src, int qdt, int D, int Dp, int8_t* 
                                int32_t* bias_sums, float* x) {
     load_row(src, qdt, D, Dp, x);
     hadamard(x, Dp);
-    float amax = 0.f;
-    for (int i = 0; i < Dp; ++i) {
-        const float a = std::fabs(x[i]);
-        amax = a > amax ? a : amax;
-    }
+    const uint32_t m = abs_max_bits(x, Dp);
+    const float amax = m < 0x7f800000u ? bits_f32(m) : 0.f;       // a non-finite query: defined ints,
     const float inv = amax > 0.f ? (float)I8_MAX / amax : 0.f;
     int32_t sh = 0, sl = 0;
     for (int i = 0; i < Dp; ++i) {
@@ -138,7 +149,7 @@ static inline void quant_query(const void* src, int qdt, int D, int Dp, int8_t* 
         sh += h;
         sl += l;
     }
-    scale = amax / (float)I8_MAX;
+    scale = m < 0x7f800000u ? amax / (float)I8_MAX : NAN;         // and a NaN output, as fp32 KV gives
     bias_sums[0] = K_BIAS * sh;
     bias_sums[1] = K_BIAS * sl;
 }

@@ -13,6 +13,8 @@
 
 namespace FD_NS {
 
+static inline void hadamard(float* x, int n) { hadamard_stages(x, n, 1); }   // quant.h
+
 static inline __m256i i8_pair_sums(__m256i x16) { return _mm256_madd_epi16(x16, _mm256_set1_epi16(1)); }
 
 // ============================================================================

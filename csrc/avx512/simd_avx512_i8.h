@@ -17,6 +17,22 @@
 
 namespace FD_NS {
 
+// quant.h's rotation: stages 1, 2, 4, 8 inside each 16-float vector (the partner lane i ^ h, an add
+// and a masked subtract: lanes with bit h set take partner - self), the rest as quant.h has them
+static inline void hadamard(float* x, int n) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+    for (int i = 0; i < n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        for (int s = 0; s < 4; ++s) {
+            const __m512 p = _mm512_permutexvar_ps(_mm512_xor_si512(lane, _mm512_set1_epi32(1 << s)), v);
+            v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper[s], p, v);
+        }
+        _mm512_storeu_ps(x + i, v);
+    }
+    hadamard_stages(x, n, 16);
+}
+
 // the page weights of one head as 8 words of 4 tokens' hi parts and 8 of their lo parts (quant_p,
 // in intrinsics, the same bits)
 static inline float quant_p_words(const float* p, const float* vsc, int nvalid, uint32_t* ph, uint32_t* pl) {

@@ -64,7 +64,8 @@ static inline void scores_page(const char* K, int Dp, const uint32_t* qh, const 
                                const int32_t* qz, int g, float* S, const char* pf) {
     const int Dw = Dp / 4;
     const int lines = (int)(i8_half_bytes(Dp) / 64);
-    for_groups<4>(F32, g, [&](auto, auto GH, int j0) {
+    // 2 heads per pass: 6 accumulators a head, and at 3 or 4 heads GCC spilled them every step
+    for_groups<2>(F32, g, [&](auto, auto GH, int j0) {
         scores_group<GH.value>(K, Dw, qh + (size_t)j0 * Dw, ql + (size_t)j0 * Dw, qs + j0, qz + 2 * j0,
                                S + (size_t)j0 * PT, j0 == 0 ? pf : nullptr, lines);
     });

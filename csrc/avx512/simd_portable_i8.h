@@ -9,6 +9,8 @@
 
 namespace FD_NS {
 
+static inline void hadamard(float* x, int n) { hadamard_stages(x, n, 1); }   // quant.h
+
 // S[j][t] = K[t] . (qh_j + ql_j / 254) * qs[j] * ksc[t]; vnni and qz unused (K unbiased here)
 static inline void scores_page_i8(bool, const void* K, int Dp, const uint32_t* qh, const uint32_t* ql, const float* qs,
                                   const int32_t*, int g, float* S, const char* pf) {
