@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup tests prefill kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests int8 prefill kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 30 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so the calls go by what each issue still lacks, one call per issue first:
+#   call 0: setup int8              (~7 min, issue 31: int8 KV against bf16 and fp32 on 16 cores and on 1,
+#                                    tokens/s and % of the read, VNNI on and off, append cost)
 #   call 1: setup prefill           (~9 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
 #                                    alone, dense + flash attention on the GPU, same run; 1,024- and 4,096-token
 #                                    prompts; the mixed workload chunked and not)
@@ -44,6 +46,10 @@ setup)
     if ! ls rworker/_kernels_avx512*.so >/dev/null 2>&1; then stage build 120 $PY setup.py build_ext --inplace -j 3; fi
     $LAUNCHER -n 2 $PY -c "from mpi4py import MPI; c=MPI.COMM_WORLD; assert c.size == 2; print('mpi ok', MPI.Get_library_version()[:40])" 2>&1 | tail -2 | tee -a "$LOG"
     $PY -m fastdecode info 2>&1 | tee -a "$LOG" ;;
+int8)        # issue 31: int8 KV against bf16 and fp32, all 16 cores, then one (the per-core bound)
+    stage int8 300 $PY bench/kernel/int8_bench.py --label h100-box-16core --threads 16
+    stage int8-1core 120 $PY bench/kernel/int8_bench.py --label h100-box-1core --threads 1 --contexts 1024,4096 \
+        --rounds 5 --budget-s 100 ;;
 prefill)     # issue 30: prefill through the engine (1 and 8 R-workers) vs the S-part alone on the GPU
     stage prefill 240 $PY bench/e2e/prefill_bench.py --label h100-box --workload long --skip-hf \
         --model random:llama-2-7b:layers=4 --prompts 64 --prompt-len 1024 --new-tokens 16 --ranks 2,9 \

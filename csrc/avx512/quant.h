@@ -26,10 +26,11 @@
 //          [0, 127] (quant_p); acc[d] += ps * (sum_t ph[t] vq[t][d] + sum_t pl[t] vq[t][d] / 127):
 //          integer again, 7-bit parts so that the AVX2 pair products (vpmaddubsw, saturating at
 //          32767) stay exact: 2 * 127 * 127
-// Why two parts each: on the embedded model's K/V/q (bench/kernel/int8_granularity.py) one 8-bit
-// query and one 7-bit weight per page each erred as much as int8 K itself (relative error of the
-// output ~1.6% each, 3.2% in all), and greedy tokens followed fp32 KV at 98.5% of positions; the
-// residual parts cost one more integer dot product and leave the error to K and V.
+// Why two parts each: on the embedded model's K/V/q (bench/kernel/int8_granularity.py) a query in
+// one int8 part erred about as much as per-token int8 keys (relative error of the output 1.6% and
+// 1.9%), page weights in one 7-bit part 0.8%; with every part single greedy tokens followed fp32
+// KV at 98.5% of positions, at 99.4% with both in two parts and the keys rotated. The residual
+// parts cost one more integer dot product each and leave the error to K and V.
 // Every ISA computes the same integers; only the fp32 epilogues may round differently.
 #pragma once
 
