@@ -9,7 +9,7 @@ Per run, from --stats-json: output tokens/s; the R-worker's attention seconds pe
 from memory), with the KV bytes those steps attended (per the store's own bytes per token: int8
 counts its scales) as GB/s; and the S-part's seconds per step, to show which side bounds. Between
 runs the read bandwidth with the R-worker's thread count (the extension's streaming read), so
-each rate has its limit from the same session. Writes bench/e2e/results/kv_dtype_e2e_<label>.json.
+each rate has its limit from the same run. Writes bench/e2e/results/kv_dtype_e2e_<label>.json.
 
     python3 bench/e2e/kv_dtype_e2e.py --label devbox-2core-xeon [--model M --prompts 64 --new-tokens 1024 --rounds 2]
 """
@@ -45,13 +45,9 @@ def write_requests(path: str, model: str, n: int, new_tokens: int) -> None:
     if not model.startswith("random:"):
         batch_file(path, prompts(n), new_tokens)
         return
-    rng = np.random.default_rng(0)
     vocab = random_config_dict(model)["vocab_size"]
-    with open(path, "w") as f:
-        for i in range(n):
-            body = {"prompt": rng.integers(0, vocab, 32).tolist(), "max_tokens": new_tokens, "temperature": 0,
-                    "ignore_eos": True}
-            f.write(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    ids = np.random.default_rng(0).integers(0, vocab, (n, 32))
+    batch_file(path, ids.tolist(), new_tokens)
 
 
 def run(inp: str, model: str, kv_dtype: str, batch: int, min_layer_mb: float) -> dict:

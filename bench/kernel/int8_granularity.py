@@ -6,7 +6,7 @@ float64 numpy, the attention output of each quantization variant against the exa
 L2 error, mean and p99 over the 30 x 16 (layer, sequence) pairs):
 
   K per token (one scale per token and head, what an append can do alone), K per page and channel
-  (KIVI's choice for keys: one scale per 32 tokens and dim), K per token after a Hadamard rotation
+  (one scale per 32 tokens and dim), K per token after a Hadamard rotation
   (csrc/avx512/quant.h), V per token; the query in one int8 part or two; the page weights p * vsc
   in one 7-bit part or two; and the combinations the kernel could run.
 
@@ -143,7 +143,7 @@ def attention(q, k, v, p_parts=None, v_scales=None) -> np.ndarray:
 
 VARIANTS = {
     "K per token": dict(k=per_row),
-    "K per page and channel (KIVI)": dict(k=per_page_channel),
+    "K per page and channel": dict(k=per_page_channel),
     "K per token, rotated": dict(k=turned),
     "V per token": dict(v=per_row),
     "q one part": dict(q=per_row),

@@ -3,7 +3,7 @@
 // An int8 store keeps K and V as 8-bit integers with one fp32 scale per (token, kv head), for K
 // and for V. Per-token scales let an append quantize its rows alone: a token is never requantized
 // when later tokens arrive, and the wire still carries the S-worker's fp32/bf16 rows. (Scales per
-// page and channel, as KIVI keeps for keys, would need a page's tokens before its scales exist;
+// page and channel would need a page's tokens before its scales exist;
 // bench/kernel/int8_granularity.py measured what they would buy on the embedded model's keys.)
 //
 // Page of one (sequence, layer, kv head), 2 * (PT*Dp + PT*4) bytes:
@@ -28,8 +28,8 @@
 //          32767) stay exact: 2 * 127 * 127
 // Why two parts each: on the embedded model's K/V/q (bench/kernel/int8_granularity.py) a query in
 // one int8 part erred about as much as per-token int8 keys (relative error of the output 1.6% and
-// 1.9%), page weights in one 7-bit part 0.8%; with every part single greedy tokens followed fp32
-// KV at 98.5% of positions, at 99.4% with both in two parts and the keys rotated. The residual
+// 1.9%), page weights in one 7-bit part 0.8%; with the keys rotated and both in two parts, the
+// kernel's arithmetic errs 1.1% where all in one part erred 1.6% (2.8% unrotated). The residual
 // parts cost one more integer dot product each and leave the error to K and V.
 // Every ISA computes the same integers; only the fp32 epilogues may round differently.
 #pragma once
@@ -73,7 +73,7 @@ static inline void load_row(const void* src, int sdt, int D, int Dp, float* x) {
 // x [n] <- blocks of B dims each times the orthonormal Hadamard matrix H_B / sqrt(B), B the largest
 // power of two dividing n, at most 128 (n is a multiple of 16). Keys and queries both turn, so
 // q . k is unchanged, while a few large channels (the keys' outliers) spread over all B dims and
-// a per-token scale no longer has to span them (as QuaRot rotates its KV-cache).
+// a per-token scale no longer has to span them.
 static inline int hadamard_block(int n) { return std::min(n & -n, 128); }
 
 // the butterflies y[j] = a + c, y[j + h] = a - c of stages h = h0, 2 h0, .. < B, then the norm

@@ -112,23 +112,18 @@ static inline __m512 cvtepi32_ps(__m512i x) {
     return _mm512_load_ps(d);
 }
 
-static inline __m512i cvtps_epi32(__m512 x) {   // round to nearest even (the default MXCSR mode)
+// fp32 -> int32 by a 256-bit conversion on each half
+template <__m256i (*CVT)(__m256)>
+static inline __m512i halves_epi32(__m512 x) {
     __m256 lo, hi;
     halves_ps(x, lo, hi);
     alignas(64) int32_t d[16];
-    _mm256_store_si256((__m256i*)d, _mm256_cvtps_epi32(lo));
-    _mm256_store_si256((__m256i*)(d + 8), _mm256_cvtps_epi32(hi));
+    _mm256_store_si256((__m256i*)d, CVT(lo));
+    _mm256_store_si256((__m256i*)(d + 8), CVT(hi));
     return _mm512_load_si512(d);
 }
-
-static inline __m512i cvttps_epi32(__m512 x) {   // truncate toward zero
-    __m256 lo, hi;
-    halves_ps(x, lo, hi);
-    alignas(64) int32_t d[16];
-    _mm256_store_si256((__m256i*)d, _mm256_cvttps_epi32(lo));
-    _mm256_store_si256((__m256i*)(d + 8), _mm256_cvttps_epi32(hi));
-    return _mm512_load_si512(d);
-}
+static inline __m256i cvt_rne(__m256 x) { return _mm256_cvtps_epi32(x); }     // round to nearest even (MXCSR default)
+static inline __m256i cvt_trunc(__m256 x) { return _mm256_cvttps_epi32(x); }  // truncate toward zero
 
 // SIMDe 0.7.4 defines _mm512_madd_epi16 with the masked form's 4 arguments
 static inline __m512i madd_epi16(__m512i a, __m512i b) {
@@ -146,8 +141,8 @@ static inline __m512i madd_epi16(__m512i a, __m512i b) {
 #define _mm512_cvtepi32_ps(x) fd_simde::cvtepi32_ps(x)
 #undef _mm512_madd_epi16
 #define _mm512_madd_epi16(a, b) fd_simde::madd_epi16(a, b)
-#define _mm512_cvtps_epi32(x) fd_simde::cvtps_epi32(x)
-#define _mm512_cvttps_epi32(x) fd_simde::cvttps_epi32(x)
+#define _mm512_cvtps_epi32(x) fd_simde::halves_epi32<fd_simde::cvt_rne>(x)
+#define _mm512_cvttps_epi32(x) fd_simde::halves_epi32<fd_simde::cvt_trunc>(x)
 #define _mm512_cvtps_ph(x, r) fd_simde::cvtps_ph<(r)>(x)
 #define _mm512_cvtepi32_epi16(x) fd_simde::cvtepi32_epi16(x)
 #define _mm512_cvtepu16_epi32(x) fd_simde::cvtepu16_epi32(x)

@@ -26,7 +26,7 @@ def collect() -> dict:
         info["kernel_amx"] = ("AMX-BF16 present: FASTDECODE_AMX=1 puts the scores (bf16 KV and queries, GQA 2..16) "
                               "on the tiles; off by default until measured here" if "amx-bf16" in feats
                               else "no (needs AMX-BF16: Xeon Sapphire Rapids or later)")
-        info["kernel_int8"] = int8_path(feats, rworker.selected_isa())
+        info["kernel_int8"] = int8_path(feats)
         info["kv_bytes_per_token"] = kv_bytes_line()
         info["kernel_tune"] = ("at R-worker start (FASTDECODE_KERNEL_TUNE=0: off)" if tune.tune_enabled()
                                else "off (FASTDECODE_KERNEL_TUNE=0): the first candidate runs")
@@ -58,12 +58,15 @@ def collect() -> dict:
     return info
 
 
-def int8_path(features, isa: str) -> str:
-    """Which instructions run int8 KV's dot products here (csrc/avx512/quant.h)."""
-    if isa == "avx512":
-        return ("vpdpbusd (AVX512-VNNI)" if "avx512vnni" in features and os.environ.get("FASTDECODE_VNNI") != "0"
-                else "vpmaddubsw (AVX-512BW" + (", FASTDECODE_VNNI=0)" if "avx512vnni" in features else ", no VNNI)"))
-    return {"avx2": "vpmaddubsw (AVX2)", "avx512emu": "SIMDe emulation (tests)"}.get(isa, "plain C++")
+def int8_path(features) -> str:
+    """Which instructions run int8 KV's dot products here (csrc/avx512/quant.h), as a store sees it."""
+    from rworker import KVStore
+    store = KVStore(1, 1, 16, "int8", threads=1)
+    if store.vnni:
+        return "vpdpbusd (AVX512-VNNI)"
+    if store.isa == "avx512":
+        return "vpmaddubsw (AVX-512BW" + (", FASTDECODE_VNNI=0)" if "avx512vnni" in features else ", no VNNI)")
+    return {"avx2": "vpmaddubsw (AVX2)", "avx512emu": "SIMDe emulation (tests)"}.get(store.isa, "plain C++")
 
 
 def kv_bytes_line(model: str = "smollm2-135m") -> str:
