@@ -25,6 +25,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FASTDECODE_NO_SUPERVISOR=1     # the site's Open MPI launches the ranks directly
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 PY=python3
+# results are labelled by the card the box was lent with (h100-box, h200-box: same 16-core Xeon host class)
+BOX=${BOX:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h200 && echo h200-box || echo h100-box)}
 LOG=${OUT:-/tmp}/gpu_box.log
 LAUNCHER="mpirun --allow-run-as-root --oversubscribe --bind-to none"
 say() { echo "[gpu_box $(date +%T)] $*" | tee -a "$LOG"; }
@@ -43,63 +45,63 @@ case $s in
 setup)
     nvidia-smi -L | tee -a "$LOG"
     command -v mpirun >/dev/null || say "no mpirun on PATH"
-    if ! ls rworker/_kernels_avx512*.so >/dev/null 2>&1; then stage build 120 $PY setup.py build_ext --inplace -j 3; fi
+    if ! ls rworker/_kernels_avx512*.so >/dev/null 2>&1; then stage build 150 $PY setup.py build_ext --inplace -j 4; fi
     $LAUNCHER -n 2 $PY -c "from mpi4py import MPI; c=MPI.COMM_WORLD; assert c.size == 2; print('mpi ok', MPI.Get_library_version()[:40])" 2>&1 | tail -2 | tee -a "$LOG"
     $PY -m fastdecode info 2>&1 | tee -a "$LOG" ;;
 int8)        # issue 31: int8 KV against bf16 and fp32, all 16 cores, then one (the per-core bound)
-    stage int8 300 $PY bench/kernel/int8_bench.py --label h100-box-16core --threads 16
-    stage int8-1core 120 $PY bench/kernel/int8_bench.py --label h100-box-1core --threads 1 --contexts 1024,4096 \
+    stage int8 300 $PY bench/kernel/int8_bench.py --label $BOX-16core --threads 16
+    stage int8-1core 120 $PY bench/kernel/int8_bench.py --label $BOX-1core --threads 1 --contexts 1024,4096 \
         --rounds 5 --budget-s 100 ;;
 prefill)     # issue 30: prefill through the engine (1 and 8 R-workers) vs the S-part alone on the GPU
-    stage prefill 240 $PY bench/e2e/prefill_bench.py --label h100-box --workload long --skip-hf \
+    stage prefill 240 $PY bench/e2e/prefill_bench.py --label $BOX --workload long --skip-hf \
         --model random:llama-2-7b:layers=4 --prompts 64 --prompt-len 1024 --new-tokens 16 --ranks 2,9 \
         --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768
-    stage prefill4k 240 $PY bench/e2e/prefill_bench.py --label h100-box-4k --workload long --skip-hf \
+    stage prefill4k 240 $PY bench/e2e/prefill_bench.py --label $BOX-4k --workload long --skip-hf \
         --model random:llama-3-8b:layers=4 --prompts 64 --prompt-len 4096 --new-tokens 16 --ranks 15 \
         --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768
     # chunked prefill where it should pay: the GPU S-part with 8 R-workers on their own cores
-    stage prefillmix 300 $PY bench/e2e/prefill_bench.py --label h100-box-mixed --workload mixed \
+    stage prefillmix 300 $PY bench/e2e/prefill_bench.py --label $BOX-mixed --workload mixed \
         --model random:llama-2-7b:layers=4 --ranks 9 --chunks 2048,8192 --launcher "$LAUNCHER" \
         --device cuda --dtype bfloat16 --max-prefill-tokens 32768 ;;
 tests)       # the GPU-only tests: fused kernels on CUDA, MPI transport == local mode on CUDA
     stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_cuda.py tests/test_layer_graphs.py ;;
 kernel)      # issue 3: kernel vs read bandwidth vs torch SDPA on 16 cores
-    stage kernel 280 $PY bench/kernel/kernel_bench.py --label h100-box --dtypes bf16,fp32 ;;   # JSON after every shape
+    stage kernel 280 $PY bench/kernel/kernel_bench.py --label $BOX --dtypes bf16,fp32 ;;   # JSON after every shape
 vtile)       # issue 3: AVX-512 V run token-major (the default) vs in tiles of 32 dims (FASTDECODE_VTILE=32), same build
-    stage vtile 150 $PY bench/kernel/kernel_ab.py --v-tiles 0,32 --isa avx512 --label h100-box-avx512-vtile32 \
+    stage vtile 150 $PY bench/kernel/kernel_ab.py --v-tiles 0,32 --isa avx512 --label $BOX-avx512-vtile32 \
         --contexts 1024,4096 --dtypes bf16,fp32 --min-mb 512 --rounds 6
     # V in token pairs with bf16 p (version 16) where cores bound: 1.10-1.17x for g = 4 on one dev core
     stage vpairs 150 $PY bench/kernel/kernel_ab.py --v-tiles 0,-2 --prefetch scattered,scattered --isa avx512 \
-        --label h100-box-avx512-vpairs --contexts 1024,4096 --dtypes bf16 --min-mb 512 --rounds 6 ;;
+        --label $BOX-avx512-vpairs --contexts 1024,4096 --dtypes bf16 --min-mb 512 --rounds 6 ;;
 pageruns)    # issue 3: the kernel over the prompt, decode (scattered) and extent layouts under each prefetch
              # mode (the tune's candidates: bench/kernel/CHANGELOG.md, versions 13 and 15), 16 threads
-    stage pageruns 200 $PY bench/kernel/page_runs_bench.py --label h100-box-prefetch --contexts 1024,4096 --min-mb 512 \
+    stage pageruns 200 $PY bench/kernel/page_runs_bench.py --label $BOX-prefetch --contexts 1024,4096 --min-mb 512 \
         --rounds 4 --v-tile 0 --prefetch off,scattered,on --layouts prompt,decode,extents ;;
 roofline)    # issue 3: which of compute and memory bounds each shape, per core and on all 16 (the Xeon's
              # 512-bit FMA and vdpbf16ps rates, the kernel in L2 and from DRAM; bench/kernel/NOTES.md)
-    stage roofline 150 $PY bench/kernel/compute_roofline.py --label h100-box-1core --threads 1 --rounds 3
-    stage roofline16 150 $PY bench/kernel/compute_roofline.py --label h100-box-16core --threads 16 --rounds 3 ;;
+    stage roofline 150 $PY bench/kernel/compute_roofline.py --label $BOX-1core --threads 1 --rounds 3
+    stage roofline16 150 $PY bench/kernel/compute_roofline.py --label $BOX-16core --threads 16 --rounds 3 ;;
 amx)         # issue 3: scores as AMX tile products (csrc/avx512/amx.h, FASTDECODE_AMX), never run on AMX
              # hardware before: first the kvstore tests on the instructions ("+amxhw" ids), then the A/B
              # against the vdpbf16ps scores with compute alone (one core's L2), then on 16 cores from DRAM
     stage amxtests 150 $PY -m pytest -q -p no:cacheprovider tests/test_kvstore_limits.py -k amx
     stage amxl2 100 $PY bench/kernel/kernel_ab.py --amx off,on --isa avx512 --threads 1 --kv-kb 700 \
-        --label h100-box-1core-l2-amx --contexts 1024 --dtypes bf16 --rounds 6
-    stage amx16 150 $PY bench/kernel/kernel_ab.py --amx off,on --isa avx512 --label h100-box-amx \
+        --label $BOX-1core-l2-amx --contexts 1024 --dtypes bf16 --rounds 6
+    stage amx16 150 $PY bench/kernel/kernel_ab.py --amx off,on --isa avx512 --label $BOX-amx \
         --contexts 128,1024,4096 --dtypes bf16 --min-mb 512 --rounds 6 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
-    stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label h100-box --model random:llama-2-7b:layers=8 \
+    stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs
 e2e7b)       # issue 5: R-worker scaling (1 thread each) and the same 14 cores split differently; HF baseline
-    stage e2e7b 170 $PY bench/e2e/e2e_bench.py --label h100-box --launcher "$LAUNCHER" \
+    stage e2e7b 170 $PY bench/e2e/e2e_bench.py --label $BOX --launcher "$LAUNCHER" \
         --model random:llama-2-7b:layers=4 --runs 1x1 2x1 4x1 8x1 14x1 1x14 --prompts 1024 --gen 16 \
         --batch 64 --hf --extra "--device cuda --dtype bfloat16" ;;
 e2e8b)       # issue 5: GQA model, short and long context, 14 R-workers; HF baseline
-    stage e2e8b 100 $PY bench/e2e/e2e_bench.py --label h100-box --launcher "$LAUNCHER" \
+    stage e2e8b 100 $PY bench/e2e/e2e_bench.py --label $BOX --launcher "$LAUNCHER" \
         --model random:llama-3-8b:layers=4 --runs 14x1 --prompts 512 4096 --gen 16 --batch 256 --hf \
         --extra "--device cuda --dtype bfloat16" ;;
 fidelity)    # issue 4: plan vs measured on the GPU box
-    stage fidelity 330 $PY bench/sizing/fidelity_bench.py --label h100-box --model random:llama-3-8b:layers=8 \
+    stage fidelity 330 $PY bench/sizing/fidelity_bench.py --label $BOX --model random:llama-3-8b:layers=8 \
         --launcher "$LAUNCHER" --engine-args "--kv-dtype bf16 --device cuda --dtype bfloat16" \
         --configs 64,2,512,32 256,2,512,32 256,4,1024,32 512,14,512,32 256,14,2048,32 1024,14,256,32 \
         --r-bytes 256M --timeout 150 --profile-once ;;   # one profile per R count: a device call is 600 s
