@@ -91,6 +91,7 @@ setup(
         "gguf>=0.10",
         "jinja2>=3.1",
         "tqdm>=4.60",
+        "pydantic>=2.0",      # batch-file and request schema (fastdecode/batch/schema.py)
     ],
     extras_require={
         # triton: the fused S-part kernels run under its CPU interpreter in the tests (GPU sites

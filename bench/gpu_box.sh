@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup tests int8 prefill kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
-# A lent session has 30 minutes of device time (start-up included) and 10 per call: not enough for
-# every stage, so the calls go by what each issue still lacks, one call per issue first:
-#   call 0: setup int8              (~7 min, issue 31: int8 KV against bf16 and fp32 on 16 cores and on 1,
-#                                    tokens/s and % of the read, VNNI on and off, append cost)
-#   call 1: setup prefill           (~9 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
+# A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
+# every stage, so the calls go by what each issue still lacks, newest need first:
+#   call 0: setup prefill           (~9 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
 #                                    alone, dense + flash attention on the GPU, same run; 1,024- and 4,096-token
-#                                    prompts; the mixed workload chunked and not)
-#   call 2: tests soverhead         (~5 min, issue 5: CUDA tests incl. CUDA graphs; S-overhead, depths 1-3)
-#   call 3: fidelity                (~6 min, issue 4: plan vs measured with the chain hand-off term)
-#   call 4: amx kernel              (~7 min, issue 3: the AMX tile scores' tests on the instructions and
-#                                    their A/B against vdpbf16ps; the 16-core kernel vs read BW, AVX2 too)
-#   call 5: e2e8b e2e7b             (~5 min, issue 5: GQA end-to-end; R-worker scaling 1..14)
-#   then, while time lasts: vtile (V tiles of 32 / token pairs vs token-major), pageruns (page layouts x
-#   prefetch modes), roofline (compute vs memory bound per shape, one core and 16)
+#                                    prompts)
+#   call 1: setup prefillmix e2e7b  (~8 min, issue 30: the mixed workload chunked and not, 8 R-workers;
+#                                    issue 5: R-worker scaling 1..14 on the current engine)
+#   call 2: setup kernel pageruns   (~8.5 min, issue 3: the 16-core kernel vs read BW on the current version,
+#                                    AVX2 too; page layouts x prefetch modes)
+#   call 3: setup vtile             (~5 min, issue 3: V tiles of 32 / token pairs vs token-major)
+# Measured 2026-11-26 on the H200 box (results labelled h200-box): int8, tests, soverhead, fidelity,
+# e2e8b, amx, roofline (docs/results.md). Rerun any of them after the code they measure changes.
 # A fresh machine needs `setup` again (it builds the extension).
+# The box's image has torch, mpi4py and Open MPI but not pydantic or gguf: carry their cp312 wheels
+# (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64
+# pydantic pydantic-core annotated-types typing-inspection gguf`) and install them with --target first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -58,8 +59,8 @@ prefill)     # issue 30: prefill through the engine (1 and 8 R-workers) vs the S
         --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768
     stage prefill4k 240 $PY bench/e2e/prefill_bench.py --label $BOX-4k --workload long --skip-hf \
         --model random:llama-3-8b:layers=4 --prompts 64 --prompt-len 4096 --new-tokens 16 --ranks 15 \
-        --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768
-    # chunked prefill where it should pay: the GPU S-part with 8 R-workers on their own cores
+        --launcher "$LAUNCHER" --device cuda --dtype bfloat16 --max-prefill-tokens 32768 ;;
+prefillmix)  # issue 30: chunked prefill where it should pay: the GPU S-part with 8 R-workers on their own cores
     stage prefillmix 300 $PY bench/e2e/prefill_bench.py --label $BOX-mixed --workload mixed \
         --model random:llama-2-7b:layers=4 --ranks 9 --chunks 2048,8192 --launcher "$LAUNCHER" \
         --device cuda --dtype bfloat16 --max-prefill-tokens 32768 ;;
