@@ -1,7 +1,10 @@
 """Micro-benchmarks an R-worker runs for `fastdecode profile` (numpy only, no torch).
 
 The attention cost model is t(call) = overhead + bytes / bandwidth, fitted from two contexts
-with the same number of sequences, each timed as the median of several calls.
+with the same number of sequences, each timed as the median of several calls. A third timing
+prices a shared prefix (KVStore.fork): the kernel reads its pages once per group, but every
+member's query heads still run over them, so a member-token of shared prefix costs a fraction
+of a streamed token (shared_cost_ratio; docs/design.md, "The sizing model").
 """
 from __future__ import annotations
 
@@ -59,7 +62,9 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype
                       v_tile: int | None = None, prefetch: bool | str | None = None) -> dict:
     """Seconds per KV byte and fixed seconds per call of `attend` on this machine
     (target_bytes 0: default_target_bytes()), with the kernel choice the worker's store runs
-    (v_tile, prefetch: rworker.tune)."""
+    (v_tile, prefetch: rworker.tune). Where the store can fork (shared prefixes) and `seqs` >= 2,
+    also the shared prefix's cost (measure_shared_attention's keys): the callers (the worker's
+    profile reply, the local backend) pass this dict on whole, so old stores simply lack them."""
     rng = np.random.default_rng(seed)
     target_bytes = target_bytes or default_target_bytes()
     token_bytes = kv_token_bytes(kv_dtype, num_kv_heads, head_dim)              # K and V of one token, one layer
@@ -68,20 +73,74 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype
     for length in (32, long_len):
         store = KVStore(1, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, v_tile=v_tile,
                         prefetch=prefetch)
-        ids = np.repeat(np.arange(seqs, dtype=np.int64), length)
-        chunk = 1 << 16                                                    # append in bounded slabs
-        for s in range(0, ids.size, chunk):
-            n = min(chunk, ids.size - s)
-            kv = rng.standard_normal((2, n, num_kv_heads, head_dim), dtype=np.float32)
-            store.append(0, ids[s:s + n], kv[0], kv[1])
-        q = rng.standard_normal((seqs, num_heads, head_dim), dtype=np.float32)
-        out = np.empty_like(q)
-        uniq = np.arange(seqs, dtype=np.int64)
-        t = _median_time(lambda: store.attend(0, uniq, q, out=out), repeats)
+        _append_random(store, rng, np.repeat(np.arange(seqs, dtype=np.int64), length))
+        t = _time_attend(store, rng, np.arange(seqs, dtype=np.int64), num_heads, repeats)
         points.append((seqs * length * token_bytes, t))
         threads_used = store.threads
         del store
     (b1, t1), (b2, t2) = points
     per_byte = max((t2 - t1) / (b2 - b1), 1e-15)
-    return {"seconds_per_kv_byte": per_byte, "call_overhead_s": max(t1 - per_byte * b1, 0.0),
-            "bandwidth_GBps": 1e-9 / per_byte, "threads": threads_used, "samples": points}
+    result = {"seconds_per_kv_byte": per_byte, "call_overhead_s": max(t1 - per_byte * b1, 0.0),
+              "bandwidth_GBps": 1e-9 / per_byte, "threads": threads_used, "samples": points}
+    if hasattr(KVStore, "fork") and seqs >= 2:
+        result.update(measure_shared_attention(
+            num_heads, num_kv_heads, head_dim, kv_dtype, threads, seqs, min(SHARED_PREFIX_TOKENS, long_len),
+            per_byte, result["call_overhead_s"], repeats, rng, v_tile, prefetch))
+    return result
+
+
+SHARED_PREFIX_TOKENS = 1024     # the shared-prefix timing's prefix at most: a system prompt's length
+
+
+def measure_shared_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
+                             threads: int | None, members: int, prefix_tokens: int, seconds_per_kv_byte: float,
+                             call_overhead_s: float, repeats: int, rng: np.random.Generator,
+                             v_tile: int | None = None, prefetch: bool | str | None = None) -> dict:
+    """What a member-token of shared prefix costs against a streamed (unshared) KV token.
+
+    One donor holds `prefix_tokens` (whole pages), `members` sequences fork it and add one page
+    of their own, and one attend call covers the members. The sizing model prices that call as
+    overhead + (members x page + prefix) streamed tokens (each member's own page, the prefix
+    read once for the group) + (members - 1) x prefix member-tokens at shared_cost_ratio of a
+    streamed token (the further members' heads over pages already in cache), so
+
+        ratio = (t - overhead - (members x page + prefix) x token bytes x s/byte)
+                / ((members - 1) x prefix x token bytes x s/byte),
+
+    clamped to [0.01, 1]: 1 is the unshared store's cost, below 0.01 is timing noise."""
+    store = KVStore(1, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, v_tile=v_tile,
+                    prefetch=prefetch)
+    page = max(int(store.page_tokens), 1)
+    prefix = max(page, prefix_tokens // page * page)
+    donor = members
+    _append_random(store, rng, np.full(prefix, donor, dtype=np.int64))
+    for m in range(members):
+        store.fork(donor, m, prefix)
+    ids = np.arange(members, dtype=np.int64)
+    _append_random(store, rng, np.repeat(ids, page))
+    t = _time_attend(store, rng, ids, num_heads, repeats)
+    del store
+    token_s = kv_token_bytes(kv_dtype, num_kv_heads, head_dim) * seconds_per_kv_byte    # a streamed token
+    shared_s = t - call_overhead_s - (members * page + prefix) * token_s
+    ratio = min(max(shared_s / ((members - 1) * prefix * token_s), 0.01), 1.0)
+    # the absolute cost too: the shared part is compute-bound, so it holds still where the read (and
+    # with it the ratio) swings between runs
+    per_byte = max(shared_s, 0.0) / ((members - 1) * prefix * kv_token_bytes(kv_dtype, num_kv_heads, head_dim))
+    return {"shared_cost_ratio": ratio, "shared_seconds_per_kv_byte": per_byte, "shared_prefix_tokens": prefix,
+            "shared_members": members, "shared_call_s": t}
+
+
+def _append_random(store: KVStore, rng: np.random.Generator, ids: np.ndarray) -> None:
+    """Random K, V at layer 0 for each entry of `ids` (one token each), in bounded slabs."""
+    chunk = 1 << 16
+    for s in range(0, ids.size, chunk):
+        n = min(chunk, ids.size - s)
+        kv = rng.standard_normal((2, n, store.num_kv_heads, store.head_dim), dtype=np.float32)
+        store.append(0, ids[s:s + n], kv[0], kv[1])
+
+
+def _time_attend(store: KVStore, rng: np.random.Generator, ids: np.ndarray, num_heads: int, repeats: int) -> float:
+    """Median seconds of one attend call over `ids` at layer 0 (after a warm-up)."""
+    q = rng.standard_normal((ids.size, num_heads, store.head_dim), dtype=np.float32)
+    out = np.empty_like(q)
+    return _median_time(lambda: store.attend(0, ids, q, out=out), repeats)

@@ -10,7 +10,9 @@ in C++, with the GIL released. Arrays cross as numpy buffers; bf16 travels as ra
     o = store.append_attend(layer, seq_ids, q, k, v, out=np.empty(..., np.uint16))  # bf16 out
 
 Determinism: a sequence's output is bitwise identical whatever else is in the batch, the thread
-count, and the history of other sequences' appends/frees (split points depend only on its length).
+count, and the history of other sequences' appends/frees (split points depend only on its length),
+unless it shares a prefix (fork) with other sequences of the call: then its output depends, within
+fp32 rounding, on which of them the call holds.
 Calls on one store from several threads are serialized (a mutex in C++); every call that touches
 KV data releases the GIL.
 
@@ -149,9 +151,27 @@ class KVStore:
             raise ValueError(f"reserve: {ids.size} seq_ids but {tok.size} token counts")
         return self._st.reserve(ids, tok)
 
+    def fork(self, src_id: int, dst_id: int, tokens: int) -> None:
+        """New sequence dst_id holding src_id's first `tokens` tokens at every layer: its
+        tokens // page_tokens full pages shared by reference (refcounted: a page is freed with its
+        last holder), the tokens of a partial last page copied into a page of dst's own, so that
+        appends never write a shared page. Decode attention reads shared pages once for all the
+        sequences of one call that hold them. ValueError: unknown src, existing dst, or src
+        holding fewer than `tokens` at some layer."""
+        if not self._st.fork(int(src_id), int(dst_id), int(tokens)):
+            raise KVCapacityError(f"KV store capacity {self.capacity_bytes} bytes reached ({self.bytes_used()} in use); "
+                                  f"fork of sequence {src_id} into {dst_id} refused, nothing stored")
+
     def free(self, seq_id: int) -> bool:
-        """Release the sequence's pages (all layers) for reuse; False if the id is unknown."""
+        """Release the sequence's pages (all layers) for reuse; False if the id is unknown. Pages
+        it shares with another sequence stay until their last holder is freed."""
         return self._st.free(int(seq_id))
+
+    def sharing_stats(self) -> dict:
+        """shared_pages: pages held by >= 2 sequences; shared_page_refs: the references to them;
+        bytes_saved: what the references beyond the first would hold as copies."""
+        shared, saved = self._st.shared_pages(), self._st.saved_pages()
+        return dict(shared_pages=shared, shared_page_refs=shared + saved, bytes_saved=saved * self.page_bytes)
 
     # ---- accounting -----------------------------------------------------------------------
     def num_tokens(self, seq_id: int, layer: int = 0) -> int:
@@ -188,6 +208,11 @@ class KVStore:
         if int(n) != n or n < 1:
             raise ValueError(f"extent_pages must be a positive integer, got {n!r}")
         self._st.extent_pages = int(n)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: page_tokens tokens of one (sequence, layer, kv head), K and V."""
+        return self._st.page_bytes
 
     def bytes_reserved(self) -> int:
         """Bytes of arena allocated (virtual; grows in chunks of >= 64 MiB, never shrinks)."""

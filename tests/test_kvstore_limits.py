@@ -51,6 +51,20 @@ def test_capacity_error_stores_nothing():
     assert store.num_tokens(1) == P + 1 and store.num_tokens(3) == 1
 
 
+def test_reserve_never_passes_the_capacity_after_a_trim():
+    """reserve trims extent slack when short of room; the trim may give back the reserving
+    sequence's own slack, so what it still needs is counted again after the trim."""
+    page = KVStore(1, 1, 16, "fp32", threads=1).page_bytes
+    st = KVStore(1, 1, 16, "fp32", threads=1, capacity_bytes=16 * page)
+    st.extent_pages = 8
+    z = lambda n: np.zeros((n, 1, 16), np.float32)  # noqa: E731
+    st.append(0, [1], z(1), z(1))                    # an 8-page extent: 7 pages of slack
+    st.append(0, [2] * 256, z(256), z(256))          # 16 of 16 pages in use
+    took = st.reserve([1], [12 * 32])                # 12 pages for sequence 1: 4 past the capacity
+    assert st.bytes_used() <= 16 * page
+    assert not took and st.num_tokens(1) == 1 and st.num_tokens(2) == 256
+
+
 def test_bad_inputs_raise_value_error():
     Hkv, D = 2, 64
     st = KVStore(2, Hkv, D, "bf16", threads=1)

@@ -5,7 +5,16 @@
 // fp32 accumulators. Items of a multi-chunk sequence write partial (m, l, acc); the item that
 // finishes last merges them in chunk order (log-sum-exp). Chunk boundaries depend only on the
 // sequence length, and an item's arithmetic does not depend on which thread runs it, so a
-// sequence's output is bitwise the same whatever the batch, the thread count or the history.
+// sequence's output is bitwise the same whatever the batch, the thread count or the history, unless
+// it shares a prefix with other rows of the call (below): then it depends, by fp32 rounding, on who else does.
+//
+// Shared prefixes (paging.h: fork): rows of one call whose sequences hold the same last shared
+// page form a group. An item (group, kv head, chunk of the shared pages, block of up to
+// ROWS_PER_ITEM / g members) streams those pages from memory once and runs every member's heads
+// over each page while it sits in L1: the bytes of a shared prefix are read once per group, not
+// once per member. Each member's own pages are items of their own; all its partials merge in slot
+// order. A row alone with its prefix in a call (or unshared) runs over all its pages as before:
+// its output is bitwise what the unshared kernel gives.
 //
 // The page passes themselves are simd.h's (one ISA header per build), the AMX scores amx.h's.
 #pragma once
@@ -16,6 +25,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "common.h"
@@ -133,43 +143,85 @@ public:
         Call C{layer, g, Hq, dp, amx, q, qdt, out, odt, {}};
         C.seqs.resize(n);
 
-        // 1. resolve sequences and build the work list
-        items_.clear();
-        int64_t nparts = 0, ncounters = 0;
+        // 1. resolve sequences; rows holding the same last shared page form a group (paging.h: fork)
+        groups_.clear();
+        group_of_.clear();
+        std::vector<int32_t>& lone = lone_;
+        lone.clear();
         for (int64_t i = 0; i < n; ++i) {
             const Seq* s = pages.find(ids[i]);
             if (!s) throw std::invalid_argument("unknown sequence id " + std::to_string(ids[i]));
-            int32_t len = s->len[layer];
-            if (len == 0)
+            if (s->len[layer] == 0)
                 throw std::invalid_argument("sequence " + std::to_string(ids[i]) + " has no tokens at layer " +
                                             std::to_string(layer));
             C.seqs[i] = s;
-            int32_t nc = (len + CH - 1) / CH;
-            for (int h = 0; h < Hkv_; ++h) {
-                int64_t part = nc > 1 ? nparts : -1, ctr = nc > 1 ? ncounters++ : -1;
-                if (nc > 1) nparts += nc;
-                for (int c = 0; c < nc; ++c) items_.push_back({(int32_t)i, h, c, nc, part, ctr});
-            }
+            if (s->shared == 0) { lone.push_back((int32_t)i); continue; }
+            const char* key = s->pages[layer][(size_t)(s->shared - 1) * Hkv_];
+            auto it = group_of_.emplace(key, (int32_t)groups_.size());
+            if (it.second) groups_.emplace_back();
+            groups_[it.first->second].push_back((int32_t)i);
         }
+
+        // 2. the work list: per group, items over the shared pages for blocks of members, then
+        //    every row's own chunks; per (row, head) its partials' first slot and merge counter
+        items_.clear();
+        rows_.clear();
+        part_.assign((size_t)n * Hkv_, -1);
+        nchunks_.assign(n, 0);
+        int64_t nparts = 0;
+        auto own_chunks = [&](int32_t i, int32_t from, int32_t first_slot) {    // tokens from .. len-1
+            const int32_t len = C.seqs[i]->len[layer], r0 = (int32_t)rows_.size();
+            rows_.push_back(i);
+            const int32_t nc = (len - from + CH - 1) / CH;
+            nchunks_[i] = first_slot + nc;
+            const bool alone = nchunks_[i] == 1 && first_slot == 0;
+            for (int h = 0; h < Hkv_; ++h) {
+                if (!alone) part_[(size_t)i * Hkv_ + h] = nparts, nparts += nchunks_[i];
+                for (int32_t c = 0; c < nc; ++c)
+                    items_.push_back({r0, 1, h, from + c * CH, std::min(len, from + (c + 1) * CH), alone ? -1 : first_slot + c});
+            }
+        };
+        const int32_t block = std::max(1, ROWS_PER_ITEM / g);    // members per shared-page item
+        for (auto& grp : groups_) {
+            if (grp.size() == 1) { lone.push_back(grp[0]); continue; }
+            const int32_t shared_tokens = C.seqs[grp[0]]->shared * P, ncs = (shared_tokens + CH - 1) / CH;
+            const int32_t r0 = (int32_t)rows_.size();
+            rows_.insert(rows_.end(), grp.begin(), grp.end());
+            for (int32_t b = 0; b < (int32_t)grp.size(); b += block)
+                for (int h = 0; h < Hkv_; ++h)
+                    for (int32_t c = 0; c < ncs; ++c)
+                        items_.push_back({r0 + b, std::min(block, (int32_t)grp.size() - b), h, c * CH,
+                                          std::min(shared_tokens, (c + 1) * CH), c});
+            // slots: the shared chunks first, then the member's own (rows_ gets each member again)
+            for (int32_t i : grp) own_chunks(i, shared_tokens, ncs);
+        }
+        for (int32_t i : lone) own_chunks(i, 0, 0);
+
         // partial slot: [g][Dp] acc, then g m, then g l
         part_stride_ = (size_t)g * Dp_ + 2 * (size_t)g;
         if (nparts) parts_.get((size_t)nparts * part_stride_);
-        if (ncounters > (int64_t)ncounters_cap_) {
+        const size_t ncounters = (size_t)n * Hkv_;
+        if (ncounters > ncounters_cap_) {
             counters_.reset(new std::atomic<int>[ncounters]);
             ncounters_cap_ = ncounters;
         }
-        for (int64_t c = 0; c < ncounters; ++c) counters_[c].store(0, std::memory_order_relaxed);
+        for (size_t c = 0; c < ncounters; ++c) counters_[c].store(0, std::memory_order_relaxed);
 
-        // 2. run (longest items are already bounded by CH, so plain dynamic order balances)
+        // 3. run (longest items are already bounded by CH, so plain dynamic order balances)
         auto body = [&](int64_t w, int64_t next) { run_item(C, items_[w], next < 0 ? nullptr : &items_[next]); };
         pool.parallel_for((int64_t)items_.size(), body);
     }
 
 private:
+    // query rows a shared-page item serves at most (ROWS_PER_ITEM / g members): its page stays in
+    // L1 while each member's heads run over it, and an item's scratch stays within L2
+    static constexpr int ROWS_PER_ITEM = 64;
+
     struct Item {
-        int32_t i, h, c, nc;   // batch row, kv head, chunk, chunks of this sequence
-        int64_t part;          // first partial slot of this (row, head) if nc > 1, else -1
-        int64_t counter;       // index of the merge counter if nc > 1
+        int32_t r0, nr;   // batch rows rows_[r0 .. r0 + nr): one, or a block of a group's members
+        int32_t h;        // kv head
+        int32_t t0, t1;   // tokens t0 .. t1-1, in the pages of rows_[r0]'s sequence (shared by all nr)
+        int32_t slot;     // this chunk's partial slot per row, or -1: the row's only chunk (written out)
     };
 
     struct Call {
@@ -183,7 +235,7 @@ private:
         std::vector<const Seq*> seqs;
     };
 
-    // ---- one work item: (sequence, kv head, chunk) ------------------------------
+    // ---- one work item: (rows, kv head, chunk) ----------------------------------
 
     // page i of head h of s follows neither `prev` (the page computed now) nor precedes its own
     // next page in memory: a run of one, which no hardware prefetcher can see coming
@@ -195,37 +247,37 @@ private:
     }
 
     void run_item(const Call& C, const Item& it, const Item* next) const {
-        const int g = C.g, Dp = Dp_, D = D_;
-        const Seq& s = *C.seqs[it.i];
-        const int32_t len = s.len[C.layer];
-        const int32_t t0 = it.c * CH, t1 = std::min(len, t0 + CH);
+        const int g = C.g, G = it.nr * g, Dp = Dp_, D = D_;   // G query rows: nr rows x g heads
+        const Seq& s = *C.seqs[rows_[it.r0]];
+        const int32_t t0 = it.t0, t1 = it.t1;
 
-        // scratch: qf [g][Dp] | acc [g][Dp] | S [g][PT] | m [g] | l [g][L_LANES] | qw [g][Dp/2] words
-        //          | qs [g] | qz [g][2] (int8: qw holds the query's hi parts [g][Dp/4] then its lo parts,
+        // scratch: qf [G][Dp] | acc [G][Dp] | S [G][PT] | m [G] | l [G][L_LANES] | qw [G][Dp/2] words
+        //          | qs [G] | qz [G][2] (int8: qw holds the query's hi parts [G][Dp/4] then its lo parts,
         //          qs their scales, qz their bias sums: quant.h)
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * g * Dp + (size_t)g * PT + (size_t)g * (4 + L_LANES) + (size_t)g * Dp / 2 + 64);
-        float* acc = qf + (size_t)g * Dp;
-        float* S = acc + (size_t)g * Dp;
-        float* m = S + (size_t)g * PT;
-        float* l = m + g;
-        uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)g * L_LANES);
-        float* qs = reinterpret_cast<float*>(qw + (size_t)g * Dp / 2);
-        int32_t* qz = reinterpret_cast<int32_t*>(qs + g);
-        auto l_of = [&](int j) { return l + (size_t)j * L_LANES; };   // head j's lane sums
+        float* qf = buf.get((size_t)2 * G * Dp + (size_t)G * PT + (size_t)G * (4 + L_LANES) + (size_t)G * Dp / 2 + 64);
+        float* acc = qf + (size_t)G * Dp;
+        float* S = acc + (size_t)G * Dp;
+        float* m = S + (size_t)G * PT;
+        float* l = m + G;
+        uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)G * L_LANES);
+        float* qs = reinterpret_cast<float*>(qw + (size_t)G * Dp / 2);
+        int32_t* qz = reinterpret_cast<int32_t*>(qs + G);
+        auto l_of = [&](int j) { return l + (size_t)j * L_LANES; };   // row j's lane sums
         const bool i8 = dt_ == I8;
+        [[maybe_unused]] const int amx = C.amx;   // AMX tiles: configured for the g heads of one row
 
-        // 1. queries of this group: fp32 pre-scaled so scores are in log2 units, or (bf16 q and
-        //    bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot product,
-        //    or (int8 K) int8 with their scales (quant.h)
+        // 1. queries of these rows' head group: fp32 pre-scaled so scores are in log2 units, or
+        //    (bf16 q and bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot
+        //    product, or (int8 K) int8 with their scales (quant.h)
         const size_t qisz = dtype_size(C.qdt);
-        const char* qbase = static_cast<const char*>(C.q) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * qisz;
         const float sc = scale_ * LOG2E;
-        for (int j = 0; j < g; ++j) {
-            const char* qj = qbase + (size_t)j * D * qisz;
+        for (int j = 0; j < G; ++j) {
+            const int32_t row = rows_[it.r0 + j / g];
+            const char* qj = static_cast<const char*>(C.q) + ((size_t)row * C.Hq + (size_t)it.h * g + j % g) * D * qisz;
             if (i8) {
                 quant_query(qj, C.qdt, D, Dp, reinterpret_cast<int8_t*>(qw + (size_t)j * Dp / 4),
-                            reinterpret_cast<int8_t*>(qw + (size_t)(g + j) * Dp / 4), qs[j], qz + 2 * j,
+                            reinterpret_cast<int8_t*>(qw + (size_t)(G + j) * Dp / 4), qs[j], qz + 2 * j,
                             acc + (size_t)j * Dp);       // the accumulator row as scratch (zeroed below)
                 qs[j] *= sc;
             } else if (C.dp) {
@@ -242,7 +294,7 @@ private:
 
         // 2. stream the chunk page by page (AMX: this thread's tiles configured for g rows first)
 #if defined(FD_HAVE_DPBF16)
-        if (C.amx) amx_begin(C.amx, g);
+        if (amx) amx_begin(amx, g);
 #endif
         const int pf_mode = prefetch_.load(std::memory_order_relaxed);
         const auto& pages = s.pages[C.layer];
@@ -258,69 +310,85 @@ private:
             //     PF_SCATTERED only a page apart from both neighbours (isolated)
             const char* pf = nullptr;
             if (pf_mode != PF_OFF && (pi < plast || next)) {
-                const Seq& ns = pi < plast ? s : *C.seqs[next->i];
+                const Seq& ns = pi < plast ? s : *C.seqs[rows_[next->r0]];
                 const int nh = pi < plast ? it.h : next->h;
-                const size_t ni = pi < plast ? (size_t)pi + 1 : (size_t)(next->c * CH / P);
+                const size_t ni = pi < plast ? (size_t)pi + 1 : (size_t)(next->t0 / P);
                 if (pf_mode == PF_ALL || isolated(ns, C.layer, ni, nh, kr)) pf = ns.pages[C.layer][ni * Hkv_ + nh];
             }
-            // 2b. scores of every query head of the group: one pass over the K run
-            if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qw + (size_t)g * Dp / 4, qs, qz, g, S, pf);
+            // 2b. scores of every query row: one pass over the K run (read from memory once; the
+            //     passes take the rows in register blocks, the run staying in L1 between them)
+            if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qw + (size_t)G * Dp / 4, qs, qz, G, S, pf);
             else
 #if defined(FD_HAVE_DPBF16)
-            if (C.amx) scores_page_amx(C.amx, kr, Dp, qw, sc, g, S, pf);
-            else if (C.dp) scores_page_dp(kr, Dp, qw, sc, g, S, pf);
+            if (amx) {
+                for (int r = 0; r < it.nr; ++r)    // one row's g heads per tile product (K's tiles from L1)
+                    scores_page_amx(amx, kr, Dp, qw + (size_t)r * g * Dp / 2, sc, g, S + (size_t)r * g * PT, r ? nullptr : pf);
+            }
+            else if (C.dp) scores_page_dp(kr, Dp, qw, sc, G, S, pf);
             else
 #endif
-                scores_page(dt_, kr, Dp, qf, g, S, pf);
+                scores_page(dt_, kr, Dp, qf, G, S, pf);
             // 2c. online softmax; rescale the accumulators when the running max moves
-            for (int j = 0; j < g; ++j) {
+            for (int j = 0; j < G; ++j) {
                 float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l_of(j));
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
             // 2d. acc += p V: one pass over the V run
-            if (i8) pv_page_i8(use_vnni_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
+            if (i8) pv_page_i8(use_vnni_, vr, nvalid, Dp, S, G, acc, pf, page_bytes_);
             else
 #if defined(FD_HAVE_DPBF16)
-            if (vtile_ == V_PAIRS) pv_page_pairs(vr, nvalid, Dp, S, g, acc, pf, page_bytes_);
+            if (vtile_ == V_PAIRS) pv_page_pairs(vr, nvalid, Dp, S, G, acc, pf, page_bytes_);
             else
 #endif
-                pv_page(dt_, vr, nvalid, Dp, S, g, acc, pf, page_bytes_, vtile_);
+                pv_page(dt_, vr, nvalid, Dp, S, G, acc, pf, page_bytes_, vtile_);
         }
 
 #if defined(FD_HAVE_DPBF16)
-        if (C.amx) amx_end(C.amx);
+        if (amx) amx_end(amx);
 #endif
 
-        // 3. single chunk: normalise and write; else publish the partial, last one merges
+        // 3. a row's only chunk: normalise and write; else publish each row's partial, and the
+        //    item that completes a row's partials merges them (after all are published: the merge
+        //    takes the accumulators as scratch)
         const size_t oisz = dtype_size(C.odt);
-        char* obase = static_cast<char*>(C.out) + ((size_t)it.i * C.Hq + (size_t)it.h * g) * D * oisz;
-        if (it.nc == 1) {
+        auto obase = [&](int32_t row) {
+            return static_cast<char*>(C.out) + ((size_t)row * C.Hq + (size_t)it.h * g) * D * oisz;
+        };
+        if (it.slot < 0) {
             for (int j = 0; j < g; ++j)
-                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l_total(l_of(j)), D, obase + (size_t)j * D * oisz, C.odt);
+                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l_total(l_of(j)), D, obase(rows_[it.r0]) + (size_t)j * D * oisz, C.odt);
             return;
         }
-        float* slot = parts_.p + (size_t)(it.part + it.c) * part_stride_;
-        std::memcpy(slot, acc, sizeof(float) * g * Dp);
-        std::memcpy(slot + (size_t)g * Dp, m, sizeof(float) * g);
-        for (int j = 0; j < g; ++j) slot[(size_t)g * Dp + g + j] = l_total(l_of(j));
-        if (counters_[it.counter].fetch_add(1, std::memory_order_acq_rel) != it.nc - 1) return;
-        merge(it, g, obase, C.odt, acc);
+        int32_t done[ROWS_PER_ITEM];
+        int ndone = 0;
+        for (int r = 0; r < it.nr; ++r) {
+            const int32_t row = rows_[it.r0 + r];
+            const size_t ph = (size_t)row * Hkv_ + it.h;
+            float* slot = parts_.p + (size_t)(part_[ph] + it.slot) * part_stride_;
+            std::memcpy(slot, acc + (size_t)r * g * Dp, sizeof(float) * g * Dp);
+            std::memcpy(slot + (size_t)g * Dp, m + (size_t)r * g, sizeof(float) * g);
+            for (int j = 0; j < g; ++j) slot[(size_t)g * Dp + g + j] = l_total(l_of(r * g + j));
+            if (counters_[ph].fetch_add(1, std::memory_order_acq_rel) == nchunks_[row] - 1) done[ndone++] = row;
+        }
+        for (int r = 0; r < ndone; ++r)
+            merge(part_[(size_t)done[r] * Hkv_ + it.h], nchunks_[done[r]], g, obase(done[r]), C.odt, acc);
     }
 
     // ---- the chunk merge --------------------------------------------------------
 
-    // log-sum-exp merge of nc partials in chunk order (base 2); acc is scratch [g][Dp]
-    void merge(const Item& it, int g, char* obase, int odt, float* acc) const {
+    // log-sum-exp merge of nc partials in slot order (base 2), the first at slot `part`; acc is
+    // scratch [g][Dp]
+    void merge(int64_t part, int32_t nc, int g, char* obase, int odt, float* acc) const {
         const int Dp = Dp_;
         const size_t oisz = dtype_size(odt);
-        const float* first = parts_.p + (size_t)it.part * part_stride_;
+        const float* first = parts_.p + (size_t)part * part_stride_;
         for (int j = 0; j < g; ++j) {
             float M = -INFINITY;
-            for (int c = 0; c < it.nc; ++c) M = std::fmax(M, first[c * part_stride_ + (size_t)g * Dp + j]);
+            for (int c = 0; c < nc; ++c) M = std::fmax(M, first[c * part_stride_ + (size_t)g * Dp + j]);
             float* a = acc + (size_t)j * Dp;
             std::memset(a, 0, sizeof(float) * Dp);
             float lsum = 0.f;
-            for (int c = 0; c < it.nc; ++c) {
+            for (int c = 0; c < nc; ++c) {
                 const float* sl = first + c * part_stride_;
                 float w = exp2_1(sl[(size_t)g * Dp + j] - M);
                 lsum += w * sl[(size_t)g * Dp + g + j];
@@ -344,9 +412,15 @@ private:
 
     // per-call scratch, reused
     std::vector<Item> items_;
+    std::vector<int32_t> rows_;        // batch rows in item order: each group's members, then every row alone
+    std::vector<int64_t> part_;        // [n][Hkv] first partial slot of (row, head), -1: written directly
+    std::vector<int32_t> nchunks_;     // [n] partials each row merges
+    std::vector<std::vector<int32_t>> groups_;            // rows of each shared prefix
+    std::unordered_map<const char*, int32_t> group_of_;   // last shared page -> group
+    std::vector<int32_t> lone_;        // rows outside any group of >= 2
     AlignedBuf parts_;
     size_t part_stride_ = 0;
-    std::unique_ptr<std::atomic<int>[]> counters_;
+    std::unique_ptr<std::atomic<int>[]> counters_;        // [n][Hkv] partials published
     size_t ncounters_cap_ = 0;
 };
 

@@ -174,6 +174,10 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
                  return s.st.reserve(ids.shape(0), ids.data(), tokens.data());
              },
              "take the pages for tokens[i] tokens of sequence ids[i] at every layer now; False past the capacity")
+        .def("fork", [](PyStore& s, int64_t src, int64_t dst, int64_t tokens) { return s.st.fork(src, dst, tokens); },
+             "new sequence dst sharing src's first `tokens` tokens (full pages by reference); False past the capacity")
+        .def("shared_pages", [](PyStore& s) { return s.st.shared_pages(); }, "pages held by >= 2 sequences")
+        .def("saved_pages", [](PyStore& s) { return s.st.saved_pages(); }, "references to shared pages beyond the first")
         .def("free", [](PyStore& s, int64_t id) { return s.st.free_seq(id); })
         .def("num_tokens", [](PyStore& s, int64_t id, int layer) { return s.st.num_tokens(id, layer); })
         .def("num_seqs", [](PyStore& s) { return s.st.num_seqs(); })

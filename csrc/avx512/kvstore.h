@@ -82,6 +82,18 @@ public:
         std::lock_guard<std::mutex> lk(mu_);
         return pages_.free_seq(id);
     }
+    bool fork(int64_t src, int64_t dst, int64_t tokens) {
+        std::lock_guard<std::mutex> lk(mu_);
+        return pages_.fork(src, dst, tokens);
+    }
+    size_t shared_pages() {
+        std::lock_guard<std::mutex> lk(mu_);
+        return pages_.shared_pages();
+    }
+    size_t saved_pages() {
+        std::lock_guard<std::mutex> lk(mu_);
+        return pages_.saved_pages();
+    }
     bool reserve(int64_t n, const int64_t* ids, const int64_t* tokens) {
         std::lock_guard<std::mutex> lk(mu_);
         return pages_.reserve(n, ids, tokens);

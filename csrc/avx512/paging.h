@@ -20,6 +20,13 @@
 // slack, given back (trimmed) when a call needs their room, so the capacity a caller counts in
 // tokens (bytes_committed) is never short.
 //
+// Shared prefixes. `fork` makes a sequence whose first pages are another's (a shared system prompt,
+// n samples of one prompt): the full pages are shared by pointer, a partial last page is copied, so
+// an append never writes a shared page. A sequence's first `shared` pages per (layer, head) are
+// refcounted (refs_: page -> holders); freeing a holder frees only what no other sequence reads.
+// Every holder of a physical page at index j holds the same pages 0..j (a fork copies them all), so
+// the attention groups sequences by the last shared page (attention.h: "Shared prefixes").
+//
 // Not thread-safe: the Store (kvstore.h) calls in under its mutex.
 #pragma once
 
@@ -63,6 +70,7 @@ struct Seq {
     std::vector<std::vector<char*>> pages;   // [L][npages * Hkv]: page p of head h at p * Hkv + h
     int32_t pending = 0;                     // rows of the append call in progress
     size_t reserved = 0;                     // pages per (layer, head) `reserve` asked for
+    int32_t shared = 0;                      // leading pages per (layer, head) held by reference (refs_)
 };
 
 // ============================================================================
@@ -99,9 +107,12 @@ public:
     size_t bytes_committed_walk() const {
         size_t pages = 0;
         for (auto& kv : seqs_)
-            for (int l = 0; l < L_; ++l) pages += keep_pages(kv.second, l, 0) * Hkv_;
-        return pages * page_bytes_;
+            for (int l = 0; l < L_; ++l) pages += (keep_pages(kv.second, l, 0) - kv.second.shared) * Hkv_;
+        return (pages + refs_.size()) * page_bytes_;     // a shared page counts once
     }
+    // pages held by >= 2 sequences, and the references to them beyond the first (pages a fork saved)
+    size_t shared_pages() const { return shared_pages_; }
+    size_t saved_pages() const { return saved_pages_; }
     size_t bytes_reserved() const { return arena_.bytes_reserved(); }
     int extent_pages() const { return extent_; }
     void set_extent_pages(int e) {
@@ -135,14 +146,59 @@ public:
         if (it == seqs_.end()) return false;
         // push in reverse allocation order (layer, head, page): pops then come out in order
         auto& pages = it->second.pages;
+        const int64_t shared = it->second.shared;
         for (int l = 0; l < L_; ++l) slack_pages_ -= slack_of(it->second, l);
         for (int l = L_ - 1; l >= 0; --l) {
             const int64_t np = (int64_t)pages[l].size() / Hkv_;
             for (int h = Hkv_ - 1; h >= 0; --h)
-                for (int64_t p = np - 1; p >= 0; --p) arena_.put(pages[l][p * Hkv_ + h]);
+                for (int64_t p = np - 1; p >= 0; --p)
+                    if (p >= shared || unref(pages[l][p * Hkv_ + h])) arena_.put(pages[l][p * Hkv_ + h]);
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
         seqs_.erase(it);
+        return true;
+    }
+
+    // ---- fork -------------------------------------------------------------------
+    // New sequence dst holding src's first `tokens` tokens at every layer: the tokens / P full pages
+    // shared (refcounted), the partial page's tokens copied into a page of its own. Returns false
+    // (and does nothing) when the copied pages would pass the capacity.
+    bool fork(int64_t src, int64_t dst, int64_t tokens) {
+        auto si = seqs_.find(src);
+        if (si == seqs_.end()) throw std::invalid_argument("fork: unknown source sequence " + std::to_string(src));
+        if (seqs_.count(dst)) throw std::invalid_argument("fork: sequence " + std::to_string(dst) + " already exists");
+        if (tokens < 1)
+            throw std::invalid_argument("fork of sequence " + std::to_string(src) + " into " + std::to_string(dst) +
+                                        ": token count " + std::to_string(tokens) + " < 1");
+        for (int l = 0; l < L_; ++l)
+            if (si->second.len[l] < tokens)
+                throw std::invalid_argument("fork: sequence " + std::to_string(src) + " holds " +
+                                            std::to_string(si->second.len[l]) + " tokens at layer " + std::to_string(l) +
+                                            ", fewer than the " + std::to_string(tokens) + " to share");
+        const size_t k = (size_t)tokens / P;
+        const bool partial = tokens % P != 0;
+        if (partial && over_capacity((size_t)L_ * Hkv_)) trim_slack(-1);
+        if (partial && over_capacity((size_t)L_ * Hkv_)) return false;
+        Seq& a = seqs_.find(src)->second;        // (trim_slack leaves the map's nodes where they are)
+        std::vector<int64_t> created;
+        Seq& b = get_or_create(dst, created);
+        for (int l = 0; l < L_; ++l) {
+            auto& pa = a.pages[l];
+            auto& pb = b.pages[l];
+            pb.assign(pa.begin(), pa.begin() + k * Hkv_);
+            for (size_t p = 0; p < k * Hkv_; ++p) ref(pa[p], p / Hkv_ < (size_t)a.shared);
+            if (partial) {
+                pb.resize((k + 1) * Hkv_);
+                for (int h = 0; h < Hkv_; ++h) {
+                    pb[k * Hkv_ + h] = arena_.get();
+                    std::memcpy(pb[k * Hkv_ + h], pa[k * Hkv_ + h], page_bytes_);
+                }
+            }
+            b.len[l] = (int32_t)tokens;
+        }
+        a.shared = std::max(a.shared, (int32_t)k);
+        b.shared = (int32_t)k;
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
         return true;
     }
 
@@ -153,18 +209,22 @@ public:
     // per 32 steps wherever the free list has one: scattered 8-16 KB pages streamed at 0.62-0.88x
     // the runs (bench/kernel/NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
     bool reserve(int64_t n, const int64_t* ids, const int64_t* tokens) {
-        size_t new_pages = 0;
-        for (int64_t i = 0; i < n; ++i) {
-            if (tokens[i] < 0) throw std::invalid_argument("reserve: negative token count for sequence " + std::to_string(ids[i]));
-            const size_t need = ((size_t)tokens[i] + P - 1) / P;
-            auto it = seqs_.find(ids[i]);
-            for (int l = 0; l < L_; ++l) {
-                const size_t have = it == seqs_.end() ? 0 : it->second.pages[l].size() / Hkv_;
-                if (need > have) new_pages += (need - have) * Hkv_;
+        auto count_new = [&] {     // pages the reservations take beyond what their sequences hold
+            size_t new_pages = 0;
+            for (int64_t i = 0; i < n; ++i) {
+                if (tokens[i] < 0) throw std::invalid_argument("reserve: negative token count for sequence " + std::to_string(ids[i]));
+                const size_t need = ((size_t)tokens[i] + P - 1) / P;
+                auto it = seqs_.find(ids[i]);
+                for (int l = 0; l < L_; ++l) {
+                    const size_t have = it == seqs_.end() ? 0 : it->second.pages[l].size() / Hkv_;
+                    if (need > have) new_pages += (need - have) * Hkv_;
+                }
             }
-        }
-        if (over_capacity(new_pages)) trim_slack(-1);
-        if (over_capacity(new_pages)) return false;
+            return new_pages;
+        };
+        // the trim may give back the reserving sequences' own extent slack: count again after it
+        if (over_capacity(count_new())) trim_slack(-1);
+        if (over_capacity(count_new())) return false;
         std::vector<int64_t> created;
         for (int64_t i = 0; i < n; ++i) {
             Seq& s = get_or_create(ids[i], created);
@@ -311,6 +371,25 @@ private:
             for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
     }
 
+    // one more holder of page p (`held`: p is already counted in refs_, else it had one holder)
+    void ref(char* p, bool held) {
+        int32_t& n = refs_[p];
+        if (!held) n = 1;
+        if (++n == 2) ++shared_pages_;
+        ++saved_pages_;
+    }
+    // one holder fewer of shared page p; true when it had no other (the caller frees it)
+    bool unref(char* p) {
+        auto it = refs_.find(p);
+        if (--it->second == 0) {
+            refs_.erase(it);
+            return true;
+        }
+        --saved_pages_;
+        if (it->second == 1) --shared_pages_;
+        return false;
+    }
+
     bool over_capacity(size_t new_pages) const {
         return capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_;
     }
@@ -392,6 +471,9 @@ private:
     std::atomic<size_t> used_pages_{0};
     size_t slack_pages_ = 0;    // sum of slack_of over every (sequence, layer)
     std::unordered_map<int64_t, Seq> seqs_;
+    std::unordered_map<const char*, int32_t> refs_;   // shared page -> holders (pages below some Seq::shared)
+    size_t shared_pages_ = 0;   // pages in refs_ with >= 2 holders
+    size_t saved_pages_ = 0;    // sum over refs_ of holders - 1
 
     // per-call scratch, reused
     struct RowDst { Seq* seq; char* const* pages; int slot; };   // pages: the Hkv pages of its slot

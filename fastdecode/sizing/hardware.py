@@ -72,20 +72,26 @@ def s_worker_from_spec(gpu: GpuSpec, model: ModelDims, grid=DEFAULT_GRID) -> SWo
 def stated_profile(gpu: GpuSpec, model: ModelDims, cpu_bw_GBps: float, cpu_mem_GB: float,
                    link_bw_GBps: float = 12.5, link_latency_us: float = 10.0,
                    cpu_attn_eff: float = 0.66, call_overhead_us: float = 20.0,
-                   kv_dtype_bytes: float | None = None, mem_reserve: float = 0.10) -> Profile:
+                   kv_dtype_bytes: float | None = None, mem_reserve: float = 0.10,
+                   shared_cost_ratio: float = 1.0) -> Profile:
     """A Profile from stated hardware: one R-worker type per CPU socket with `cpu_bw_GBps` read
     bandwidth of which attention reaches `cpu_attn_eff` (0.66: torch SDPA bf16 on the H100 box,
-    docs/design.md, "The sizing model"), and `cpu_mem_GB` of memory less a reserve for the OS and buffers."""
+    docs/design.md, "The sizing model"), and `cpu_mem_GB` of memory less a reserve for the OS and buffers.
+    A member-token of shared prefix costs `shared_cost_ratio` of a streamed token: 1 unless
+    stated (a datasheet does not say how compute-bound the shared pass is)."""
     for what, v in (("cpu bandwidth", cpu_bw_GBps), ("cpu memory", cpu_mem_GB),
                     ("link bandwidth", link_bw_GBps), ("cpu efficiency", cpu_attn_eff)):
         if not v > 0:
             raise ValueError(f"{what} must be > 0 (got {v})")
     if link_latency_us < 0 or call_overhead_us < 0:
         raise ValueError("latencies must be >= 0")
+    if not 0 < shared_cost_ratio <= 1:
+        raise ValueError(f"shared cost ratio must be in (0, 1] (got {shared_cost_ratio})")
     rw = RWorkerProfile(name=f"cpu-socket-{cpu_bw_GBps:g}GBps",
                         seconds_per_kv_byte=1.0 / (cpu_bw_GBps * 1e9 * cpu_attn_eff),
                         call_overhead_s=call_overhead_us * 1e-6,
-                        capacity_bytes=cpu_mem_GB * 1e9 * (1 - mem_reserve), page_tokens=PAGE_TOKENS)
+                        capacity_bytes=cpu_mem_GB * 1e9 * (1 - mem_reserve), page_tokens=PAGE_TOKENS,
+                        shared_cost_ratio=shared_cost_ratio)
     link = LinkProfile(latency_s=link_latency_us * 1e-6, bandwidth_Bps=link_bw_GBps * 1e9)
     return Profile(model=model, s_worker=s_worker_from_spec(gpu, model), r_workers=[rw], link=link,
                    kv_dtype_bytes=kv_dtype_bytes or model.dtype_bytes, source="stated",

@@ -17,6 +17,20 @@ their K, V cross the link with the step's Q, K, V. A measured profile gives the 
 prompt token (prompt attention and staging included) by prompt length; from stated hardware the
 attention over the prompt is left out (2·prompt·heads·head_dim FLOPs per token against
 ~12·hidden² for the dense part: 2% at Llama-7B, prompt 1024). The balance count above ignores prefill (it errs towards more R-workers).
+
+Shared prefixes: the first `shared` tokens of the prompt (whole pages) are one copy per group of
+g sequences on the R-workers (KVStore.fork; g defaults to the batch, g = 1 shares nothing), and
+only a group's donor prefills them. Per sequence, with own = prompt - shared + shared/g:
+    held      prompt - shared + S in whole pages, + shared/g (full); own + S/2 + (3·page + 1)/2 (grow)
+    prefill   own tokens per starting sequence (the K, V crossing the link too)
+and per mini-batch of m = B/depth sequences holding c = min(m, max(1, m/g)) groups, one layer's
+R-part attends over, in streamed tokens (R seconds each),
+    m·(prompt - shared + S/2) + c·shared + (m - c)·shared·ρ
+The kernel streams a group's shared pages from memory once (c·shared at the full cost) and runs
+every further member's heads over them while they sit in cache: ρ = shared_cost_ratio of a
+streamed token (measured by `fastdecode profile`; 1 when not, the conservative case). With
+shared = 0 every formula above is the unshared one; g = 1 gives c = m, the unshared R-part.
+A group the placement splits over R-workers holds a copy on each: not counted.
 """
 from __future__ import annotations
 
@@ -30,41 +44,57 @@ from fastdecode.sched.placement import RESERVE_POLICIES, grow_overhead_tokens
 from fastdecode.sizing.schema import Profile, RWorkerProfile
 
 
-def held_tokens(worker: RWorkerProfile, gen_len: int, prompt_len: int, kv_reserve: str) -> float:
+def held_tokens(worker: RWorkerProfile, gen_len: int, prompt_len: int, kv_reserve: str,
+                shared_prefix: int = 0, prefix_group: float = 1) -> float:
     """KV tokens one running sequence keeps from other sequences on `worker`, on average over its
     life, as fastdecode/sched/placement.py reserves them:
     - full: its worst case, prompt + S rounded up to whole pages, from admission to the end;
     - grow: the pages it has filled plus the one its next token goes to (on average half a page
       past its length, +1/2 for that token), and one page of admission headroom per resident
       sequence (grow_overhead_tokens); at the stabilized schedule's steady state its length
-      averages prompt + S/2."""
+      averages prompt + S/2.
+    A shared prefix (`shared_prefix` tokens of the prompt, one copy per `prefix_group` sequences)
+    counts its 1/prefix_group share instead: the pages are the group's, not the sequence's."""
     if kv_reserve == "full":
         page = max(int(worker.page_tokens), 1)
-        return math.ceil((prompt_len + gen_len) / page) * page
+        own = math.ceil((prompt_len - shared_prefix + gen_len) / page) * page
+        return own + shared_prefix / prefix_group if shared_prefix else own
     if kv_reserve == "grow":
-        return _avg_kv_len(gen_len, prompt_len) + grow_overhead_tokens(worker.page_tokens)
+        return _avg_kv_len(gen_len, _own_prompt(prompt_len, shared_prefix, prefix_group)) + \
+            grow_overhead_tokens(worker.page_tokens)
     raise ValueError(f"kv_reserve must be one of {RESERVE_POLICIES}, got {kv_reserve!r}")
 
 
+def _own_prompt(prompt_len: float, shared_prefix: int = 0, prefix_group: float = 1) -> float:
+    """Prompt tokens a sequence holds and prefills: its own part and a 1/prefix_group share of its
+    group's prefix (held once for the group, prefilled once by the group's donor)."""
+    if not shared_prefix:
+        return prompt_len
+    return prompt_len - shared_prefix + shared_prefix / prefix_group
+
+
 def sequences_on_worker(capacity_tokens: float, worker: RWorkerProfile, gen_len: int, prompt_len: int,
-                        kv_reserve: str) -> int:
+                        kv_reserve: str, shared_prefix: int = 0, prefix_group: float = 1) -> int:
     """How many sequences `capacity_tokens` of one worker hold at once. full: whole worst cases
     (placement's hard bound). grow: the count the stabilized schedule admits
     (fastdecode/sched/admission.py memory_batch), which keeps the workload's peak, B*(prompt +
-    (S+F)/2) plus the page overhead, within capacity: what it runs unless growth preempts."""
+    (S+F)/2) plus the page overhead, within capacity: what it runs unless growth preempts. A
+    shared prefix counts as held_tokens counts it (a 1/prefix_group share per sequence)."""
     if kv_reserve == "full":
-        return int(capacity_tokens // held_tokens(worker, gen_len, prompt_len, kv_reserve))
+        return int(capacity_tokens // held_tokens(worker, gen_len, prompt_len, kv_reserve, shared_prefix,
+                                                  prefix_group))
     if kv_reserve == "grow":
-        return memory_batch(capacity_tokens, gen_len, gen_len, prompt_len,
+        return memory_batch(capacity_tokens, gen_len, gen_len, _own_prompt(prompt_len, shared_prefix, prefix_group),
                             grow_overhead_tokens(worker.page_tokens))[0]
     raise ValueError(f"kv_reserve must be one of {RESERVE_POLICIES}, got {kv_reserve!r}")
 
 
 def sequences_fitting(profile: Profile, workers: list[RWorkerProfile], gen_len: int, prompt_len: int,
-                      kv_reserve: str) -> int:
+                      kv_reserve: str, shared_prefix: int = 0, prefix_group: float = 1) -> int:
     """How many sequences the workers' memory holds at once (sequences_on_worker, summed)."""
     per_token = profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
-    return sum(sequences_on_worker(w.capacity_bytes // per_token, w, gen_len, prompt_len, kv_reserve)
+    return sum(sequences_on_worker(w.capacity_bytes // per_token, w, gen_len, prompt_len, kv_reserve,
+                                   shared_prefix, prefix_group)
                for w in workers)
 
 
@@ -74,6 +104,9 @@ class Prediction:
     batch_run: int                  # what fits in the R-workers' memory (<= batch)
     gen_len: int                    # S
     prompt_len: int
+    shared_prefix: int              # tokens of the prompt shared by a group (0: none)
+    prefix_group: int               # sequences per group sharing them (1: no sharing)
+    shared_cost_ratio: float        # a member-token of shared prefix against a streamed token (R-workers' max)
     rworkers: int
     rworkers_needed: int | None     # None: no P balances (R-worker call overhead >= S-part time)
     pipeline_depth: int
@@ -96,8 +129,40 @@ class Prediction:
         return d
 
 
-def _avg_kv_len(gen_len: int, prompt_len: int) -> float:
+def _avg_kv_len(gen_len: int, prompt_len: float) -> float:
     return prompt_len + gen_len / 2
+
+
+def _group(batch: float, prefix_group: int | None) -> float:
+    """Sequences per prefix group: the whole batch by default, never more than the batch."""
+    return batch if prefix_group is None else min(prefix_group, batch)
+
+
+def _shared_ratio(workers: list[RWorkerProfile]) -> float:
+    """The slowest worker's shared_cost_ratio: placement shares the load by bandwidth, so the
+    worker whose shared tokens cost the most finishes last."""
+    return max(_worker_shared_ratio(w) for w in workers)
+
+
+def _worker_shared_ratio(w: RWorkerProfile) -> float:
+    """A member-token of shared prefix against a streamed token on `w`: from the measured absolute
+    cost against the in-step cost of a streamed byte where the profile has it, else as stated."""
+    if w.shared_seconds_per_kv_byte > 0:
+        return min(max(w.shared_seconds_per_kv_byte / w.seconds_per_kv_byte, 0.01), 1.0)
+    return w.shared_cost_ratio
+
+
+def _r_tokens(mini: float, gen_len: int, prompt_len: int, shared_prefix: int = 0, prefix_group: float = 1,
+              ratio: float = 1.0) -> float:
+    """Streamed-token equivalents one mini-batch of `mini` sequences attends over in one layer:
+    mini·(prompt + S/2) unshared. With a shared prefix: each sequence's own tokens, each of the
+    c = min(mini, max(1, mini/prefix_group)) groups in the mini-batch streaming its prefix once,
+    and the other (mini - c) members' heads over it at `ratio` of a streamed token."""
+    if not shared_prefix:
+        return mini * _avg_kv_len(gen_len, prompt_len)
+    groups = min(mini, max(1.0, mini / prefix_group))
+    return (mini * _avg_kv_len(gen_len, prompt_len - shared_prefix) + groups * shared_prefix
+            + (mini - groups) * shared_prefix * ratio)
 
 
 def _r_time(profile: Profile, workers: list[RWorkerProfile], kv_tokens: float) -> float:
@@ -108,13 +173,14 @@ def _r_time(profile: Profile, workers: list[RWorkerProfile], kv_tokens: float) -
     return max(w.call_overhead_s for w in workers) + kv_bytes / total_bw
 
 
-def _prefill_tokens(batch: float, gen_len: int, prompt_len: int) -> float:
-    """Prompt tokens prefilled per step in steady state: batch/gen_len sequences start per step."""
+def _prefill_tokens(batch: float, gen_len: int, prompt_len: float) -> float:
+    """Prompt tokens prefilled per step in steady state: batch/gen_len sequences start per step,
+    each prefilling `prompt_len` tokens (_own_prompt with a shared prefix)."""
     return batch * prompt_len / gen_len
 
 
 def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int,
-                depth: int) -> dict:
+                depth: int, shared_prefix: int = 0, prefix_group: int | None = None) -> dict:
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
     r (R-part), link (Q,K,V out + O back). Each resource serves every mini-batch once per layer
     (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
@@ -122,12 +188,17 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     link + hop; depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the
     chain cannot hide behind the other mini-batch (a slow link, or small mini-batches whose work
     is shorter than the chain's hand-offs, `hop`). The step's prompt K, V travel with the Q, K, V;
-    on a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain."""
+    on a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain.
+    A shared prefix (groups of prefix_group sequences, default the batch) is priced by _r_tokens on
+    the R-part and _own_prompt on the prefill's K, V."""
     m = profile.model
     mini = batch / depth
+    group = _group(batch, prefix_group)
+    workers = profile.workers(rworkers)
     s = profile.s_worker.layer_time(mini)
-    r = _r_time(profile, profile.workers(rworkers), mini * _avg_kv_len(gen_len, prompt_len))
-    prompt_kv = _prefill_tokens(mini, gen_len, prompt_len) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    r = _r_time(profile, workers, _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers)))
+    own = _own_prompt(prompt_len, shared_prefix, group)
+    prompt_kv = _prefill_tokens(mini, gen_len, own) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
     link = (profile.link.time(out_bytes) + profile.link.time(back_bytes)
             + profile.link.device_time(out_bytes, back_bytes))
@@ -144,14 +215,17 @@ def kv_tokens_capacity(profile: Profile, rworkers: int) -> float:
 
 
 def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
-                    depth: int = 2, max_workers: int = 1 << 14, kv_reserve: str = "full") -> int | None:
+                    depth: int = 2, max_workers: int = 1 << 14, kv_reserve: str = "full",
+                    shared_prefix: int = 0, prefix_group: int | None = None) -> int | None:
     """Fewest R-workers whose R-part per mini-batch is no slower than the S-part (balance) and
     whose memory holds the batch as `kv_reserve` reserves it (capacity). None if no count up to
-    max_workers does (e.g. the R-worker call overhead alone exceeds the S-part)."""
+    max_workers does (e.g. the R-worker call overhead alone exceeds the S-part). A shared prefix
+    (groups of prefix_group sequences, default the batch) as _r_tokens and held_tokens count it."""
     mini = batch / depth
+    group = _group(batch, prefix_group)
     t_s = profile.s_worker.layer_time(mini)
-    kv_bytes = mini * _avg_kv_len(gen_len, prompt_len) * profile.model.kv_bytes_per_token_layer(
-        profile.kv_dtype_bytes)
+    kv_bytes = _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(profile.r_workers)) * \
+        profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     # [P] totals over the first P workers (the profiled list repeated): q full rounds + a prefix
     ws = profile.r_workers
     q, r = np.divmod(np.arange(1, max_workers + 1), len(ws))
@@ -161,7 +235,7 @@ def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int 
         return q * prefix[-1] + prefix[r]
 
     bw = total([w.bandwidth() for w in ws])
-    held = total([sequences_fitting(profile, [w], gen_len, prompt_len, kv_reserve) for w in ws])
+    held = total([sequences_fitting(profile, [w], gen_len, prompt_len, kv_reserve, shared_prefix, group) for w in ws])
     first_max = np.maximum.accumulate([w.call_overhead_s for w in ws])
     overhead = first_max[np.minimum(np.arange(max_workers), len(ws) - 1)]
     ok = (overhead + kv_bytes / bw <= t_s * (1 + 1e-9)) & (held >= batch)
@@ -173,41 +247,51 @@ ADMIT_FRACTION = 16     # the stabilized schedule's default micro-batch: B/16 se
 
 def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
             rworkers: int | None = None, depth: int = 2, prefill_chunk: int | None = None,
-            kv_reserve: str = "full") -> Prediction:
+            kv_reserve: str = "full", shared_prefix: int = 0, prefix_group: int | None = None) -> Prediction:
     """Steady-state prediction with the stabilized schedule. If the batch does not fit in the
     R-workers' memory as `kv_reserve` reserves it (generate's --kv-reserve: full, the default,
     holds every sequence's worst case; grow what it has filled), the batch that fits runs
     instead and bound = "capacity". Prompts are prefilled in chunks of
     `prefill_chunk` tokens; by default one admitted micro-batch's prompts (B/16 of them) up to
-    the largest chunk the profile measured (the engine's --max-prefill-tokens)."""
+    the largest chunk the profile measured (the engine's --max-prefill-tokens). The first
+    `shared_prefix` prompt tokens are shared by groups of `prefix_group` sequences (default: the
+    whole batch); a member prefills only its suffix, whose tokens attend over the whole prompt, so
+    they cost the prompt length's per-token prefill."""
     if batch < 1 or gen_len < 1 or prompt_len < 0 or depth < 1:
         raise ValueError("need batch >= 1, gen_len >= 1, prompt_len >= 0, depth >= 1")
-    needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth, kv_reserve=kv_reserve)
+    if not 0 <= shared_prefix <= prompt_len or (prefix_group is not None and prefix_group < 1):
+        raise ValueError("need 0 <= shared_prefix <= prompt_len and prefix_group >= 1")
+    share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group)
+    needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth, kv_reserve=kv_reserve, **share)
     if rworkers is None:
         rworkers = needed if needed is not None else len(profile.r_workers)
     if rworkers < 1:
         raise ValueError("need at least one R-worker")
     workers = profile.workers(rworkers)
     cap = kv_tokens_capacity(profile, rworkers)
-    need = batch * sum(held_tokens(w, gen_len, prompt_len, kv_reserve) for w in workers) / len(workers)
-    batch_run = min(batch, sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve))
-    common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, rworkers=rworkers,
-                  rworkers_needed=needed, pipeline_depth=depth, kv_reserve=kv_reserve,
+    group = _group(batch, prefix_group)
+    need = batch * sum(held_tokens(w, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+                       for w in workers) / len(workers)
+    batch_run = min(batch, sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group))
+    common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, shared_prefix=shared_prefix,
+                  prefix_group=int(min(group, max(batch_run, 1))), shared_cost_ratio=_shared_ratio(workers),
+                  rworkers=rworkers, rworkers_needed=needed, pipeline_depth=depth, kv_reserve=kv_reserve,
                   kv_tokens_needed=need, kv_tokens_capacity=cap)
     if batch_run < 1:
         return Prediction(**common, batch_run=0, s_layer_s=0.0, r_layer_s=0.0, link_layer_s=0.0,
                           layer_s=math.inf, prefill_s=0.0, step_latency_s=math.inf, tokens_per_s=0.0,
                           bound="capacity", efficiency=0.0)
-    t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth)
+    t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth, **share)
     n = profile.model.num_layers
     sw = profile.s_worker
     grid_best = max(b / x for b, x in zip(sw.batch_grid, sw.layer_time_s))
+    own = _own_prompt(prompt_len, shared_prefix, _group(batch_run, prefix_group))
     if prefill_chunk is None and sw.prefill_chunk_grid:
-        prefill_chunk = min(max(prompt_len, batch_run * prompt_len / ADMIT_FRACTION), max(sw.prefill_chunk_grid))
+        prefill_chunk = min(max(own, batch_run * own / ADMIT_FRACTION), max(sw.prefill_chunk_grid))
     per_token = sw.prefill_time_per_token(prompt_len, prefill_chunk)
     if per_token is None:      # stated hardware: dense layers at the best efficiency, attention left out
         per_token = n / grid_best
-    prefill = _prefill_tokens(batch_run, gen_len, prompt_len) * per_token
+    prefill = _prefill_tokens(batch_run, gen_len, own) * per_token
     step = n * t["layer"] + sw.head_time(batch_run) + prefill
     return Prediction(**common, batch_run=batch_run, s_layer_s=t["s"], r_layer_s=t["r"],
                       link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,

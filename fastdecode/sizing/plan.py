@@ -45,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="fraction of --cpu-bw the attention kernel reaches (default: %(default)s)")
     src.add_argument("--rworker-overhead-us", type=float,
                      help=f"fixed cost per attention call, us (default: {measured}{STATED_OVERHEAD_US:g})")
+    src.add_argument("--shared-cost-ratio", type=float, metavar="X",
+                     help=f"what a member-token of shared prefix costs an R-worker against a streamed KV "
+                          f"token, in (0, 1] (default: {measured}1, as streamed)")
     src.add_argument("--link-bw", type=float,
                      help=f"S<->R link bandwidth, GB/s (default: {measured}{STATED_LINK_BW_GBPS:g})")
     src.add_argument("--link-latency", type=float,
@@ -59,6 +62,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tgt.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill chunk (default: one admitted micro-batch, B/16 prompts, "
                           "up to the profile's largest chunk)")
+    tgt.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                     help="tokens at the start of every prompt shared by a group of sequences (a system "
+                          "prompt, n > 1 samples), held once per group on the R-workers and prefilled "
+                          "once; whole pages of 32 (default: %(default)s)")
+    tgt.add_argument("--prefix-group", type=int, default=None, metavar="N",
+                     help="sequences sharing one copy of the prefix, 1 = no sharing (default: the whole batch)")
     tgt.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype (default: the model's dtype)")
     tgt.add_argument("--kv-reserve", choices=KV_RESERVE, default="full",
                      help="how the run reserves KV (generate's --kv-reserve): full holds each sequence's "
@@ -118,7 +127,7 @@ def build_profile(args) -> Profile:
                               args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
                               call_overhead_us=overhead,
                               kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
-                              **stated_link)
+                              shared_cost_ratio=args.shared_cost_ratio or 1.0, **stated_link)
     try:
         prof = Profile.from_dict(_load_json(args.profile))
     except (TypeError, KeyError, ValueError) as e:
@@ -138,6 +147,9 @@ def build_profile(args) -> Profile:
             w.capacity_bytes = args.cpu_mem * 1e9 * 0.9
         if args.rworker_overhead_us is not None:
             w.call_overhead_s = overhead * 1e-6
+        if args.shared_cost_ratio is not None:
+            w.shared_cost_ratio = args.shared_cost_ratio
+            w.shared_seconds_per_kv_byte = 0.0     # the stated ratio replaces the measured cost
     if args.link_bw is not None or args.link_latency is not None:    # the measured table no longer holds
         prof.link = dataclasses.replace(
             prof.link, message_bytes=[], message_time_s=[],
@@ -161,16 +173,31 @@ def _check(args) -> None:
     for flag, v in (("--link-latency", args.link_latency), ("--rworker-overhead-us", args.rworker_overhead_us)):
         if v is not None and v < 0:
             raise PlanError(f"{flag} must be >= 0 (got {v})")
+    _check_sharing(args)
+
+
+def _check_sharing(args) -> None:
+    if args.shared_prefix < 0:
+        raise PlanError(f"--shared-prefix must be >= 0 (got {args.shared_prefix})")
+    if args.shared_prefix > args.prompt_len:
+        raise PlanError(f"--shared-prefix must be <= --prompt-len: the shared prefix is part of the prompt "
+                        f"(got {args.shared_prefix} > {args.prompt_len})")
+    if args.prefix_group is not None and args.prefix_group < 1:
+        raise PlanError(f"--prefix-group must be >= 1 (got {args.prefix_group})")
+    if args.shared_cost_ratio is not None and not 0 < args.shared_cost_ratio <= 1:
+        raise PlanError(f"--shared-cost-ratio must be in (0, 1] (got {args.shared_cost_ratio})")
 
 
 def _row(prof: Profile, batch: int, args) -> dict:
+    share = dict(shared_prefix=args.shared_prefix, prefix_group=args.prefix_group)
     pred = predict(prof, batch, args.context, args.prompt_len, args.rworkers, args.pipeline_depth, args.prefill_chunk,
-                   args.kv_reserve)
-    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk, args.kv_reserve)
+                   args.kv_reserve, **share)
+    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk, args.kv_reserve,
+                   **share)
     row = {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s, "tokens_per_s_depth1": flat.tokens_per_s}
     if args.kv_reserve == "full" and pred.bound == "capacity":      # what the other policy would hold
         row["batch_run_if_grow"] = predict(prof, batch, args.context, args.prompt_len, pred.rworkers,
-                                           args.pipeline_depth, args.prefill_chunk, "grow").batch_run
+                                           args.pipeline_depth, args.prefill_chunk, "grow", **share).batch_run
     return row
 
 
@@ -190,6 +217,23 @@ def _header(prof: Profile, knee: int, depth: int) -> list[str]:
     if mem and m.weight_bytes() > mem:
         lines.append(f"warning: weights {m.weight_bytes() / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")
     return lines
+
+
+def _target_line(args) -> str:
+    """The workload: the KV a sequence averages of its own, and the prefix it shares."""
+    kv = f"average KV {args.prompt_len - args.shared_prefix + args.context / 2:g} tokens/sequence"
+    if args.shared_prefix:
+        kv += (f" of its own + a {args.shared_prefix}-token prefix shared by "
+               + ("the whole batch" if args.prefix_group is None else f"groups of {args.prefix_group}"))
+    return (f"target: generation S = {args.context}, prompt {args.prompt_len} -> {kv}; "
+            f"pipeline depth {args.pipeline_depth}; --kv-reserve {args.kv_reserve}")
+
+
+def _sharing_line(r: dict) -> str:
+    ratio = r["shared_cost_ratio"]
+    return (f"shared prefix: {r['shared_prefix']} tokens held and prefilled once per group of {r['prefix_group']}; "
+            f"a member's attention over it costs {ratio:.2f} of a streamed token"
+            + (" (not measured: priced as streamed; --shared-cost-ratio states it)" if ratio == 1 else ""))
 
 
 def _fmt_p(row) -> str:
@@ -215,20 +259,21 @@ def run(args) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print("\n".join(_header(prof, knee, args.pipeline_depth)))
-    print(f"target: generation S = {args.context}, prompt {args.prompt_len} -> average KV "
-          f"{args.prompt_len + args.context / 2:g} tokens/sequence; pipeline depth {args.pipeline_depth}; "
-          f"--kv-reserve {args.kv_reserve}")
+    print(_target_line(args))
     if args.batch:
         r = pick
         print(f"batch {r['batch']}" + (f" (memory holds {r['batch_run']})" if r["batch_run"] < r["batch"] else "")
               + f": KV {r['kv_tokens_needed']:,.0f} tokens reserved of {r['kv_tokens_capacity']:,.0f} on "
               f"{r['rworkers']} R-workers; R-workers needed: {_fmt_p(r)}")
+        if r["shared_prefix"]:
+            print(_sharing_line(r))
         if "batch_run_if_grow" in r:
             print(f"  (with --kv-reserve grow, sequences reserve as they grow: memory holds {r['batch_run_if_grow']})")
         print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms, R {r['r_layer_s'] * 1e3:.3f} ms, "
               f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
         if r["prefill_s"]:
-            print(f"prefill of {r['batch_run'] * args.prompt_len / args.context:,.0f} prompt tokens per step: "
+            own = r["prompt_len"] - r["shared_prefix"] + r["shared_prefix"] / r["prefix_group"]
+            print(f"prefill of {r['batch_run'] * own / args.context:,.0f} prompt tokens per step: "
                   f"{r['prefill_s'] * 1e3:.1f} ms on the S-worker")
         print(f"step latency {r['step_latency_s'] * 1e3:.1f} ms (depth 1: {r['step_latency_depth1_s'] * 1e3:.1f} ms), "
               f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_depth1']:,.0f} at depth 1), "

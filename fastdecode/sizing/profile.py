@@ -8,7 +8,9 @@
   engine's prefill);
 - each R-worker's attention cost: seconds per call and per KV byte as paid inside the engine's
   decode steps over the first one and two layers (append, MPI, the S-worker beside it), with the
-  kernel alone kept for reference (every rank under mpirun);
+  kernel alone kept for reference (every rank under mpirun), and what the kernel pays per
+  member-token of a shared prefix against a streamed token (shared_cost_ratio; 1 where the store
+  cannot share);
 - the S<->R link: one-way time by message size (echo round trip / 2), and on a GPU the pinned
   device<->host copy bandwidth each way (PCIe), which every row crosses twice.
 The result is a `fastdecode-profile/1` JSON that `fastdecode plan --profile` reads.
@@ -133,12 +135,16 @@ def profile_r_workers(engine: LLMEngine, r_seqs: int, r_target_bytes: int, log) 
         per_byte, per_call = in_step[i] if in_step else (r["seconds_per_kv_byte"], r["call_overhead_s"])
         log(f"R-worker rank {r['rank']} ({r['host']}, {r['threads']} threads): kernel alone "
             f"{r['bandwidth_GBps']:.2f} GB/s, {r['call_overhead_s'] * 1e6:.1f} us per call"
-            + (f"; in the decode step {1e-9 / per_byte:.2f} GB/s, {per_call * 1e6:.1f} us per call" if in_step else ""))
+            + (f"; in the decode step {1e-9 / per_byte:.2f} GB/s, {per_call * 1e6:.1f} us per call" if in_step else "")
+            + (f"; a member-token of shared prefix costs {r['shared_cost_ratio']:.2f} of a streamed token"
+               if "shared_cost_ratio" in r else ""))
         r_workers.append(RWorkerProfile(name=f"rank{r['rank']}@{r['host']}", seconds_per_kv_byte=per_byte,
                                         call_overhead_s=per_call,
                                         capacity_bytes=float(r["capacity_bytes"] or 0), threads=r["threads"],
                                         kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"],
-                                        page_tokens=int(engine.backend.workers[i].page_tokens)))
+                                        page_tokens=int(engine.backend.workers[i].page_tokens),
+                                        shared_cost_ratio=float(r.get("shared_cost_ratio", 1.0)),
+                                        shared_seconds_per_kv_byte=float(r.get("shared_seconds_per_kv_byte", 0.0))))
     return r_workers
 
 

@@ -135,6 +135,9 @@ class SWorkerProfile:
 
 @dataclass(slots=True)
 class RWorkerProfile:
+    """One R-worker's attention cost and memory. shared_cost_ratio 1.0 means not measured (an
+    old profile, stated hardware without --shared-cost-ratio): a member-token of shared prefix
+    is priced as a streamed token, the conservative case."""
     name: str
     seconds_per_kv_byte: float      # attention cost per KV byte read (s/B)
     call_overhead_s: float          # fixed cost per attention call (one layer, one mini-batch)
@@ -142,6 +145,12 @@ class RWorkerProfile:
     threads: int = 0
     kernel_seconds_per_kv_byte: float = 0.0   # the attention kernel timed alone (reference; 0: not measured)
     page_tokens: int = 1            # KV pages of this many tokens per (sequence, layer): reservations round up
+    # a member-token of shared prefix against a streamed KV token: the kernel reads shared pages
+    # once per group but runs every member's heads over them (rworker.bench.measure_shared_attention)
+    shared_cost_ratio: float = 1.0
+    # the same as seconds per member-byte of shared prefix (0: not measured); where measured the model
+    # takes the ratio to the in-step seconds_per_kv_byte from it (compute-bound: steadier than the ratio)
+    shared_seconds_per_kv_byte: float = 0.0
 
     def bandwidth(self) -> float:
         return 1.0 / self.seconds_per_kv_byte
@@ -215,6 +224,8 @@ class Profile:
         workers = [from_known_keys(RWorkerProfile, w) for w in d["r_workers"]]
         if any(w.seconds_per_kv_byte <= 0 or w.capacity_bytes < 0 for w in workers):
             raise ValueError("r_workers: seconds_per_kv_byte must be > 0 and capacity_bytes >= 0")
+        if any(not 0 < w.shared_cost_ratio <= 1 for w in workers):
+            raise ValueError("r_workers: shared_cost_ratio must be in (0, 1]")
         link = from_known_keys(LinkProfile, d["link"])
         if link.bandwidth_Bps <= 0 or len(link.message_bytes) != len(link.message_time_s):
             raise ValueError("link: bandwidth must be > 0, message_bytes and message_time_s equal length")
