@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup tests int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so the calls go by what each issue still lacks, newest need first:
-#   call 0: setup prefill           (~9 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
+#   call 0: setup prefix            (~6 min, issue 32: shared prefixes in the kernel, shared vs unshared
+#                                    stores on 16 cores, vdpbf16ps scores and AMX tile scores)
+#   call 1: setup prefill           (~9 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
 #                                    alone, dense + flash attention on the GPU, same run; 1,024- and 4,096-token
 #                                    prompts)
-#   call 1: setup prefillmix e2e7b  (~8 min, issue 30: the mixed workload chunked and not, 8 R-workers;
+#   call 2: setup prefillmix e2e7b  (~8 min, issue 30: the mixed workload chunked and not, 8 R-workers;
 #                                    issue 5: R-worker scaling 1..14 on the current engine)
-#   call 2: setup kernel pageruns   (~8.5 min, issue 3: the 16-core kernel vs read BW on the current version,
+#   call 3: setup kernel pageruns   (~8.5 min, issue 3: the 16-core kernel vs read BW on the current version,
 #                                    AVX2 too; page layouts x prefetch modes)
-#   call 3: setup vtile             (~5 min, issue 3: V tiles of 32 / token pairs vs token-major)
+#   call 4: setup vtile             (~5 min, issue 3: V tiles of 32 / token pairs vs token-major)
 # Measured 2026-11-26 on the H200 box (results labelled h200-box): int8, tests, soverhead, fidelity,
 # e2e8b, amx, roofline (docs/results.md). Rerun any of them after the code they measure changes.
 # A fresh machine needs `setup` again (it builds the extension).
@@ -53,6 +55,11 @@ int8)        # issue 31: int8 KV against bf16 and fp32, all 16 cores, then one (
     stage int8 300 $PY bench/kernel/int8_bench.py --label $BOX-16core --threads 16
     stage int8-1core 120 $PY bench/kernel/int8_bench.py --label $BOX-1core --threads 1 --contexts 1024,4096 \
         --rounds 5 --budget-s 100 ;;
+prefix)      # issue 32: a shared prefix read once per group against a copy per sequence, 16 threads,
+             # the members' scores by vdpbf16ps and by AMX tiles (compute-bound: the tile unit should tell)
+    stage prefix 200 $PY bench/kernel/prefix_bench.py --label $BOX-16core --threads 16 --rounds 5
+    stage prefixamx 200 env FASTDECODE_AMX=1 $PY bench/kernel/prefix_bench.py --label $BOX-16core-amx --threads 16 \
+        --rounds 5 --dtypes bf16 ;;
 prefill)     # issue 30: prefill through the engine (1 and 8 R-workers) vs the S-part alone on the GPU
     stage prefill 240 $PY bench/e2e/prefill_bench.py --label $BOX --workload long --skip-hf \
         --model random:llama-2-7b:layers=4 --prompts 64 --prompt-len 1024 --new-tokens 16 --ranks 2,9 \

@@ -110,6 +110,13 @@ def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
                    help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
                         "never preempted; default) or grow (page by page as it grows; when a worker is full the "
                         "youngest sequences there are preempted and later recomputed, as vLLM does)")
+    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                   help="prompts that start with the same whole KV pages as a running one (a shared system "
+                        "prompt, n samples) prefill only the rest and read those pages on its R-worker, stored "
+                        "once (default); --no-prefix-sharing prefills and stores every prompt in full")
+    p.add_argument("--prefix-kept-tokens", type=positive_int, default=8192,
+                   help="most shared-prefix tokens whose K/V rank 0 keeps for the prompts that start from them "
+                        "(default 8192; past it a prompt prefills in full)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed (default 0)")
     p.add_argument("--schedule", default="fifo", choices=["fifo", "stabilized"],
                    help="admission: fifo (fill up to --max-batch) or stabilized (micro-batches that keep "

@@ -135,6 +135,7 @@ def test_an_end_notice_reaches_rank_0_only_with_the_jobs_token():
     ("negative-id", "sequence id -5"), ("huge-id", "outside 0.."),
     ("too-many-minibatches", f"at most {P.MAX_MINIBATCHES}"), ("free-unknown", "FREE of sequence 9"),
     ("prefill-again", "PREFILL of sequence 1, which this worker already holds"),
+    ("fork-unknown", "PREFILL forks from sequence 9, which this worker does not hold"),
     ("bad-magic", "magic"), ("short-header", "control message of 3 words"),
 ])
 def test_a_malformed_message_ends_the_job_naming_the_rworker(case, needle):

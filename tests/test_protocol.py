@@ -57,7 +57,7 @@ def test_prefill_round_trips():
 def test_prefill_whose_body_disagrees_with_its_header_is_refused():
     msg = P.prefill_message(1, np.arange(4), 0, 0, np.array([1]), np.array([32]))
     _, _, hdr, body = P.parse(msg)
-    with pytest.raises(P.ProtocolError, match="PREFILL announces 4 rows, 1 reservations and 0 continued"):
+    with pytest.raises(P.ProtocolError, match="PREFILL announces 4 rows, 1 reservations, 0 continued sequences and 0 forks"):
         P.parse_prefill(hdr, body[:-1])
 
 
@@ -71,6 +71,47 @@ def test_a_prefill_chunk_names_the_sequences_it_continues():
                                 np.array(continued, np.int64))
         with pytest.raises(P.ProtocolError, match="continues a sequence it does not prefill, or reserves"):
             P.parse_prefill(*P.parse(msg)[2:])
+
+
+def forks(*triples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.array(col, np.int64).reshape(-1) for col in zip(*triples)) if triples else None
+
+
+def test_a_prefill_carries_forks_in_order_and_a_fork_may_start_from_an_earlier_one():
+    ids = np.repeat(np.array([7, 9, 11], np.int64), [3, 2, 1])
+    msg = P.prefill_message(6, ids, 0, 0, np.array([9, 11]), np.array([96, 64]), np.array([7]),
+                            forks((9, 3, 64), (11, 9, 32)))          # 11 from 9, forked just before it
+    got = P.parse_prefill(*P.parse(msg)[2:])
+    assert got.fork_dst.tolist() == [9, 11] and got.fork_src.tolist() == [3, 9]
+    assert got.fork_tokens.tolist() == [64, 32] and got.continued.tolist() == [7]
+    assert got.reserve_ids.tolist() == [9, 11]                     # a forked sequence reserves too
+    plain = P.parse_prefill(*P.parse(P.prefill_message(6, ids, 0, 0, np.zeros(0, np.int64),
+                                                       np.zeros(0, np.int64)))[2:])
+    assert plain.fork_dst.size == plain.fork_src.size == plain.fork_tokens.size == 0
+
+
+@pytest.mark.parametrize("triples,needle", [
+    (((9, 3, 0),), "forks sequence 9 with 0 tokens of sequence 3"),
+    (((8, 3, 32),), "forks sequence 8, which it does not start"),             # not among the rows
+    (((7, 3, 32),), "forks sequence 7, which it does not start"),             # continued, not new
+    (((9, 3, 32), (9, 4, 32)), "forks sequence 9 twice"),
+    (((9, 11, 32),), "forks sequence 9 from sequence 11, which it starts itself"),
+    (((9, 11, 32), (11, 3, 32)), "forks sequence 9 from sequence 11, which it starts itself"),   # 11 later
+])
+def test_a_prefill_with_a_bad_fork_is_refused_naming_it(triples, needle):
+    ids = np.repeat(np.array([7, 9, 11], np.int64), [3, 2, 1])
+    msg = P.prefill_message(6, ids, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), np.array([7]),
+                            forks(*triples))
+    with pytest.raises(P.ProtocolError, match=needle):
+        P.parse_prefill(*P.parse(msg)[2:])
+
+
+def test_a_prefill_whose_fork_count_disagrees_with_its_body_is_refused():
+    msg = P.prefill_message(6, np.array([9], np.int64), 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64),
+                            None, forks((9, 3, 32)))
+    _, _, hdr, body = P.parse(msg)
+    with pytest.raises(P.ProtocolError, match="1 forks"):
+        P.parse_prefill(hdr, body[:-1])
 
 
 def test_decode_round_trips_with_empty_minibatches():

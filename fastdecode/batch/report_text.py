@@ -53,6 +53,15 @@ def prefill_line(run: dict) -> str | None:
             f"{pf['pack_s']:.2f} s packing + {pf['wait_s']:.2f} s waiting; R-worker appends {append:.2f} s")
 
 
+def prefix_line(run: dict) -> str | None:
+    """Shared prompt prefixes: the sequences that started from one, and what that spared."""
+    hits = run.get("prefix_hits")
+    if not hits:
+        return None
+    return (f"shared prefixes: {hits} sequence(s) started from another's KV pages, {run['prefix_shared_tokens']} "
+            f"prompt tokens neither prefilled nor stored again ({run['prefix_kv_bytes_saved'] / 2**20:.1f} MiB of KV)")
+
+
 def text_lines(run: dict, report: dict | None = None) -> list[str]:
     """run: a run's summary (--stats-json's `summary`, a report's `this_run`); report: the run
     report, for the output file's requests. The Throughput line comes last."""
@@ -66,9 +75,9 @@ def text_lines(run: dict, report: dict | None = None) -> list[str]:
                    f"retries those lines)")
     out.append(f"tokens: {run['prompt_tokens']} prompt, {run['output_tokens']} generated")
     out.append(f"time: {run['wall_s']:.1f} s, {run['steps']} steps ({run['decode_steps']} decoding)")
-    prefill = prefill_line(run)
-    if prefill:
-        out.append(prefill)
+    for line in (prefill_line(run), prefix_line(run)):
+        if line:
+            out.append(line)
     bound = bound_line(run)
     if bound:
         out.append(bound)

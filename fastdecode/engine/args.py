@@ -45,6 +45,10 @@ class EngineArgs:
     served_model_name: str | list[str] | None = None   # names requests may give the model; the first is
                                                        # reported in responses (vLLM's; default: `model`)
     quiet: bool = False               # no start-up lines (the R-worker roster); warnings still print
+    prefix_sharing: bool = True       # prompts sharing whole pages with a running one start from its KV pages
+                                      # (prefilled and stored once; engine/prefix_cache.py)
+    prefix_kept_tokens: int = 8192    # most shared-prefix tokens whose K/V the S-worker keeps for members'
+                                      # prefills (past it, a prompt prefills in full)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
+from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
 from fastdecode.engine.runner import ModelRunner
 from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
@@ -56,10 +57,12 @@ class LLMEngine:
         if comm is not None and comm.Get_size() > 1 and not args.quiet:
             self._log_roster()
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve)
+        self.prefix = self._make_prefix_cache()
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
-                                   args.max_prefill_tokens, args.max_num_batched_tokens)
+                                   args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
-        self.runner.reserve_tokens = self.placement.held_tokens     # workers take those pages at prefill
+        self.runner.reserve_tokens = self.placement.store_tokens    # workers take those pages at prefill
+        self.runner.prefix = self.prefix
         if self.device.type == "cpu" and not self.args.s_threads and (self.layout is None or self._node_cpus):
             # the R-part only appends during prefill (and attends a mixed step's few decode rows),
             # so a CPU S-worker prefills on every core of its node: local mode's, or those it left
@@ -107,6 +110,20 @@ class LLMEngine:
         if cpu:
             torch.set_num_threads(self.args.s_threads or s_cores)
         return s_cores
+
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        """Shared prompt prefixes, unless turned off or a worker's store cannot fork (an older build)."""
+        workers = self.backend.workers
+        pages = {w.page_tokens for w in workers}
+        if not self.args.prefix_sharing or not all(w.forks for w in workers) or len(pages) != 1 or pages == {1}:
+            return None
+        return PrefixCache(pages.pop(), self.config.num_layers, self.placement, self.args.prefix_kept_tokens)
+
+    def prefix_summary(self) -> dict:
+        """The run summary's prefix sharing figures (zeros when off)."""
+        if self.prefix is None:
+            return {"prefix_sharing": False, "prefix_hits": 0, "prefix_shared_tokens": 0, "prefix_kv_bytes_saved": 0}
+        return {"prefix_sharing": True, **self.prefix.summary(self.kv_bytes_per_token)}
 
     def _make_admission(self):
         a = self.args

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fastdecode.engine.prefill_plan import PrefillPlan, chunk_context
+from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.sampler import (
     AllowedTokens,
     LogitBias,
@@ -63,6 +64,7 @@ class ModelRunner:
         # prefill so the worker takes those pages at once: one run per (layer, head), not a page
         # wherever the free list has one every 32 decode steps (bench/kernel/NOTES.md, "Page runs")
         self.reserve_tokens: Callable[[Sequence], int] | None = None
+        self.prefix: PrefixCache | None = None    # shared prompt prefixes: forks, kept prefix K/V
 
     def _static_sampling(self, s: Sequence) -> tuple:
         """What a sequence's sampling needs besides its position; fixed for its life, so cached."""
@@ -174,7 +176,8 @@ class ModelRunner:
     def _prefill_plan(self, seqs: list[Sequence]) -> PrefillPlan:
         be = self.backend
         seqs, _ = group_by_worker(seqs, be.num_workers)
-        # each sequence's chunk: KV positions start .. end-1 (the whole prompt unless chunked)
+        # each sequence's chunk: KV positions start .. end-1 (the whole prompt unless chunked, or
+        # from a shared prefix on: its member's first chunk forks the prefix on the worker)
         starts = [s.prefilled for s in seqs]
         ends = [s.prefill_to or s.kv_len for s in seqs]
         pf = PrefillPlan(seqs, starts, ends)
@@ -182,17 +185,35 @@ class ModelRunner:
                                   for t in (s.request.prompt_ids + s.output_ids[:-1])[b:e]], device=self.device)
         pf.positions = torch.cat([torch.arange(b, e, device=self.device) for b, e in zip(starts, ends)])
         pf.worker_rows = [sum(n for s, n in zip(seqs, pf.lengths) if s.worker == w) for w in range(be.num_workers)]
-        first = np.array([b == 0 for b in starts], dtype=bool)
+        forks = [self.prefix.take_fork(s) if self.prefix is not None else None for s in seqs]
+        first = np.array([b == 0 or f is not None for b, f in zip(starts, forks)], dtype=bool)
         if self.reserve_tokens is not None and first.any():
             new = [s for s, f in zip(seqs, first) if f]
             held = np.array([self.reserve_tokens(s) for s in new], dtype=np.int64)
             pf.reserve = (pf.seq_ids[first], held, [sum(1 for s in new if s.worker == w)
                                                     for w in range(be.num_workers)])
         pf.continued = pf.seq_ids[~first]
-        if any(starts) or not all(pf.done):
+        capture = self._prefix_hand_off(pf, forks)
+        if any(starts) or not all(pf.done) or capture:
             pf.context_fn = chunk_context(self.chunk_kv, self.model.config.num_layers, seqs, starts, pf.lengths,
-                                       pf.done)
+                                          pf.done, capture, self.prefix.keep if capture else None)
         return pf
+
+    def _prefix_hand_off(self, pf: PrefillPlan, forks: list) -> dict[int, int]:
+        """Shared prefixes in this prefill: each member's fork (sent to its worker) and the prefix
+        K/V its chunk attends to (as an earlier chunk's); -> {row of a donor: prefix tokens whose K/V
+        to keep}."""
+        if self.prefix is None:
+            return {}
+        members = [i for i, f in enumerate(forks) if f is not None]
+        for i in members:
+            self.chunk_kv[pf.seqs[i].seq_id] = forks[i].kv
+        if members:
+            pf.forks = (pf.seq_ids[members], np.array([forks[i].source for i in members], np.int64),
+                        np.array([forks[i].tokens for i in members], np.int64),
+                        np.bincount([pf.seqs[i].worker for i in members],
+                                    minlength=self.backend.num_workers).tolist())
+        return {i: t for i, s in enumerate(pf.seqs) if (t := self.prefix.capture_tokens(s))}
 
     def _prefill_finish(self, pf: PrefillPlan, x: torch.Tensor) -> tuple[list[Sequence], np.ndarray]:
         """After the last layer (x [T, h]): sample the first token of each fresh sequence whose

@@ -29,6 +29,7 @@ class Request:
     #   (logprob [L-1], rank [L-1], top ids [L-1, k], top logprobs [L-1, k])
     bad_words_ids: list[tuple[int, ...]] = field(default_factory=list)   # params.bad_words as token sequences
     pinned_bytes: int = 0            # rank-0 memory it may hold until it finishes (request_checks.request_bytes)
+    page_keys: list[int] | None = None   # hash chain over the prompt's whole pages (engine/prefix_cache.py)
 
     @property
     def finished(self) -> bool:

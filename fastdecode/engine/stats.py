@@ -54,6 +54,7 @@ class StepRecorder:
         n = num_workers
         self.kv_tokens_peak, self.kv_tokens_sum = [0] * n, [0] * n    # sum over decode steps
         self.kv_bytes_peak = [0] * n
+        self.kv_saved_bytes_peak = [0] * n    # shared prefix pages: bytes held once instead of per sequence
         self.attend_s, self.busy_s = [0.0] * n, [0.0] * n
         self.origin: float | None = None      # perf_counter at the start of the first step (rows' t_s)
         self.prefills = self.prefill_tokens = self.mixed_steps = 0
@@ -70,6 +71,8 @@ class StepRecorder:
                 self.kv_tokens_sum[w] += kv[w]
         for w, b in enumerate(row.get("kv_bytes", ())):
             self.kv_bytes_peak[w] = max(self.kv_bytes_peak[w], int(b))
+        for w, b in enumerate(row.get("kv_saved_bytes", ())):
+            self.kv_saved_bytes_peak[w] = max(self.kv_saved_bytes_peak[w], int(b))
         for w, t in enumerate(row.get("r_attend_s", ())):
             self.attend_s[w] += t
         for w, t in enumerate(row.get("r_busy_s", ())):
@@ -122,6 +125,8 @@ class StepRecorder:
             row["r_busy_s"] = [round(x, 6) for x in stats.busy_s]
             row["r_time_max_s"] = round(max(stats.attend_s), 6)
             row["kv_bytes"] = stats.kv_bytes
+            if any(stats.kv_saved_bytes):
+                row["kv_saved_bytes"] = stats.kv_saved_bytes
         if prefill is not None:      # R-workers report appends with the step's decode stats; local mode here
             appended = list(stats.append_s) if stats is not None and stats.append_s else \
                 [prefill.append_s] + [0.0] * (self.num_workers - 1)
@@ -162,6 +167,8 @@ class StepRecorder:
                               **sums,
                               "tokens_per_s": round(self.prefill_tokens / sums["wall_s"], 2) if sums["wall_s"] else None,
                               "r_append_s": [round(x, 4) for x in self.r_append_s]}
+        if any(self.kv_saved_bytes_peak):
+            out["kv_saved_bytes_peak"] = list(self.kv_saved_bytes_peak)
         if token_gaps.size:
             out["token_latency_p50_s"] = round(float(np.percentile(token_gaps, 50)), 6)
             out["token_latency_p99_s"] = round(float(np.percentile(token_gaps, 99)), 6)

@@ -23,6 +23,7 @@ class WorkerInfo:
     page_tokens: int = 1      # KV is allocated in pages of this many tokens per (seq, layer)
     pid: int = 0
     kernel: str = ""          # the attention kernel's V layout and prefetch, and how they were chosen
+    forks: bool = False       # its store can start a sequence sharing another's prefix pages (prefix sharing)
 
 
 @dataclass(slots=True)
@@ -33,6 +34,8 @@ class StepStats:
     kv_bytes: list[int] = field(default_factory=list)     # KV bytes held after the step (pages with
                                                           # tokens or reserved; extent slack not counted)
     append_s: list[float] = field(default_factory=list)   # prefill K/V appends since the last step
+    kv_saved_bytes: list[int] = field(default_factory=list)   # KV bytes shared prefix pages save (held once,
+                                                              # read by several sequences)
 
 
 @dataclass(slots=True)
@@ -53,9 +56,14 @@ class RBackend:
     # each new sequence reserves (placement's count), which its worker takes as pages now so that
     # the sequence's KV stays one run of pages per (layer, head) as it grows (a layout hint only).
     # `continued`: seq ids whose earlier prompt chunks the worker holds; their rows append to them.
+    # `forks`: (dst ids [f], src ids [f], tokens [f], counts per worker), grouped like the rows: each
+    # dst starts on its worker sharing the first tokens (whole pages) of src, which the worker
+    # holds; done before the reservations (a forked dst reserves too, its shared pages counting)
+    # and the appends (dst's rows append after the shared tokens).
     def prefill_begin(self, row_ids: np.ndarray, counts: list[int], layers: int = 0,
                       reserve: tuple[np.ndarray, np.ndarray, list[int]] | None = None,
-                      continued: np.ndarray | None = None) -> None: ...
+                      continued: np.ndarray | None = None,
+                      forks: tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None = None) -> None: ...
     def prefill_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def prefill_end(self) -> None: ...
 

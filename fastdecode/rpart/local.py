@@ -15,6 +15,14 @@ from rworker.protocol.wire import split_qkv
 from rworker.tune import open_tuned_store
 
 
+def saved_bytes(store) -> int:
+    """KV bytes a store's shared prefix pages save: each page several sequences read, held once."""
+    if not hasattr(store, "sharing_stats"):
+        return 0
+    shared = store.sharing_stats()
+    return (shared["shared_page_refs"] - shared["shared_pages"]) * store.page_bytes
+
+
 class LocalBackend(RBackend):
     def __init__(self, config: ModelConfig, kv_dtype: str, threads: int | None = None,
                  capacity_bytes: int | None = None, asynchronous: bool = False, bf16_probs: bool = False):
@@ -24,7 +32,8 @@ class LocalBackend(RBackend):
                                               config.head_dim, kv_dtype, threads, capacity, bf16_probs=bf16_probs)
         self.workers = [WorkerInfo(rank=0, host=socket.gethostname(), threads=self.store.threads,
                                    isa=self.store.isa, capacity_bytes=capacity,
-                                   page_tokens=getattr(self.store, "page_tokens", 1), kernel=kernel.describe())]
+                                   page_tokens=getattr(self.store, "page_tokens", 1), kernel=kernel.describe(),
+                                   forks=hasattr(self.store, "fork"))]
         self.num_heads = config.num_heads
         self._row_ids = None
         self._mb_ids: list[np.ndarray] = []
@@ -36,9 +45,11 @@ class LocalBackend(RBackend):
         # thread computes the next mini-batch's S-part; one thread keeps calls in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rpart") if asynchronous else None
 
-    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None, forks=None):
         self._row_ids = row_ids
         self.prefill_times = PrefillTimes()
+        for dst, src, tokens in zip(*forks[:3]) if forks is not None else ():
+            self.store.fork(int(src), int(dst), int(tokens))     # before the reservations, as an R-worker
         if reserve is not None and len(reserve[0]):
             self.store.reserve(reserve[0], reserve[1])
 
@@ -92,7 +103,8 @@ class LocalBackend(RBackend):
         return torch.from_numpy(o).to(device)
 
     def decode_end(self):
-        return StepStats(attend_s=[self._attend_s], busy_s=[self._attend_s], kv_bytes=[self.store.bytes_committed()])
+        return StepStats(attend_s=[self._attend_s], busy_s=[self._attend_s], kv_bytes=[self.store.bytes_committed()],
+                         kv_saved_bytes=[saved_bytes(self.store)])
 
     def free(self, seq_ids_by_worker):
         for sid in seq_ids_by_worker[0]:

@@ -31,7 +31,7 @@ class LoopbackBackend(RBackend):
         self.prefill_times = PrefillTimes()
 
     # prefill: the prompt K/V are staged to host as the MPI transport would send them
-    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None, forks=None):
         pass
 
     def prefill_layer(self, layer, k, v):

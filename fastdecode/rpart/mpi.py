@@ -68,7 +68,7 @@ class MPIBackend(RBackend):
         self.bytes_received = 0      # attention outputs, R -> S
         self.step = 0
         self._pending_free: list[list[int]] = [[] for _ in self.ranks]
-        self._stat_bufs = [np.zeros(5, dtype=np.float64) for _ in self.ranks]   # rworker.worker.STATS
+        self._stat_bufs = [np.zeros(len(P.STEP_STATS), dtype=np.float64) for _ in self.ranks]
         self._slots: list[_MiniBatch] = []
         # without --timeout: a silent rank is declared after max(AUTO_MIN_S, 50 x the slowest step)
         self._auto_timeout = AUTO_FIRST_S
@@ -94,7 +94,7 @@ class MPIBackend(RBackend):
                                   f"{P.VERSION}: run the same fastdecode installation on every rank")
         return WorkerInfo(rank=r, host=info["host"], threads=info["threads"], isa=info["isa"],
                           capacity_bytes=info["capacity_bytes"], page_tokens=info.get("page_tokens", 1),
-                          pid=info.get("pid", 0), kernel=info.get("kernel", ""))
+                          pid=info.get("pid", 0), kernel=info.get("kernel", ""), forks=bool(info.get("forks")))
 
     def _send_control(self, w: int, msg: np.ndarray) -> None:
         self.comm.Send([msg, MPI.INT64_T], dest=self.ranks[w], tag=P.TAG_CTRL)
@@ -111,22 +111,29 @@ class MPIBackend(RBackend):
 
     # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
-    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None):
+    def prefill_begin(self, row_ids, counts, layers=0, reserve=None, continued=None, forks=None):
         self.prefill_times = PrefillTimes()
         self._flush_frees()
         self._pf_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._pf_counts = list(counts)
         code = ACT_CODE[self.act_dtype]
-        res_ids, res_tokens, res_counts = reserve if reserve is not None else ([], [], [0] * len(counts))
+        empty = np.zeros(0, np.int64)
+        res_ids, res_tokens, res_counts = reserve if reserve is not None else (empty, empty, [0] * len(counts))
         res_bounds = np.concatenate([[0], np.cumsum(res_counts)]).astype(np.int64)
+        fork_dst, fork_src, fork_tokens, fork_counts = forks if forks is not None else \
+            (empty, empty, empty, [0] * len(counts))
+        fork_bounds = np.concatenate([[0], np.cumsum(fork_counts)]).astype(np.int64)
         for w, n in enumerate(counts):
             if n:
                 s, e = self._pf_bounds[w], self._pf_bounds[w + 1]
                 r0, r1 = res_bounds[w], res_bounds[w + 1]
+                f = slice(fork_bounds[w], fork_bounds[w + 1])
                 mine = row_ids[s:e]
                 more = np.intersect1d(mine, continued) if continued is not None and len(continued) else ()
+                mine_forks = tuple(np.asarray(x[f], np.int64) for x in (fork_dst, fork_src, fork_tokens))
                 self._send_control(w, P.prefill_message(self.step, mine, code, layers, np.asarray(res_ids[r0:r1]),
-                                                        np.asarray(res_tokens[r0:r1]), np.asarray(more, np.int64)))
+                                                        np.asarray(res_tokens[r0:r1]), np.asarray(more, np.int64),
+                                                        mine_forks))
 
     def prefill_layer(self, layer, k, v):
         slot = layer % 2
@@ -259,7 +266,8 @@ class MPIBackend(RBackend):
         return StepStats(attend_s=[float(b[0]) for b in self._stat_bufs],
                          busy_s=[float(b[1]) for b in self._stat_bufs],
                          kv_bytes=[int(b[2]) for b in self._stat_bufs],
-                         append_s=[float(b[4]) for b in self._stat_bufs])
+                         append_s=[float(b[4]) for b in self._stat_bufs],
+                         kv_saved_bytes=[int(b[5]) for b in self._stat_bufs])
 
     # ------------------------------------------------------------------ profiling
 

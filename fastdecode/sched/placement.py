@@ -10,6 +10,12 @@ never past that worker's capacity. Two reservation policies (`--kv-reserve`):
   grows a page at a time. Admission keeps one page of headroom per resident sequence. When a
   worker has no page left for a growing sequence, the scheduler preempts the youngest sequences
   there (vLLM's recompute preemption); the oldest always progresses, so every sequence finishes.
+
+Shared prefixes (engine/prefix_cache.py): a sequence placed with `shared_tokens` starts from that
+many tokens (whole pages) of another sequence's pages on the same worker, so it reserves and
+loads only the rest; the shared pages count once, with the sequence that filled them. When that
+one ends while others still read its pages, the prefix cache keeps them charged (`set_lent`)
+until the last reader ends.
 """
 from __future__ import annotations
 
@@ -42,7 +48,10 @@ class Placement:
         self.reserved = [0] * len(workers)        # tokens reserved by resident sequences (whole pages)
         self.resident = [0] * len(workers)        # sequences resident on each worker
         self.load = [0.0] * len(workers)          # projected tokens: prompt + half the generation
-        self._held: dict[int, int] = {}           # seq_id -> tokens it reserves now
+        self._held: dict[int, int] = {}           # seq_id -> tokens it reserves now (its own pages)
+        self._shared: dict[int, int] = {}         # seq_id -> tokens it reads from another's pages
+        self._lent: dict[object, tuple[int, int]] = {}   # key -> (worker, tokens) of an ended
+                                                         # sequence's pages that others still read
 
     def _pages(self, w: int, tokens: int) -> int:
         """tokens rounded up to whole pages of worker w."""
@@ -56,44 +65,57 @@ class Placement:
         plus room for the next token."""
         return self._bound(w, seq) if self.policy == "full" else self._pages(w, seq.kv_len + 1)
 
-    @staticmethod
-    def _projected(seq: Sequence) -> float:
-        return seq.prompt_len + seq.max_tokens / 2
+    def _projected(self, seq: Sequence) -> float:
+        return seq.prompt_len + seq.max_tokens / 2 - self._shared.get(seq.seq_id, 0)
 
     def fits_anywhere_alone(self, seq: Sequence) -> bool:
         """False if no worker could hold this sequence's worst case even when empty (a request error)."""
         return any(self._bound(w, seq) <= cap for w, cap in enumerate(self.capacity_tokens))
 
-    def place(self, seq: Sequence) -> int | None:
+    def cost(self, w: int, seq: Sequence, shared_tokens: int = 0) -> float:
+        """Worker w's projected load relative to its bandwidth with seq on it (the lower, the better)."""
+        return (self.load[w] + seq.prompt_len + seq.max_tokens / 2 - shared_tokens) / self.bandwidth[w]
+
+    def best(self, seq: Sequence, workers=None, shared_tokens: int = 0) -> int | None:
+        """The worker (of `workers`, default all) with room for seq and the lowest cost; None: none has room."""
         best, best_cost = None, math.inf
-        for w, cap in enumerate(self.capacity_tokens):
-            need = self._initial(w, seq)
+        for w in range(len(self.capacity_tokens)) if workers is None else workers:
+            cap = self.capacity_tokens[w]
+            need = self._initial(w, seq) - shared_tokens
             if self.policy == "grow":       # it must be able to finish here alone; headroom for the others
                 if self._bound(w, seq) > cap:
                     continue
                 need += self.resident[w] * self.page[w]
             if self.reserved[w] + need > cap:
                 continue
-            cost = (self.load[w] + self._projected(seq)) / self.bandwidth[w]
+            cost = self.cost(w, seq, shared_tokens)
             if cost < best_cost:
                 best, best_cost = w, cost
-        if best is not None:
-            held = self._initial(best, seq)
-            self._held[seq.seq_id] = held
-            self.reserved[best] += held
-            self.resident[best] += 1
-            self.load[best] += self._projected(seq)
-            seq.worker = best
+        return best
+
+    def place(self, seq: Sequence, worker: int | None = None, shared_tokens: int = 0) -> int | None:
+        """Put seq on the best worker (or on `worker` only) if one has room; -> it, or None.
+        shared_tokens: whole pages of another sequence on `worker` that seq starts from."""
+        best = self.best(seq, None if worker is None else (worker,), shared_tokens)
+        if best is None:
+            return None
+        held = self._initial(best, seq) - shared_tokens
+        self._held[seq.seq_id] = held
+        self._shared[seq.seq_id] = shared_tokens
+        self.reserved[best] += held
+        self.resident[best] += 1
+        self.load[best] += self._projected(seq)
+        seq.worker = best
         return best
 
     def needs_growth(self, seq: Sequence) -> bool:
         """grow: the sequence's next token would not fit in what it reserves."""
-        return self.policy == "grow" and seq.kv_len + 1 > self._held[seq.seq_id]
+        return self.policy == "grow" and seq.kv_len + 1 > self._held[seq.seq_id] + self._shared[seq.seq_id]
 
     def grow(self, seq: Sequence) -> bool:
         """grow: reserve room for the sequence's next token on its worker; False if the worker is full."""
         w = seq.worker
-        held = self._pages(w, seq.kv_len + 1)
+        held = self._pages(w, seq.kv_len + 1) - self._shared[seq.seq_id]
         extra = held - self._held[seq.seq_id]
         if self.reserved[w] + extra > self.capacity_tokens[w]:
             return False
@@ -106,10 +128,27 @@ class Placement:
         self.reserved[w] -= self._held.pop(seq.seq_id)
         self.resident[w] -= 1
         self.load[w] -= self._projected(seq)
+        del self._shared[seq.seq_id]
 
     def held_tokens(self, seq: Sequence) -> int:
-        """KV tokens the sequence reserves on its worker now (whole pages; 0 if not placed)."""
+        """KV tokens the sequence reserves on its worker now, its own pages (whole pages; 0 if not placed)."""
         return self._held.get(seq.seq_id, 0)
+
+    def shared_tokens(self, seq: Sequence) -> int:
+        """Tokens of another sequence's pages it reads (0: none, or not placed)."""
+        return self._shared.get(seq.seq_id, 0)
+
+    def store_tokens(self, seq: Sequence) -> int:
+        """KV tokens its worker's store reserves for it: its shared pages (already held) and its own."""
+        return self.held_tokens(seq) + self.shared_tokens(seq)
+
+    def set_lent(self, key: object, worker: int, tokens: int) -> None:
+        """Keep `tokens` of an ended sequence's pages charged on `worker` under `key` while others
+        read them (0: release them)."""
+        old = self._lent.pop(key, (worker, 0))[1]
+        self.reserved[worker] += tokens - old
+        if tokens:
+            self._lent[key] = (worker, tokens)
 
     def seq_overhead_tokens(self) -> float:
         """KV tokens a growing sequence holds beyond its length, on average (grow: its last page

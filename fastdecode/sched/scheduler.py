@@ -12,15 +12,22 @@ waits for a whole long prompt. A request asking for prompt_logprobs is prefilled
 Under `--kv-reserve grow`, `make_room` preempts the youngest sequences of a worker that has no
 page left for an older one's next token; they go back to the head of the queue with what they
 generated and are prefilled again (prompt + output) when re-admitted.
+With a prefix cache (engine/prefix_cache.py) a sequence whose prompt starts with whole pages another
+holds on an R-worker is placed there and prefills only the rest; admission counts it so.
 """
 from __future__ import annotations
 
 from collections import deque
 from itertools import islice
 
+from typing import TYPE_CHECKING
+
 from fastdecode.engine.sequence import Sequence, Status
 from fastdecode.sched.admission import HEAD_WINDOW
 from fastdecode.sched.placement import Placement
+
+if TYPE_CHECKING:
+    from fastdecode.engine.prefix_cache import PrefixCache
 
 
 def splittable(seq: Sequence) -> bool:
@@ -31,9 +38,10 @@ def splittable(seq: Sequence) -> bool:
 
 class Scheduler:
     def __init__(self, admission, placement: Placement, max_batch: int, max_prefill_tokens: int,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, prefix: PrefixCache | None = None):
         self.admission = admission
         self.placement = placement
+        self.prefix = prefix            # shared prompt prefixes (None: every prompt prefills in full)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.max_num_batched_tokens = max_num_batched_tokens      # None: whole prompts, prefill first
@@ -43,6 +51,23 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.prefix is not None:
+            self.prefix.queued(seq)
+
+    def _own_tokens(self, seq: Sequence, waiting: bool) -> int:
+        """KV tokens of its own a sequence holds (waiting: would hold if placed now): a shared
+        prefix counts with the sequence that filled it."""
+        if self.prefix is None:
+            return seq.kv_len
+        return seq.kv_len - (self.prefix.shareable(seq) if waiting else self.placement.shared_tokens(seq))
+
+    def _place(self, seq: Sequence) -> int | None:
+        return self.placement.place(seq) if self.prefix is None else self.prefix.place(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.placement.release(seq)
+        if self.prefix is not None:
+            self.prefix.released(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -65,21 +90,25 @@ class Scheduler:
         # the head of the queue is all a controller reads (it admits a prefix of at most
         # max_batch, estimates from HEAD_WINDOW); converting a 100k queue every step would not pay
         head = islice(self.waiting, max(HEAD_WINDOW, self.max_batch))
-        waiting = [(s.kv_len, s.max_tokens - len(s.output_ids)) for s in head]
-        running = [(s.kv_len, s.max_tokens - len(s.output_ids), len(s.output_ids)) for s in self.running]
+        room = self.max_batch - len(self.running)          # the candidates: their shared prefixes count
+        waiting = [(self._own_tokens(s, True) if i < room else s.kv_len, s.max_tokens - len(s.output_ids))
+                   for i, s in enumerate(head)]
+        running = [(self._own_tokens(s, False), s.max_tokens - len(s.output_ids), len(s.output_ids))
+                   for s in self.running]
         k = self.admission.admit(step, waiting, running, self.placement.total_capacity_tokens())
         k = min(k, self.max_batch - len(self.running))
         admitted, tokens = [], 0
         while self.waiting and len(admitted) < k:
             seq = self.waiting[0]
-            if budget is None and admitted and tokens + seq.kv_len > self.max_prefill_tokens:
+            rows = self._own_tokens(seq, True)       # a shared prefix is not prefilled again
+            if budget is None and admitted and tokens + rows > self.max_prefill_tokens:
                 break                       # the rest waits for the next step's prefill
             if budget is not None and budget <= 0:
                 break
             if budget is not None and not splittable(seq) and seq.kv_len > budget and (chosen or admitted):
                 break                       # prefilled in one piece: waits for a step with room
-            if self.placement.place(seq) is None:
-                break                       # no worker has room now; keep FIFO order
+            if self._place(seq) is None:
+                break                       # no worker has room now (or its prefix is being prefilled)
             self.waiting.popleft()
             seq.start_step = step
             if budget is None:
@@ -87,7 +116,7 @@ class Scheduler:
             else:
                 budget -= self._chunk(seq, budget if splittable(seq) else seq.kv_len)
             admitted.append(seq)
-            tokens += seq.kv_len
+            tokens += seq.kv_len - self.placement.shared_tokens(seq)
         self.running.extend(admitted)
         return chosen + admitted
 
@@ -111,7 +140,7 @@ class Scheduler:
             while not self.placement.grow(seq):
                 victim = max((s for s in self.running if s.worker == seq.worker and s.status is Status.RUNNING),
                              key=lambda s: s.seq_id)
-                self.placement.release(victim)
+                self._release(victim)
                 victim.status = Status.WAITING
                 preempted.append(victim)
                 if victim is seq:
@@ -120,11 +149,13 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is not Status.WAITING]
             self.waiting.extendleft(sorted(preempted, key=lambda s: -s.seq_id))
             self.num_preemptions += len(preempted)
+            for seq in preempted if self.prefix is not None else ():
+                self.prefix.queued(seq)
         return preempted
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
-        self.placement.release(seq)
+        self._release(seq)
         observe = getattr(self.admission, "observe_finished", None)
         if observe is not None and seq.finish_reason is not None:   # not when aborted by an error
             observe(len(seq.output_ids), seq.finish_reason == "stop")

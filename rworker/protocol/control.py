@@ -9,8 +9,7 @@ Per engine step the S-worker sends each R-worker, in this order:
        DECODE:  per layer, per mini-batch m one message [q | k | v]    (tag_qkv(m))
      and gets back per (layer, mini-batch m) the attention output [n, Hq, D]   (tag_out(m)).
 Replies that are not activations (HELLO's roster entry, a PROFILE result) are JSON on TAG_INFO;
-a decode step ends with the worker's float64 stats [attend_s, busy_s, kv_bytes, step, append_s] on TAG_INFO
-(append_s: prefill appends since the previous report).
+a decode step ends with the worker's float64 stats (STEP_STATS) on TAG_INFO.
 
 Header: [MAGIC, VERSION, kind, step, a, b, c, d, e]; a..e mean what each builder below says.
 Every message carries the version, so ranks running different fastdecode versions stop at the
@@ -26,8 +25,13 @@ import numpy as np
 from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
 
 MAGIC = 0x46444543          # "FDEC"
-VERSION = 3                 # bump on any change to a message's layout or meaning
+VERSION = 4                 # bump on any change to a message's layout or meaning
 MAX_SEQ_ID = (1 << 53) - 1  # sequence ids are 0..MAX_SEQ_ID (the engine's stay far below)
+
+# What an R-worker reports after each DECODE step, float64 each: kernel seconds, seconds not
+# waiting for the S-worker, KV bytes held, the step number, prefill append seconds since the last
+# report, KV bytes its shared prefix pages save (pages held once that several sequences read)
+STEP_STATS = ("attend_s", "busy_s", "kv_bytes", "step", "append_s", "kv_saved_bytes")
 
 # ---------------------------------------------------------------- tags
 
@@ -133,16 +137,22 @@ def parse_hello(hdr: np.ndarray, body: np.ndarray) -> Hello:
 
 # ---------------------------------------------------------------- PREFILL
 # a=rows b=act dtype code c=layers in this step (0: all) d=reservations e=continued sequences;
-# body: seq_ids[rows] (a prompt's rows consecutive), then d seq ids and d token counts to reserve,
-# then e seq ids whose earlier prompt chunks the worker holds (their rows append after them)
+# body: f (forks), seq_ids[rows] (a prompt's rows consecutive), then d seq ids and d token counts
+# to reserve, then e seq ids whose earlier prompt chunks the worker holds (their rows append after
+# them), then f fork destinations, f sources and f token counts. The worker runs the forks first,
+# in order: destination i starts as a new sequence sharing the first tokens[i] tokens of source i
+# (a sequence it held before, or an earlier destination; whole pages shared, refcounted by the
+# store), and its rows append after them; then the reservations.
 
 
 def prefill_message(step: int, row_ids: np.ndarray, act_code: int, layers: int,
                     reserve_ids: np.ndarray, reserve_tokens: np.ndarray,
-                    continued: np.ndarray | None = None) -> np.ndarray:
+                    continued: np.ndarray | None = None,
+                    forks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     continued = np.zeros(0, np.int64) if continued is None else continued
+    dst, src, tokens = forks if forks is not None else (np.zeros(0, np.int64),) * 3
     return control(PREFILL, step, len(row_ids), act_code, layers, len(reserve_ids), len(continued),
-                   body=[row_ids, reserve_ids, reserve_tokens, continued])
+                   body=[[len(dst)], row_ids, reserve_ids, reserve_tokens, continued, dst, src, tokens])
 
 
 @dataclass(slots=True)
@@ -153,23 +163,64 @@ class Prefill:
     reserve_ids: np.ndarray     # [d] sequences whose reservation the worker takes as pages now
     reserve_tokens: np.ndarray  # [d] KV tokens each reserves
     continued: np.ndarray       # [c] sequences whose earlier prompt chunks the worker holds (appended to)
+    fork_dst: np.ndarray        # [f] new sequences that start sharing a prefix of ...
+    fork_src: np.ndarray        # [f] ... these sequences the worker holds:
+    fork_tokens: np.ndarray     # [f] their first this many tokens
 
 
 def parse_prefill(hdr: np.ndarray, body: np.ndarray) -> Prefill:
     rows, act, layers, nres, ncont = int(hdr[0]), int(hdr[1]), int(hdr[2]), int(hdr[3]), int(hdr[4])
-    if rows < 0 or nres < 0 or ncont < 0 or body.size != rows + 2 * nres + ncont or act not in ACT_DTYPES:
-        raise ProtocolError(f"protocol error: PREFILL announces {rows} rows, {nres} reservations and {ncont} "
-                            f"continued sequences (activation code {act}), its body has {body.size} words")
+    nfork = int(body[0]) if body.size else -1
+    if (rows < 0 or nres < 0 or ncont < 0 or nfork < 0 or act not in ACT_DTYPES
+            or body.size != 1 + rows + 2 * nres + ncont + 3 * nfork):
+        raise ProtocolError(f"protocol error: PREFILL announces {rows} rows, {nres} reservations, {ncont} "
+                            f"continued sequences and {nfork} forks (activation code {act}), its body has "
+                            f"{body.size} words")
+    body = body[1:]
     row_ids = check_ids(body[:rows].copy(), "PREFILL")
     reserve_ids, tokens = check_ids(body[rows:rows + nres], "PREFILL's reservations"), body[rows + nres:rows + 2 * nres]
     if nres and ((tokens < 0).any() or not np.isin(reserve_ids, row_ids).all()):
         raise ProtocolError("protocol error: PREFILL reserves a negative token count or for a sequence it does not "
                             "prefill")
-    continued = check_ids(body[rows + 2 * nres:], "PREFILL's continued sequences")
+    at = rows + 2 * nres
+    continued = check_ids(body[at:at + ncont], "PREFILL's continued sequences")
     if ncont and (not np.isin(continued, row_ids).all() or np.isin(reserve_ids, continued).any()):
         raise ProtocolError("protocol error: PREFILL continues a sequence it does not prefill, or reserves for one "
                             "it continues")
-    return Prefill(row_ids, ACT_DTYPES[act], layers, reserve_ids, tokens, continued)
+    at += ncont
+    dst = check_ids(body[at:at + nfork], "PREFILL's fork destinations")
+    src = check_ids(body[at + nfork:at + 2 * nfork], "PREFILL's fork sources")
+    _check_forks(dst, src, body[at + 2 * nfork:], row_ids, continued)
+    return Prefill(row_ids, ACT_DTYPES[act], layers, reserve_ids, tokens, continued, dst, src,
+                   body[at + 2 * nfork:])
+
+
+def _check_forks(dst: np.ndarray, src: np.ndarray, tokens: np.ndarray, row_ids: np.ndarray,
+                 continued: np.ndarray) -> None:
+    """A fork makes a new sequence of this prefill (a destination: among the rows, not continued,
+    forked once) from one the worker already holds (a source: not a sequence this prefill starts,
+    unless an earlier fork made it), with at least one token."""
+    if not dst.size:
+        return
+    new = np.setdiff1d(row_ids, continued)
+    short = np.flatnonzero(tokens < 1)
+    if short.size:
+        i = short[0]
+        raise ProtocolError(f"protocol error: PREFILL forks sequence {int(dst[i])} with {int(tokens[i])} tokens of "
+                            f"sequence {int(src[i])} (at least 1)")
+    outside = dst[~np.isin(dst, new)]
+    if outside.size:
+        raise ProtocolError(f"protocol error: PREFILL forks sequence {int(outside[0])}, which it does not start (a "
+                            f"fork destination must be a new sequence among its rows)")
+    uniq, counts = np.unique(dst, return_counts=True)
+    if (counts > 1).any():
+        raise ProtocolError(f"protocol error: PREFILL forks sequence {int(uniq[counts > 1][0])} twice")
+    earlier = {d: i for i, d in enumerate(dst.tolist())}
+    started = [i for i in np.flatnonzero(np.isin(src, new)).tolist() if earlier.get(int(src[i]), i) >= i]
+    if started:
+        i = started[0]
+        raise ProtocolError(f"protocol error: PREFILL forks sequence {int(dst[i])} from sequence {int(src[i])}, "
+                            f"which it starts itself (a source must be held before the prefill, or forked before it)")
 
 # ---------------------------------------------------------------- DECODE
 # a=mini-batches b=act dtype code c=layers in this step (0: all; `fastdecode profile` times the

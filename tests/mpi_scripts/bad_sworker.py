@@ -50,6 +50,9 @@ elif case == "free-unknown":
     send(P.free_message(2, [9]))
 elif case == "prefill-again":
     send(P.prefill_message(2, np.ones(2, np.int64), 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64)))
+elif case == "fork-unknown":                   # a fork from a sequence the worker never held
+    send(P.prefill_message(2, np.full(2, 5, np.int64), 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64),
+                           None, (np.array([5]), np.array([9]), np.array([4]))))
 elif case == "bad-magic":
     msg = P.control(P.SHUTDOWN)
     msg[0] = 7

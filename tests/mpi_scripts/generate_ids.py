@@ -22,6 +22,7 @@ outs = llm.generate(prompts, params, use_tqdm=False)
 result = {"workers": len(llm.engine.backend.workers),
           "outputs": [[c.token_ids for c in o.outputs] for o in outs],
           "texts": [[c.text for c in o.outputs] for o in outs],
-          "finish": [[c.finish_reason for c in o.outputs] for o in outs]}
+          "finish": [[c.finish_reason for c in o.outputs] for o in outs],
+          "prefix": llm.engine.prefix_summary(), "kv_saved_bytes_peak": llm.engine.recorder.kv_saved_bytes_peak}
 json.dump(result, open(sys.argv[2], "w"))
 llm.close()
