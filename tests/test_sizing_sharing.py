@@ -53,14 +53,15 @@ def test_no_shared_prefix_is_the_unshared_model(policy, group):
 # ---- the formulas, by hand
 
 def test_sharing_lowers_the_r_part_as_the_formula_says():
-    # depth 2, B = 1024: mini-batches m = 512; groups of 64 -> c = 512/64 = 8 per mini-batch.
+    # depth 2, B = 1024: mini-batches m = 512; groups of 64 -> 16 groups, each with members in
+    # both mini-batches -> c = 16 per mini-batch.
     # tokens = m·(prompt - shared + S/2) + c·shared + (m - c)·shared·ρ
-    #        = 512·(128 + 512) + 8·1024 + 504·1024·0.25 = 327,680 + 8,192 + 129,024 = 464,896
+    #        = 512·(128 + 512) + 16·1024 + 496·1024·0.25 = 327,680 + 16,384 + 126,976 = 471,040
     # (unshared: 512·(1152 + 512) = 851,968). 8 workers at 100 GB/s: r = tokens·KVB / 8e11 per mini-batch
     prof = hand_profile(ratio=0.25)
     p = predict(prof, 1024, S, PROMPT, rworkers=8, depth=2, shared_prefix=SHARED, prefix_group=64)
-    assert 512 * (128 + 512) + 8 * 1024 + 504 * 1024 * 0.25 == 464_896
-    assert p.r_layer_s == pytest.approx(2 * 464_896 * KVB / 8e11)
+    assert 512 * (128 + 512) + 16 * 1024 + 496 * 1024 * 0.25 == 471_040
+    assert p.r_layer_s == pytest.approx(2 * 471_040 * KVB / 8e11)
     plain = predict(prof, 1024, S, PROMPT, rworkers=8, depth=2)
     assert plain.r_layer_s == pytest.approx(2 * 851_968 * KVB / 8e11)
     assert (p.shared_prefix, p.prefix_group, p.shared_cost_ratio) == (SHARED, 64, 0.25)

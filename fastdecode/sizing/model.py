@@ -23,7 +23,8 @@ g sequences on the R-workers (KVStore.fork; g defaults to the batch, g = 1 share
 only a group's donor prefills them. Per sequence, with own = prompt - shared + shared/g:
     held      prompt - shared + S in whole pages, + shared/g (full); own + S/2 + (3·page + 1)/2 (grow)
     prefill   own tokens per starting sequence (the K, V crossing the link too)
-and per mini-batch of m = B/depth sequences holding c = min(m, max(1, m/g)) groups, one layer's
+and per mini-batch of m = B/depth sequences holding c = min(m, max(1, B/g)) groups (a mini-batch is cut
+by R-load, not by group: it holds a part of every group), one layer's
 R-part attends over, in streamed tokens (R seconds each),
     m·(prompt - shared + S/2) + c·shared + (m - c)·shared·ρ
 The kernel streams a group's shared pages from memory once (c·shared at the full cost) and runs
@@ -153,14 +154,15 @@ def _worker_shared_ratio(w: RWorkerProfile) -> float:
 
 
 def _r_tokens(mini: float, gen_len: int, prompt_len: int, shared_prefix: int = 0, prefix_group: float = 1,
-              ratio: float = 1.0) -> float:
+              ratio: float = 1.0, depth: int = 1) -> float:
     """Streamed-token equivalents one mini-batch of `mini` sequences attends over in one layer:
     mini·(prompt + S/2) unshared. With a shared prefix: each sequence's own tokens, each of the
-    c = min(mini, max(1, mini/prefix_group)) groups in the mini-batch streaming its prefix once,
-    and the other (mini - c) members' heads over it at `ratio` of a streamed token."""
+    c = min(mini, max(1, depth·mini/prefix_group)) groups in the mini-batch streaming its prefix
+    once (the batch's mini-batches are cut by R-load, not by group, so each holds a part of every
+    group), and the other (mini - c) members' heads over it at `ratio` of a streamed token."""
     if not shared_prefix:
         return mini * _avg_kv_len(gen_len, prompt_len)
-    groups = min(mini, max(1.0, mini / prefix_group))
+    groups = min(mini, max(1.0, depth * mini / prefix_group))
     return (mini * _avg_kv_len(gen_len, prompt_len - shared_prefix) + groups * shared_prefix
             + (mini - groups) * shared_prefix * ratio)
 
@@ -196,7 +198,7 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     group = _group(batch, prefix_group)
     workers = profile.workers(rworkers)
     s = profile.s_worker.layer_time(mini)
-    r = _r_time(profile, workers, _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers)))
+    r = _r_time(profile, workers, _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers), depth))
     own = _own_prompt(prompt_len, shared_prefix, group)
     prompt_kv = _prefill_tokens(mini, gen_len, own) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
@@ -224,7 +226,7 @@ def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int 
     mini = batch / depth
     group = _group(batch, prefix_group)
     t_s = profile.s_worker.layer_time(mini)
-    kv_bytes = _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(profile.r_workers)) * \
+    kv_bytes = _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(profile.r_workers), depth) * \
         profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     # [P] totals over the first P workers (the profiled list repeated): q full rounds + a prefix
     ws = profile.r_workers
