@@ -125,8 +125,9 @@ class StepRecorder:
             row["r_busy_s"] = [round(x, 6) for x in stats.busy_s]
             row["r_time_max_s"] = round(max(stats.attend_s), 6)
             row["kv_bytes"] = stats.kv_bytes
-            if any(stats.kv_saved_bytes):
-                row["kv_saved_bytes"] = stats.kv_saved_bytes
+            saved = getattr(stats, "kv_saved_bytes", None)     # (stats from before sharing lack it)
+            if saved and any(saved):
+                row["kv_saved_bytes"] = saved
         if prefill is not None:      # R-workers report appends with the step's decode stats; local mode here
             appended = list(stats.append_s) if stats is not None and stats.append_s else \
                 [prefill.append_s] + [0.0] * (self.num_workers - 1)
