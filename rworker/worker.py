@@ -54,7 +54,6 @@ class RWorker:
         self.known: set[int] = set()    # sequences this worker holds (prefilled, not freed)
         self.stats = np.zeros(len(STATS), dtype=np.float64)   # sent after every DECODE step
         self.append_s = 0.0             # prefill appends since the last DECODE step's stats
-        self.saved_bytes: float | None = 0.0    # KV bytes shared pages save; None: recount (a fork or FREE since)
         self.stream = None              # the PREFILL whose K/V layers are still coming (a generator)
         self.stream_next = 0            # its next layer
 
@@ -152,7 +151,6 @@ class RWorker:
                 raise P.ProtocolError(f"protocol error: FREE of sequence {sid}, which this worker does not hold")
             self.known.discard(sid)
             self.store.free(sid)
-            self.saved_bytes = None
 
     def _received(self, ticket, buf: np.ndarray, what: str) -> None:
         """A data message must be exactly as long as its control message said."""
@@ -184,7 +182,6 @@ class RWorker:
         self.known |= new
         for dst, src, tokens in zip(msg.fork_dst.tolist(), msg.fork_src.tolist(), msg.fork_tokens.tolist()):
             self.store.fork(src, dst, tokens)       # before the reservations: the shared pages count as held
-            self.saved_bytes = None
         if len(msg.reserve_ids):    # pages for each sequence's whole reservation now: one run per (layer, head)
             self.store.reserve(msg.reserve_ids, msg.reserve_tokens)
         self.stream, self.stream_next = self._prefill_layers(msg, layers, rows, patient), 0
@@ -271,17 +268,10 @@ class RWorker:
         for t in sends.values():
             prog.wait(t, self.timeout)
         busy_s = time.perf_counter() - t_step - idle_s
-        self.stats[:] = (attend_s, busy_s, self.store.bytes_committed(), step, self.append_s, self._saved_bytes())
+        self.stats[:] = (attend_s, busy_s, self.store.bytes_committed(), step, self.append_s,
+                         self.store.sharing_stats()["bytes_saved"])    # the store's counters: O(1)
         self.append_s = 0.0
         self.comm.Send(self.stats, dest=0, tag=P.TAG_INFO)
-
-    def _saved_bytes(self) -> float:
-        """KV bytes that pages held once but read by several sequences save (counted again only
-        after a fork or a FREE changed which pages are shared)."""
-        if self.saved_bytes is None:
-            shared = self.store.sharing_stats()
-            self.saved_bytes = float((shared["shared_page_refs"] - shared["shared_pages"]) * self.store.page_bytes)
-        return self.saved_bytes
 
 
 def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,

@@ -3,7 +3,7 @@ another sequence already holds on an R-worker, and the prefix K/V its prefill at
 
 Prompts are keyed by a hash chain over whole pages of token ids (a page = the R-workers'
 page_tokens): key[i] = hash((key[i-1], tokens of page i)), so equal keys at depth i mean equal
-first i pages, as vLLM's prefix cache keys blocks. A match is checked against the token ids too,
+first i pages. A match is checked against the token ids too,
 so a hash collision costs a miss, never wrong tokens.
 
 - Donor and entry. A sequence admitted while other waiting prompts share at least its first page

@@ -15,14 +15,6 @@ from rworker.protocol.wire import split_qkv
 from rworker.tune import open_tuned_store
 
 
-def saved_bytes(store) -> int:
-    """KV bytes a store's shared prefix pages save: each page several sequences read, held once."""
-    if not hasattr(store, "sharing_stats"):
-        return 0
-    shared = store.sharing_stats()
-    return (shared["shared_page_refs"] - shared["shared_pages"]) * store.page_bytes
-
-
 class LocalBackend(RBackend):
     def __init__(self, config: ModelConfig, kv_dtype: str, threads: int | None = None,
                  capacity_bytes: int | None = None, asynchronous: bool = False, bf16_probs: bool = False):
@@ -104,7 +96,7 @@ class LocalBackend(RBackend):
 
     def decode_end(self):
         return StepStats(attend_s=[self._attend_s], busy_s=[self._attend_s], kv_bytes=[self.store.bytes_committed()],
-                         kv_saved_bytes=[saved_bytes(self.store)])
+                         kv_saved_bytes=[self.store.sharing_stats()["bytes_saved"]])
 
     def free(self, seq_ids_by_worker):
         for sid in seq_ids_by_worker[0]:
