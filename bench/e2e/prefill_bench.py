@@ -77,10 +77,19 @@ def token_stream() -> list[int]:
         texts.append(pydoc.render_doc(mod, renderer=pydoc.plaintext))
         texts.extend(inspect.getdoc(obj) or "" for _, obj in sorted(vars(mod).items())
                      if inspect.isclass(obj) or inspect.isfunction(obj))
+    from fastdecode.model.config import ConfigError
     from fastdecode.model.source import read_config
-    tok = Tokenizer(resolve_model(MODEL))
+    text = "\n\n".join(texts)
     vocab = read_config(resolve_model(Opts.model)).vocab_size       # a random model's may be smaller
-    return [t % vocab for t in tok.encode_text("\n\n".join(texts))]
+    try:
+        ids = Tokenizer(resolve_model(MODEL)).encode_text(text)
+    except ConfigError:
+        if Opts.model == MODEL:
+            raise
+        # a random-weight model on a box without the embedded model: the text's bytes as ids
+        # (prefill costs the same whatever the ids; the prompt lengths are what matter)
+        ids = list(text.encode())
+    return [t % vocab for t in ids]
 
 
 def workload(kind: str, stream: list[int]) -> list[tuple[list[int], int]]:
