@@ -1,23 +1,14 @@
 #!/usr/bin/env bash
-# The GPU-box benchmarks in one go (the lent H100 box: 1 GPU, 16 cores, its own Open MPI).
+# The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
 #   bench/gpu_box.sh STAGE...     stages: setup tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
-# every stage, so the calls go by what each issue still lacks, newest need first:
-#   call 0: setup prefix            (~6 min, issue 32: shared prefixes in the kernel, shared vs unshared
-#                                    stores on 16 cores, vdpbf16ps scores and AMX tile scores)
-#   call 1: setup prefill           (~9 min, issue 30: prefill tokens/s with 1 and 8 R-workers vs the S-part
-#                                    alone, dense + flash attention on the GPU, same run; 1,024- and 4,096-token
-#                                    prompts)
-#   call 2: setup prefillmix e2e7b  (~8 min, issue 30: the mixed workload chunked and not, 8 R-workers;
-#                                    issue 5: R-worker scaling 1..14 on the current engine)
-#   call 3: setup kernel pageruns   (~8.5 min, issue 3: the 16-core kernel vs read BW on the current version,
-#                                    AVX2 too; page layouts x prefetch modes)
-#   call 4: setup vtile             (~5 min, issue 3: V tiles of 32 / token pairs vs token-major)
+# every stage, so a session runs a few of them, newest need first.
 # Measured 2026-11-26 on the H200 box (results labelled h200-box): int8, tests, soverhead, fidelity,
-# e2e8b, amx, roofline (docs/results.md). Rerun any of them after the code they measure changes.
+# e2e8b, amx, roofline, prefix, prefill, prefillmix, e2e7b, kernel, pageruns, vtile (docs/results.md):
+# the queue is empty until the code they measure changes. Rerun any of them after that.
 # A fresh machine needs `setup` again (it builds the extension).
 # The box's image has torch, mpi4py and Open MPI but not pydantic or gguf: carry their cp312 wheels
 # (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64
