@@ -179,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     from fastdecode.batch.report_cmd import add_parser as add_report_parser
     add_report_parser(sub)
-    sub.add_parser("info", help="versions, ISA path, MPI, devices")
+    info = sub.add_parser("info", help="versions, ISA path, MPI, devices; with --model, what it serves of a model")
+    info.add_argument("--model", "-m", default=None,
+                      help="also name this model's architecture, shape and attention variants (its config only: "
+                           "no weights are read); an unsupported model exits 2 with the reason")
     return parser
 
 
@@ -335,8 +338,17 @@ def cmd_report(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from fastdecode.launch.info import collect, render
-    print(render(collect()))
+    from fastdecode.launch.info import collect, model_info, render
+    from fastdecode.model.config import ConfigError
+    info = collect()
+    if args.model:
+        try:
+            info.update(model_info(args.model))
+        except ConfigError as e:                  # as generate's check of the model: a usage error
+            print(render(info))
+            print(f"fastdecode info: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    print(render(info))
     return EXIT_OK
 
 

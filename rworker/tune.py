@@ -202,11 +202,21 @@ def choose_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: st
 
 def open_tuned_store(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
                      threads: int | None, capacity_bytes: int, scale: float | None = None,
-                     bf16_probs: bool = False) -> tuple[KVStore, KernelChoice]:
+                     bf16_probs: bool = False, windows=None, softcap: float | None = None,
+                     sinks=None) -> tuple[KVStore, KernelChoice]:
     """The KV store an R-worker (or the local backend) serves from, built with choose_kernel's pick
-    (bf16_probs: the job allows V in token pairs, --attn-probs bf16)."""
+    (bf16_probs: the job allows V in token pairs, --attn-probs bf16) and the model's attention
+    variants: per-layer sliding windows (0: full), a logit soft-cap, sinks [num_layers][num_heads]."""
     kernel = choose_kernel(num_heads, num_kv_heads, head_dim, kv_dtype, threads, capacity_bytes=capacity_bytes,
                            bf16_probs=bf16_probs)
+    variants = {}
+    if windows is not None and any(windows):
+        variants["windows"] = [int(w) for w in windows]
+    if softcap:
+        variants["softcap"] = float(softcap)
     store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, scale=scale,
-                    capacity_bytes=capacity_bytes, v_tile=kernel.v_tile, prefetch=kernel.prefetch)
+                    capacity_bytes=capacity_bytes, v_tile=kernel.v_tile, prefetch=kernel.prefetch, **variants)
+    if sinks is not None:
+        for layer, row in enumerate(np.asarray(sinks, dtype=np.float32).reshape(num_layers, num_heads)):
+            store.set_sinks(layer, row)
     return store, kernel

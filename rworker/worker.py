@@ -102,7 +102,9 @@ class RWorker:
         capacity = self.capacity_arg or h.capacity_bytes or default_capacity_bytes(share=max(r_here, 1))
         # the V layout and prefetch that stream fastest on these cores (a few seconds; rworker.tune)
         self.store, kernel = open_tuned_store(h.num_layers, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_dtype,
-                                              threads, capacity, scale=h.scale, bf16_probs=h.bf16_probs)
+                                              threads, capacity, scale=h.scale, bf16_probs=h.bf16_probs,
+                                              windows=h.windows or None, softcap=h.softcap or None,
+                                              sinks=h.sinks or None)
         self.num_heads, self.num_kv_heads, self.head_dim = h.num_heads, h.num_kv_heads, h.head_dim
         self.num_layers = h.num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)
@@ -111,7 +113,7 @@ class RWorker:
                         "protocol": P.VERSION, "threads": self.store.threads, "isa": self.store.isa,
                         "capacity_bytes": capacity, "page_tokens": int(self.store.page_tokens),
                         "wait_policy": self.policy, "kernel": kernel.describe() + amx,
-                        "forks": hasattr(self.store, "fork"),
+                        "forks": hasattr(self.store, "fork") and not any(h.windows),
                         "kernel_choice": {**kernel.as_dict(), "amx": self.store.amx}})
 
     def send_json(self, obj: dict) -> None:

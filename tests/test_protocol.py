@@ -38,6 +38,21 @@ def test_hello_round_trips():
     assert P.parse_hello(hdr, body) == hello            # the scale's float64 bits too
 
 
+def test_hello_carries_the_attention_variants():
+    sinks = tuple(float(x) for x in np.random.default_rng(0).normal(size=3 * 4))
+    hello = P.Hello(3, 4, 2, 256, "bf16", 224 ** -0.5, windows=(512, 0, 512), softcap=50.0, sinks=sinks)
+    kind, step, hdr, body = P.parse(P.hello_message(hello))
+    assert body.size == P.HELLO_BODY_WORDS + 3 + 12
+    back = P.parse_hello(hdr, body)
+    assert back == hello and back.sinks == sinks          # float64 bits, exactly
+    with pytest.raises(ValueError, match="2 windows for 3 layers"):
+        P.hello_message(P.Hello(3, 4, 2, 8, "bf16", 0.5, windows=(4, 0)))
+    with pytest.raises(ValueError, match="5 sink logits"):
+        P.hello_message(P.Hello(3, 4, 2, 8, "bf16", 0.5, sinks=(0.0,) * 5))
+    with pytest.raises(P.ProtocolError, match="body words"):
+        P.parse_hello(hdr, body[:-1])
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_hello_carries_every_kv_dtype(kv_dtype):
     hello = P.Hello(2, 4, 2, 8, kv_dtype, 0.5)

@@ -348,6 +348,7 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
                 return None, rep, job.interrupted or job.rewrite_error is not None
             engine = make_engine()
             print(f"fastdecode: {engine.served.describe()}", file=sys.stderr, flush=True)
+            print(f"fastdecode: {engine.describe_model()}", file=sys.stderr, flush=True)
             interrupted = job.run(engine, show_progress=not args.quiet,
                                   progress_interval=getattr(args, "progress_interval", None))
         except BaseException as e:

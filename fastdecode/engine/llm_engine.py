@@ -56,7 +56,8 @@ class LLMEngine:
         self.backend: RBackend = self._make_backend(comm)
         if comm is not None and comm.Get_size() > 1 and not args.quiet:
             self._log_roster()
-        self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve)
+        self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve,
+                                   windows=self.variants.windows)
         self.prefix = self._make_prefix_cache()
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix)
@@ -112,7 +113,8 @@ class LLMEngine:
         return s_cores
 
     def _make_prefix_cache(self) -> PrefixCache | None:
-        """Shared prompt prefixes, unless turned off or a worker's store cannot fork (an older build)."""
+        """Shared prompt prefixes, unless turned off or a worker's store cannot fork (an older build,
+        or sliding-window layers, whose early pages are freed as a sequence moves on)."""
         workers = self.backend.workers
         pages = {w.page_tokens for w in workers}
         if not self.args.prefix_sharing or not all(w.forks for w in workers) or len(pages) != 1 or pages == {1}:
@@ -136,7 +138,8 @@ class LLMEngine:
         raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {a.schedule!r}")
 
     def _make_backend(self, comm) -> RBackend:
-        scale = self.config.head_dim ** -0.5
+        from fastdecode.rpart.variants import AttentionVariants
+        variants = self.variants = AttentionVariants.of(self.config, self.model)
         if comm is None or comm.Get_size() == 1:
             from fastdecode.rpart.local import LocalBackend
             from rworker.host.threads import physical_cpus
@@ -144,14 +147,24 @@ class LLMEngine:
             r_threads = self.args.r_threads or (max(1, cores - self.s_cores) if self.args.pipeline_depth > 1
                                                 else cores)
             return LocalBackend(self.config, self.kv_dtype, r_threads, self.args.rworker_mem,
-                                asynchronous=self.args.pipeline_depth > 1, bf16_probs=self.args.attn_probs == "bf16")
+                                asynchronous=self.args.pipeline_depth > 1, bf16_probs=self.args.attn_probs == "bf16",
+                                variants=variants)
         from fastdecode.rpart.mpi import MPIBackend
         from rworker.host.wait import choose_policy
         ranks_here = self.layout[0]
         policy = choose_policy(ranks_here, ranks_here)
-        return MPIBackend(comm, self.config, self.kv_dtype, scale, self.args.r_threads,
+        return MPIBackend(comm, self.config, self.kv_dtype, variants, self.args.r_threads,
                           self.args.rworker_mem, policy, self.args.timeout, self.device, self.dtype,
                           s_cores=self.s_cores, bf16_probs=self.args.attn_probs == "bf16")
+
+    def describe_model(self) -> str:
+        """One line for the job's start: the architecture and the attention variants it runs."""
+        c = self.config
+        variants = c.attention_variants() if hasattr(c, "attention_variants") else ""
+        return (f"model {c.model_type}: {c.num_layers} layers, {c.num_heads} query / {c.num_kv_heads} KV heads x "
+                f"{c.head_dim}" + (f"; {variants}" if variants else "")
+                + ("; prefix sharing off (sliding windows)" if self.variants.windowed and self.args.prefix_sharing
+                   else ""))
 
     def _log_roster(self) -> None:
         """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""

@@ -78,6 +78,22 @@ def kv_bytes_line(model: str = "smollm2-135m") -> str:
     return f"{model}: " + ", ".join(f"{dt} {b / 1024:.1f} KiB" for dt, b in per.items()) + " (int8: scales included)"
 
 
+def model_info(model: str) -> dict:
+    """The architecture of `model` (a path, an embedded name or a random: spec) as a job would serve
+    it: read from its config alone; ConfigError if fastdecode does not serve it."""
+    from fastdecode.model.config import SUPPORTED_ARCHS
+    from fastdecode.model.source import read_config, resolve_model
+    c = read_config(resolve_model(model))
+    variants = c.attention_variants() if hasattr(c, "attention_variants") else ""
+    return {"model": model,
+            "model_architecture": f"{c.model_type}: {c.num_layers} layers, {c.num_heads} query / {c.num_kv_heads} "
+                                  f"KV heads x {c.head_dim}",
+            "model_attention": variants or "full attention on every layer",
+            "model_kv_bytes_per_token": ", ".join(f"{dt} {c.kv_bytes_per_token(dt) / 1024:.1f} KiB"
+                                                  for dt in ("bf16", "int8")),
+            "model_families_served": ", ".join(sorted(SUPPORTED_ARCHS))}
+
+
 def render(info: dict) -> str:
     width = max(len(k) for k in info)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in info.items())

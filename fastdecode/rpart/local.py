@@ -10,6 +10,7 @@ import torch
 
 from fastdecode.model.config import ModelConfig
 from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo, as_numpy
+from fastdecode.rpart.variants import AttentionVariants
 from rworker.host.capacity import default_capacity_bytes
 from rworker.protocol.wire import split_qkv
 from rworker.tune import open_tuned_store
@@ -17,15 +18,18 @@ from rworker.tune import open_tuned_store
 
 class LocalBackend(RBackend):
     def __init__(self, config: ModelConfig, kv_dtype: str, threads: int | None = None,
-                 capacity_bytes: int | None = None, asynchronous: bool = False, bf16_probs: bool = False):
+                 capacity_bytes: int | None = None, asynchronous: bool = False, bf16_probs: bool = False,
+                 variants: AttentionVariants | None = None):
         capacity = capacity_bytes or default_capacity_bytes()
+        variants = variants or AttentionVariants.of(config)
         # the V layout and prefetch that stream fastest here, as an R-worker picks them (rworker.tune)
         self.store, kernel = open_tuned_store(config.num_layers, config.num_heads, config.num_kv_heads,
-                                              config.head_dim, kv_dtype, threads, capacity, bf16_probs=bf16_probs)
+                                              config.head_dim, kv_dtype, threads, capacity, bf16_probs=bf16_probs,
+                                              **variants.store_kwargs(config.num_layers, config.num_heads))
         self.workers = [WorkerInfo(rank=0, host=socket.gethostname(), threads=self.store.threads,
                                    isa=self.store.isa, capacity_bytes=capacity,
                                    page_tokens=getattr(self.store, "page_tokens", 1), kernel=kernel.describe(),
-                                   forks=hasattr(self.store, "fork"))]
+                                   forks=hasattr(self.store, "fork") and not variants.windowed)]
         self.num_heads = config.num_heads
         self._row_ids = None
         self._mb_ids: list[np.ndarray] = []

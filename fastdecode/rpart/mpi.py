@@ -19,6 +19,7 @@ from mpi4py import MPI
 from fastdecode.model.config import ModelConfig
 from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo
 from fastdecode.rpart.staging import HostBuffer, Stager
+from fastdecode.rpart.variants import AttentionVariants
 from rworker.host.progressor import Progressor
 from rworker.host.wait import wait_message
 from rworker.protocol import control as P
@@ -44,10 +45,12 @@ class _MiniBatch:
 
 
 class MPIBackend(RBackend):
-    def __init__(self, comm: MPI.Comm, config: ModelConfig, kv_dtype: str, scale: float,
+    def __init__(self, comm: MPI.Comm, config: ModelConfig, kv_dtype: str, variants: AttentionVariants | float,
                  r_threads: int | None = None, rworker_mem: int | None = None, policy: str = "adaptive",
                  timeout: float | None = None, device: torch.device | None = None,
                  act_dtype: torch.dtype = torch.float32, s_cores: int = 0, bf16_probs: bool = False):
+        if not isinstance(variants, AttentionVariants):      # a bare softmax scale
+            variants = AttentionVariants(float(variants))
         self.comm = comm
         self.ranks = list(range(1, comm.Get_size()))
         self.policy, self.timeout = policy, timeout
@@ -58,8 +61,9 @@ class MPIBackend(RBackend):
         self.pinned = self.device.type == "cuda"
         self.stager = Stager(self.device)
         self.progress = Progressor()
-        hello = P.hello_message(P.Hello(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, kv_dtype, scale,
-                                        r_threads or 0, rworker_mem or 0, s_cores, bf16_probs))
+        hello = P.hello_message(P.Hello(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, kv_dtype,
+                                        variants.scale, r_threads or 0, rworker_mem or 0, s_cores, bf16_probs,
+                                        windows=variants.windows, softcap=variants.softcap, sinks=variants.sinks))
         for r in self.ranks:
             comm.Send([hello, MPI.INT64_T], dest=r, tag=P.TAG_CTRL)
         self.workers = [self._recv_info(r) for r in self.ranks]

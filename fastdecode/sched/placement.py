@@ -16,6 +16,12 @@ many tokens (whole pages) of another sequence's pages on the same worker, so it 
 loads only the rest; the shared pages count once, with the sequence that filled them. When that
 one ends while others still read its pages, the prefix cache keeps them charged (`set_lent`)
 until the last reader ends.
+
+Sliding windows (`windows`: keys per layer, 0 for a full layer): a worker's store frees a
+windowed layer's pages once they fall out of the window and never holds more than the window's
+pages plus one there, so a sequence is charged, per layer, the pages it can hold live, averaged
+over the layers (in tokens of a full-attention layer, what the capacity counts). A Gemma-style
+model with 5 of 6 layers sliding holds a fraction of a full model's bytes at long context.
 """
 from __future__ import annotations
 
@@ -37,10 +43,11 @@ def grow_overhead_tokens(page_tokens: int) -> float:
 
 class Placement:
     def __init__(self, workers: list[WorkerInfo], kv_bytes_per_token: int,
-                 bandwidth: list[float] | None = None, policy: str = "full"):
+                 bandwidth: list[float] | None = None, policy: str = "full", windows: tuple[int, ...] = ()):
         if policy not in RESERVE_POLICIES:
             raise ValueError(f"kv reservation policy must be one of {RESERVE_POLICIES}, got {policy!r}")
         self.policy = policy
+        self.windows = tuple(int(w) for w in windows) if any(windows) else ()
         self.page = [max(w.page_tokens, 1) for w in workers]
         self.capacity_tokens = [w.capacity_bytes // kv_bytes_per_token for w in workers]
         # relative speed of each worker; measured bytes/s when known, else equal
@@ -57,6 +64,22 @@ class Placement:
         """tokens rounded up to whole pages of worker w."""
         return math.ceil(tokens / self.page[w]) * self.page[w]
 
+    def _charge(self, w: int, tokens: float) -> int:
+        """Capacity (tokens of all layers) a sequence of `tokens` positions takes on worker w:
+        whole pages per layer, a windowed layer at most the pages its window keeps live."""
+        pages = math.ceil(tokens / self.page[w])
+        if not self.windows:
+            return pages * self.page[w]
+        live = [pages if win == 0 else min(pages, math.ceil(win / self.page[w]) + 1) for win in self.windows]
+        return math.ceil(sum(live) * self.page[w] / len(live))
+
+    def _live(self, w: int, tokens: float) -> float:
+        """Tokens of all layers a sequence of `tokens` positions keeps live on average (the load
+        it puts on a worker's reads): a windowed layer's window and a page at most."""
+        if not self.windows:
+            return tokens
+        return sum(tokens if win == 0 else min(tokens, win + self.page[w]) for win in self.windows) / len(self.windows)
+
     def _bound(self, w: int, seq: Sequence) -> int:
         return self._pages(w, seq.total_len_bound)
 
@@ -65,25 +88,25 @@ class Placement:
         plus room for the next token."""
         return self._bound(w, seq) if self.policy == "full" else self._pages(w, seq.kv_len + 1)
 
-    def _projected(self, seq: Sequence) -> float:
-        return seq.prompt_len + seq.max_tokens / 2 - self._shared.get(seq.seq_id, 0)
+    def _projected(self, seq: Sequence, w: int) -> float:
+        return self._live(w, seq.prompt_len + seq.max_tokens / 2) - self._shared.get(seq.seq_id, 0)
 
     def fits_anywhere_alone(self, seq: Sequence) -> bool:
         """False if no worker could hold this sequence's worst case even when empty (a request error)."""
-        return any(self._bound(w, seq) <= cap for w, cap in enumerate(self.capacity_tokens))
+        return any(self._charge(w, self._bound(w, seq)) <= cap for w, cap in enumerate(self.capacity_tokens))
 
     def cost(self, w: int, seq: Sequence, shared_tokens: int = 0) -> float:
         """Worker w's projected load relative to its bandwidth with seq on it (the lower, the better)."""
-        return (self.load[w] + seq.prompt_len + seq.max_tokens / 2 - shared_tokens) / self.bandwidth[w]
+        return (self.load[w] + self._live(w, seq.prompt_len + seq.max_tokens / 2) - shared_tokens) / self.bandwidth[w]
 
     def best(self, seq: Sequence, workers=None, shared_tokens: int = 0) -> int | None:
         """The worker (of `workers`, default all) with room for seq and the lowest cost; None: none has room."""
         best, best_cost = None, math.inf
         for w in range(len(self.capacity_tokens)) if workers is None else workers:
             cap = self.capacity_tokens[w]
-            need = self._initial(w, seq) - shared_tokens
+            need = self._charge(w, self._initial(w, seq)) - shared_tokens
             if self.policy == "grow":       # it must be able to finish here alone; headroom for the others
-                if self._bound(w, seq) > cap:
+                if self._charge(w, self._bound(w, seq)) > cap:
                     continue
                 need += self.resident[w] * self.page[w]
             if self.reserved[w] + need > cap:
@@ -102,9 +125,9 @@ class Placement:
         held = self._initial(best, seq) - shared_tokens
         self._held[seq.seq_id] = held
         self._shared[seq.seq_id] = shared_tokens
-        self.reserved[best] += held
+        self.reserved[best] += self._charge(best, held)
         self.resident[best] += 1
-        self.load[best] += self._projected(seq)
+        self.load[best] += self._projected(seq, best)
         seq.worker = best
         return best
 
@@ -116,7 +139,7 @@ class Placement:
         """grow: reserve room for the sequence's next token on its worker; False if the worker is full."""
         w = seq.worker
         held = self._pages(w, seq.kv_len + 1) - self._shared[seq.seq_id]
-        extra = held - self._held[seq.seq_id]
+        extra = self._charge(w, held) - self._charge(w, self._held[seq.seq_id])
         if self.reserved[w] + extra > self.capacity_tokens[w]:
             return False
         self.reserved[w] += extra
@@ -125,9 +148,9 @@ class Placement:
 
     def release(self, seq: Sequence) -> None:
         w = seq.worker
-        self.reserved[w] -= self._held.pop(seq.seq_id)
+        self.reserved[w] -= self._charge(w, self._held.pop(seq.seq_id))
         self.resident[w] -= 1
-        self.load[w] -= self._projected(seq)
+        self.load[w] -= self._projected(seq, w)
         del self._shared[seq.seq_id]
 
     def held_tokens(self, seq: Sequence) -> int:

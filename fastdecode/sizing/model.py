@@ -93,7 +93,9 @@ def sequences_on_worker(capacity_tokens: float, worker: RWorkerProfile, gen_len:
 def sequences_fitting(profile: Profile, workers: list[RWorkerProfile], gen_len: int, prompt_len: int,
                       kv_reserve: str, shared_prefix: int = 0, prefix_group: float = 1) -> int:
     """How many sequences the workers' memory holds at once (sequences_on_worker, summed)."""
-    per_token = profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    m = profile.model
+    held = prompt_len + (gen_len if kv_reserve == "full" else gen_len / 2)
+    per_token = m.num_layers * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes) * m.held_fraction(held)
     return sum(sequences_on_worker(w.capacity_bytes // per_token, w, gen_len, prompt_len, kv_reserve,
                                    shared_prefix, prefix_group)
                for w in workers)
@@ -167,10 +169,11 @@ def _r_tokens(mini: float, gen_len: int, prompt_len: int, shared_prefix: int = 0
             + (mini - groups) * shared_prefix * ratio)
 
 
-def _r_time(profile: Profile, workers: list[RWorkerProfile], kv_tokens: float) -> float:
-    """One attention call per worker for `kv_tokens` of context in one layer; placement gives
-    each worker a share proportional to its bandwidth, so all finish together but for overhead."""
-    kv_bytes = kv_tokens * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+def _r_time(profile: Profile, workers: list[RWorkerProfile], kv_tokens: float, read_share: float = 1.0) -> float:
+    """One attention call per worker for `kv_tokens` of context in one layer (of which sliding
+    windows leave `read_share` to read); placement gives each worker a share proportional to its
+    bandwidth, so all finish together but for overhead."""
+    kv_bytes = kv_tokens * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes) * read_share
     total_bw = sum(w.bandwidth() for w in workers)
     return max(w.call_overhead_s for w in workers) + kv_bytes / total_bw
 
@@ -198,7 +201,8 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     group = _group(batch, prefix_group)
     workers = profile.workers(rworkers)
     s = profile.s_worker.layer_time(mini)
-    r = _r_time(profile, workers, _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers), depth))
+    r = _r_time(profile, workers, _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers), depth),
+                m.read_fraction(_avg_kv_len(gen_len, prompt_len)))
     own = _own_prompt(prompt_len, shared_prefix, group)
     prompt_kv = _prefill_tokens(mini, gen_len, own) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
@@ -227,7 +231,8 @@ def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int 
     group = _group(batch, prefix_group)
     t_s = profile.s_worker.layer_time(mini)
     kv_bytes = _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(profile.r_workers), depth) * \
-        profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+        profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes) * \
+        profile.model.read_fraction(_avg_kv_len(gen_len, prompt_len))
     # [P] totals over the first P workers (the profiled list repeated): q full rounds + a prefix
     ws = profile.r_workers
     q, r = np.divmod(np.arange(1, max_workers + 1), len(ws))
@@ -272,8 +277,9 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     workers = profile.workers(rworkers)
     cap = kv_tokens_capacity(profile, rworkers)
     group = _group(batch, prefix_group)
-    need = batch * sum(held_tokens(w, gen_len, prompt_len, kv_reserve, shared_prefix, group)
-                       for w in workers) / len(workers)
+    held_share = profile.model.held_fraction(prompt_len + (gen_len if kv_reserve == "full" else gen_len / 2))
+    need = batch * held_share * sum(held_tokens(w, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+                                    for w in workers) / len(workers)
     batch_run = min(batch, sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group))
     common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, shared_prefix=shared_prefix,
                   prefix_group=int(min(group, max(batch_run, 1))), shared_cost_ratio=_shared_ratio(workers),

@@ -79,9 +79,12 @@ def run_profile(engine: LLMEngine, settings: ProfileSettings | None = None, log=
     r_workers = profile_r_workers(engine, st.r_seqs, st.r_bytes, log)
     link = profile_link(engine, st.link_sizes, st.repeats, log)
     c = engine.config
+    shape = ModelDims.from_hf_config(c.hf_config, engine.source.name) if c.hf_config else None
     dims = ModelDims(name=engine.source.name, num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads,
-                     kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
-                     vocab=c.vocab_size, dtype_bytes=torch.finfo(engine.dtype).bits // 8)
+                     kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                     intermediate=shape.intermediate if shape else c.intermediate_size,
+                     vocab=c.vocab_size, dtype_bytes=torch.finfo(engine.dtype).bits // 8,
+                     windows=engine.variants.windows, experts_stored=shape.experts_stored if shape else 0.0)
     notes = (f"measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}; S-worker {s_worker.device}; "
              f"{len(r_workers)} R-worker(s); kv {engine.kv_dtype}")
     prof = Profile(model=dims, s_worker=s_worker, r_workers=r_workers, link=link,

@@ -7,6 +7,7 @@ not know are ignored (forward compatible).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -30,14 +31,39 @@ class ModelDims:
     intermediate: int
     vocab: int
     dtype_bytes: int = 2            # weights and activations
+    windows: tuple = ()             # [layers] sliding window per layer (0: full); (): all full
+    experts_stored: float = 0.0     # MoE: the MLP widths held, in units of `intermediate` (0: dense)
+                                    # (active per token: `intermediate` itself, top-k experts + shared)
+
+    def __post_init__(self):
+        self.windows = tuple(int(w) for w in self.windows) if any(self.windows) else ()   # JSON gives a list
 
     def layer_flops_per_token(self) -> float:
-        """S-part of one layer: QKV, O and the 3 SwiGLU matrices, 2 FLOPs per MAC."""
+        """S-part of one layer: QKV, O and the 3 SwiGLU matrices (MoE: the active experts'), 2 FLOPs per MAC."""
         qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
         return 2.0 * (qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.intermediate)
 
     def layer_weight_bytes(self) -> float:
-        return self.layer_flops_per_token() / 2 * self.dtype_bytes
+        if not self.experts_stored:
+            return self.layer_flops_per_token() / 2 * self.dtype_bytes
+        attn = self.hidden * (2 * self.heads + 2 * self.kv_heads) * self.head_dim
+        return (attn + 3 * self.hidden * self.intermediate * self.experts_stored) * self.dtype_bytes
+
+    def read_fraction(self, tokens: float) -> float:
+        """Of a `tokens`-long context, the share the R-part reads per layer on average: a windowed
+        layer reads its window only."""
+        if not self.windows or tokens <= 0:
+            return 1.0
+        return sum(min(tokens, w) if w else tokens for w in self.windows) / (len(self.windows) * tokens)
+
+    def held_fraction(self, tokens: float, page: int = 32) -> float:
+        """Of a `tokens`-long context's pages, the share a store keeps: a windowed layer its
+        window's pages and one more (what placement charges)."""
+        if not self.windows or tokens <= 0:
+            return 1.0
+        pages = math.ceil(tokens / page)
+        keep = [min(pages, math.ceil(w / page) + 1) if w else pages for w in self.windows]
+        return sum(keep) / (len(keep) * pages)
 
     def weight_bytes(self) -> float:
         return self.num_layers * self.layer_weight_bytes() + 2 * self.vocab * self.hidden * self.dtype_bytes
@@ -56,12 +82,32 @@ class ModelDims:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "config.json") -> "ModelDims":
+        cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
         heads = cfg["num_attention_heads"]
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        width, stored = cfg["intermediate_size"], 0.0
+        if experts:        # active per token: top-k experts and a shared one; held: every expert
+            moe = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+            shared = cfg.get("shared_expert_intermediate_size") or 0
+            width = cfg.get("num_experts_per_tok", 2) * moe + shared
+            stored = (experts * moe + shared) / width
         return cls(name=name, num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
                    heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                   dtype_bytes=DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2))
+                   intermediate=width, vocab=cfg["vocab_size"],
+                   dtype_bytes=DTYPE_BYTES.get(str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))), 2),
+                   windows=_layer_windows(cfg, name), experts_stored=stored)
+
+
+def _layer_windows(cfg: dict, name: str) -> tuple:
+    """The per-layer sliding windows fastdecode would serve the config with (() if none, or if
+    it does not serve the architecture: `plan` sizes any shape)."""
+    from fastdecode.model.config import ConfigError, config_from_hf_dict
+    try:
+        windows = tuple(getattr(config_from_hf_dict(cfg, name), "layer_windows", ()) or ())
+    except ConfigError:
+        return ()
+    return windows if any(windows) else ()
 
 
 

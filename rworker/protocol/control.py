@@ -25,7 +25,7 @@ import numpy as np
 from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
 
 MAGIC = 0x46444543          # "FDEC"
-VERSION = 4                 # bump on any change to a message's layout or meaning
+VERSION = 5                 # bump on any change to a message's layout or meaning
 MAX_SEQ_ID = (1 << 53) - 1  # sequence ids are 0..MAX_SEQ_ID (the engine's stay far below)
 
 # What an R-worker reports after each DECODE step, float64 each: kernel seconds, seconds not
@@ -113,27 +113,49 @@ class Hello:
     capacity_bytes: int = 0     # KV bytes it may hold (0: the R-worker picks)
     s_cores: int = 0            # cores the S-worker keeps on the R-worker's node, when it shares one
     bf16_probs: bool = False    # the job allows V in token pairs (--attn-probs bf16)
+    windows: tuple[int, ...] = ()   # [num_layers] keys each layer's query attends (0: all); (): all full
+    softcap: float = 0.0        # attention logit soft-cap (0: none)
+    sinks: tuple[float, ...] = ()   # [num_layers * num_heads] learned sink logits; (): none
 
 
 # a=num_layers b=num_kv_heads c=head_dim d=kv dtype code e=num_heads;
-# body: [scale as float64 bits, threads, capacity_bytes, s_cores, bf16_probs]
-HELLO_BODY_WORDS = 5
+# body: [scale as float64 bits, threads, capacity_bytes, s_cores, bf16_probs, softcap as float64 bits,
+#        windows given (0/1), sinks given (0/1)], then num_layers windows if given, then
+#        num_layers * num_heads sink logits as float64 bits if given
+HELLO_BODY_WORDS = 8
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _float(bits) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
 def hello_message(h: Hello) -> np.ndarray:
-    scale_bits = struct.unpack("<q", struct.pack("<d", h.scale))[0]
+    if h.windows and len(h.windows) != h.num_layers:
+        raise ValueError(f"HELLO: {len(h.windows)} windows for {h.num_layers} layers")
+    if h.sinks and len(h.sinks) != h.num_layers * h.num_heads:
+        raise ValueError(f"HELLO: {len(h.sinks)} sink logits for {h.num_layers} layers x {h.num_heads} heads")
+    body = [_bits(h.scale), h.threads, h.capacity_bytes, h.s_cores, int(h.bf16_probs), _bits(h.softcap),
+            int(bool(h.windows)), int(bool(h.sinks))]
     return control(HELLO, 0, h.num_layers, h.num_kv_heads, h.head_dim, KV_CODES[h.kv_dtype], h.num_heads,
-                   body=[[scale_bits, h.threads, h.capacity_bytes, h.s_cores, int(h.bf16_probs)]])
+                   body=[body, [int(w) for w in h.windows], [_bits(x) for x in h.sinks]])
 
 
 def parse_hello(hdr: np.ndarray, body: np.ndarray) -> Hello:
-    if body.size != HELLO_BODY_WORDS or not 0 <= hdr[3] < len(KV_DTYPES):
-        raise ProtocolError(f"protocol error: HELLO with {body.size} body words (expected {HELLO_BODY_WORDS}) "
-                            f"or kv dtype code {int(hdr[3])}")
     num_layers, num_kv_heads, head_dim, kv_code, num_heads = (int(x) for x in hdr)
-    scale = struct.unpack("<d", struct.pack("<q", int(body[0])))[0]
-    return Hello(num_layers, num_heads, num_kv_heads, head_dim, KV_DTYPES[kv_code], scale,
-                 threads=int(body[1]), capacity_bytes=int(body[2]), s_cores=int(body[3]), bf16_probs=bool(body[4]))
+    nwin = num_layers if body.size >= HELLO_BODY_WORDS and body[6] else 0
+    nsink = num_layers * num_heads if body.size >= HELLO_BODY_WORDS and body[7] else 0
+    if body.size != HELLO_BODY_WORDS + nwin + nsink or not 0 <= kv_code < len(KV_DTYPES):
+        raise ProtocolError(f"protocol error: HELLO with {body.size} body words (expected "
+                            f"{HELLO_BODY_WORDS + nwin + nsink}) or kv dtype code {kv_code}")
+    rest = body[HELLO_BODY_WORDS:]
+    return Hello(num_layers, num_heads, num_kv_heads, head_dim, KV_DTYPES[kv_code], _float(body[0]),
+                 threads=int(body[1]), capacity_bytes=int(body[2]), s_cores=int(body[3]), bf16_probs=bool(body[4]),
+                 softcap=_float(body[5]), windows=tuple(int(w) for w in rest[:nwin]),
+                 sinks=tuple(_float(b) for b in rest[nwin:]))
 
 # ---------------------------------------------------------------- PREFILL
 # a=rows b=act dtype code c=layers in this step (0: all) d=reservations e=continued sequences;
