@@ -150,7 +150,7 @@ def test_model_layer_fused_vs_torch():
     n = sum(counts)
     layout = WireLayout(counts, config.num_heads, config.num_kv_heads, config.head_dim)
     x = fused.embed_tokens(torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(8)).to(DEVICE))
-    cos, sin = fused.rope.cos_sin(torch.tensor([0, 5, 17, 300, 1023], device=DEVICE))
+    rope = fused.rope.cos_sin(torch.tensor([0, 5, 17, 300, 1023], device=DEVICE))
 
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm())
@@ -158,8 +158,8 @@ def test_model_layer_fused_vs_torch():
     for layer in range(config.num_layers):
         pf = torch.full((layout.numel(),), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         pp = torch.full_like(pf, float("nan"))
-        fused.qkv_packed(layer, xf, cos, sin, layout, pf)
-        plain.qkv_packed(layer, xp, cos, sin, layout, pp)
+        fused.qkv_packed(layer, xf, rope, layout, pf)
+        plain.qkv_packed(layer, xp, rope, layout, pp)
         assert not torch.isnan(pf).any()
         assert rel(pf, pp) < 3e-2
         o = torch.randn(n, config.num_heads, config.head_dim, generator=torch.Generator().manual_seed(layer)).to(

@@ -218,10 +218,10 @@ with torch.inference_mode():
             ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), generator=gen).to(device)
             pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
             sync(); t = time.perf_counter()
-            x = m.embed_tokens(ids); cos, sin = m.rope.cos_sin(pos)
+            x = m.embed_tokens(ids); rope = m.rope.cos_sin(pos)
             for layer in range(cfg.num_layers):
-                q, k, v = m.qkv(layer, x, cos, sin)
-                x = m.post_attn(layer, x, m.prompt_attention(q, k, v, lengths))
+                q, k, v = m.qkv(layer, x, rope)
+                x = m.post_attn(layer, x, m.prompt_attention(layer, q, k, v, lengths))
             m.logits(x[torch.tensor(lengths, device=device).cumsum(0) - 1])
             sync(); total += time.perf_counter() - t
             tokens += sum(lengths)

@@ -48,7 +48,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.source, digest) if self.source.kind != "random" \
             else TokenIdsOnly(self.config.vocab_size)
         weights = load_weights(self.source, self.config, self.dtype, self.device)
-        self.model = LlamaSPart(self.config, weights, self.device, self.dtype)
+        self.model = LlamaSPart(self.config, weights, self.device, self.dtype, max_model_len=self.max_model_len)
         del weights
         self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
         self.checks = RequestChecks(self.config.vocab_size, self.max_model_len, self.eos_ids,

@@ -152,14 +152,14 @@ class ModelRunner:
         pf.begin(be, m.config.num_layers)
         handoff = clock() - t
         x = m.embed_tokens(pf.tokens)                                # [T, h]
-        cos, sin = m.rope.cos_sin(pf.positions)
+        rope = m.rope.cos_sin(pf.positions)
         attention = 0.0
         for layer in range(m.config.num_layers):
-            q, k, v = m.qkv(layer, x, cos, sin)
+            q, k, v = m.qkv(layer, x, rope)
             t = clock()
             be.prefill_layer(layer, k, v)                            # leaves while the next layer computes
             t1 = clock()
-            o = m.prompt_attention(q, k, v, pf.lengths, pf.context(layer, k, v))
+            o = m.prompt_attention(layer, q, k, v, pf.lengths, pf.context(layer, k, v))
             t2 = clock()
             x = m.post_attn(layer, x, o)
             handoff += t1 - t
@@ -284,7 +284,7 @@ class ModelRunner:
         layout.row_offsets(self.device)
         n = len(dseqs)
         rope_d = m.rope.cos_sin(torch.from_numpy(meta[:, 2]).to(self.device), int(meta[:, 2].max()))
-        cos_p, sin_p = m.rope.cos_sin(pf.positions)
+        rope_p = m.rope.cos_sin(pf.positions)
         sampling = self._sampling_batch(dseqs, meta[:, 4])
         x = torch.cat([m.embed_tokens(torch.from_numpy(meta[:, 3]).to(self.device)),
                        m.embed_tokens(pf.tokens)])                                    # [B + T, h]
@@ -296,13 +296,13 @@ class ModelRunner:
             qkv = m.qkv_proj(layer, x)                                                # [B + T, (Hq + 2 Hkv) D]
             t = clock()
             out = be.decode_buffer(layer, 0, layout.numel(), self.device, m.dtype)
-            m.rope_pack(qkv[:n], *rope_d, layout, out)
+            m.rope_pack(layer, qkv[:n], rope_d, layout, out)
             be.decode_submit(layer, 0, out)
-            q, k, v = m.rope_split(qkv[n:], cos_p, sin_p)
+            q, k, v = m.rope_split(layer, qkv[n:], rope_p)
             t1 = clock()
             be.prefill_layer(layer, k, v)
             t2 = clock()
-            o_p = m.prompt_attention(q, k, v, pf.lengths, pf.context(layer, k, v))   # [T, Hq, D]
+            o_p = m.prompt_attention(layer, q, k, v, pf.lengths, pf.context(layer, k, v))   # [T, Hq, D]
             t3 = clock()
             o_d = be.decode_wait(layer, 0)                                            # [B, Hq, D]
             t4 = clock()
@@ -367,9 +367,9 @@ class ModelRunner:
             # q|k|v of one mini-batch, straight into the wire layout (qkv: projections already made)
             out = be.decode_buffer(layer, mb, layouts[mb].numel(), self.device, m.dtype)
             if qkv is None:
-                m.qkv_packed(layer, xs[mb], *rope[mb], layouts[mb], out)
+                m.qkv_packed(layer, xs[mb], rope[mb], layouts[mb], out)
             else:
-                m.rope_pack(qkv, *rope[mb], layouts[mb], out)
+                m.rope_pack(layer, qkv, rope[mb], layouts[mb], out)
             be.decode_submit(layer, mb, out)
 
         # 2. the layers: while the R-workers attend one mini-batch the S-part runs another

@@ -1,9 +1,9 @@
 """CUDA graphs of a decode mini-batch's dense work between two attentions.
 
 Between the R-part's reply for layer l and the Q/K/V it needs for layer l + 1, the S-part runs
-post_attn(l) (O projection, residual, RMSNorm, gate/up, SiLU*up, down, residual) and the QKV
-projection of layer l + 1 (RMSNorm, GEMM): ~8 launches from Python. At B = 1024 on an H100 that
-is ~0.36 ms of GPU work per mini-batch and layer, so the host's launches bound the step
+post_attn(l) (O projection, residual, RMSNorm, gate/up, SiLU*up, down, residual; Gemma: more
+norms) and the QKV projection of layer l + 1 (RMSNorm, GEMM): ~8 launches from Python. At B = 1024
+on an H100 that is ~0.36 ms of GPU work per mini-batch and layer, so the host's launches bound the step
 (bench/gpu/NOTES.md). One graph per (layer, mini-batch slot, row bucket) makes it a replay.
 
 What stays outside the graph: the copies (their streams and events belong to the transport),
@@ -52,6 +52,8 @@ class LayerGraphs:
         self.model = model
         self.max_rows = max_rows
         self.capture = model.device.type == "cuda" if capture is None else capture
+        # routed experts pick their rows at run time: such layers run eagerly from the buffers
+        self.capture = self.capture and getattr(model, "graph_safe", True)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.slots: dict[tuple[int, int], _Slot] = {}              # (slot, bucket) -> buffers
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}   # (layer, slot, bucket, has_next)

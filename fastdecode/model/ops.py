@@ -43,14 +43,41 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(dtype)
 
 
+def gemma_rms_norm_torch(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
+    # as HF's Gemma RMSNorm: normalize and scale in float32 (weight1 = 1 + w, float32), then cast
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight1).to(x.dtype)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x: [n, H, D], cos/sin: [n, 1, D] float32 -> x rotated, in `dtype`."""
-    return (x * cos + rotate_half(x) * sin).to(dtype)
+    """x: [n, H, D], cos/sin: [n, 1, R] float32 (R <= D: RoPE on the first R dims, the rest
+    passed through, as HF's partial rotary) -> x rotated, in `dtype`."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return (x * cos + rotate_half(x) * sin).to(dtype)
+    rot = x[..., :r]
+    return torch.cat([(rot * cos + rotate_half(rot) * sin).to(dtype), x[..., r:].to(dtype)], dim=-1)
+
+
+def pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, out: torch.Tensor) -> None:
+    """q [n, Hq, D], k/v [n, Hkv, D] -> `out` (1-D, the wire layout of `layout`, a
+    rpart.base.TorchWireLayout)."""
+    for (s, e), (oq, ok, ov) in zip(layout.bounds(), layout.views(out)):
+        oq.copy_(q[s:e])
+        ok.copy_(k[s:e])
+        ov.copy_(v[s:e])
 
 
 # ----------------------------------------------------------------------------- the dispatching ops
@@ -88,6 +115,13 @@ class SPartOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def act_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """gate_up: [n, 2I] -> act(gate) * up [n, I] (HF's gated MLP)."""
+        if act == "silu":
+            return self.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return ACTIVATIONS[act](gate) * up
+
     def rope_pack(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, out: torch.Tensor,
                   hq: int, hkv: int, d: int) -> None:
         """qkv: [n, (Hq + 2 Hkv) D] projections, cos/sin: [n, 1, D] float32 -> `out` (1-D, the
@@ -100,8 +134,4 @@ class SPartOps:
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rope(q.view(n, hq, d), cos, sin, self.dtype)
         k = apply_rope(k.view(n, hkv, d), cos, sin, self.dtype)
-        v = v.reshape(n, hkv, d)
-        for (s, e), (oq, ok, ov) in zip(layout.bounds(), layout.views(out)):
-            oq.copy_(q[s:e])
-            ok.copy_(k[s:e])
-            ov.copy_(v[s:e])
+        pack(q, k, v.reshape(n, hkv, d), layout, out)

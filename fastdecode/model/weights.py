@@ -153,5 +153,17 @@ def load_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                weights[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+                ours = our_name(config, name)
+                if ours is not None:
+                    weights[ours] = st.get_tensor(name).to(device=device, dtype=dtype)
     return weights
+
+
+def our_name(config: ModelConfig, name: str) -> str | None:
+    """A checkpoint's tensor name -> the HF decoder name the S-part reads (model.*, lm_head.weight),
+    or None for what it does not use (a multimodal checkpoint's vision tower)."""
+    if config.weight_prefix == "model.":
+        return name
+    if name.startswith(config.weight_prefix):
+        return "model." + name[len(config.weight_prefix):]
+    return "lm_head.weight" if name == config.lm_head_key else None
