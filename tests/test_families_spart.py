@@ -141,3 +141,24 @@ def test_multimodal_gemma3_with_unknown_weight_prefix_is_a_config_error(tmp_path
     with pytest.raises(ConfigError, match="text model") as e:
         read_hf_config(str(tmp_path))
     assert str(tmp_path) in str(e.value)
+
+
+def test_hub_style_gemma3_config_takes_hf_defaults_and_both_ropes():
+    """A multimodal Gemma 3 config as published (its text_config names little more than sizes,
+    the RoPE in the older rope_scaling form): HF's defaults fill the rest, and the two RoPE kinds
+    (local 10k on sliding layers, global 1M with linear scaling) match HF's rotary embedding."""
+    from fastdecode.model.config import config_from_hf_dict
+    from fastdecode.model.rope import Rope
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+    text = {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 7,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 32}
+    c = config_from_hf_dict({"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106]}, "/models/g3")
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262_208)
+    assert c.layer_windows == (32, 32, 32, 32, 32, 0, 32) and c.eos_token_ids == (1, 106)
+    assert c.attn_scale == 256 ** -0.5 and c.final_softcap is None and c.attn_softcap is None
+    rope = Rope(c, "cpu")
+    hf = Gemma3RotaryEmbedding(Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"}))
+    assert rope.kind_of == (1, 1, 1, 1, 1, 0, 1)
+    torch.testing.assert_close(rope.kinds[0].inv_freq, hf.full_attention_inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(rope.kinds[1].inv_freq, hf.sliding_attention_inv_freq, rtol=0, atol=0)

@@ -22,13 +22,16 @@ SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 # MLP activations (HF's hidden_act / hidden_activation names) the S-part computes
 SUPPORTED_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
 
-# HF's class defaults where they differ from the generic ones config.py assumes
+# HF's class defaults where a family's config.json may rely on them (a multimodal Gemma 3's
+# text_config names little more than its sizes) or they differ from the generic ones
+_GEMMA = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+          "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+          "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+          "bos_token_id": 2, "eos_token_id": 1}
 _DEFAULTS = {
-    "gemma2": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-               "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
-               "tie_word_embeddings": True, "rope_theta": 10000.0},
-    "gemma3_text": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-                    "sliding_window": 4096, "tie_word_embeddings": True},
+    "gemma2": {**_GEMMA, "vocab_size": 256000, "max_position_embeddings": 8192, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0},
+    "gemma3_text": {**_GEMMA, "vocab_size": 262_208, "max_position_embeddings": 131_072},
     "qwen3": {"head_dim": 128},
     "mistral": {"sliding_window": 4096},
     "mixtral": {"rms_norm_eps": 1e-5},
