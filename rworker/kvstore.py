@@ -9,6 +9,10 @@ in C++, with the GIL released. Arrays cross as numpy buffers; bf16 travels as ra
     o = store.attend(layer, seq_ids, q)            # q [n, Hq, D] -> o [n, Hq, D] float32
     o = store.append_attend(layer, seq_ids, q, k, v, out=np.empty(..., np.uint16))  # bf16 out
 
+Attention variants (csrc/avx512/attention.h), all off by default: `windows` (a sliding window per
+layer: the last W tokens attended, pages before them freed), `softcap` (scores s -> cap tanh(s / cap))
+and per-layer sinks (set_sinks: one more softmax column per query head, GPT-OSS style).
+
 Determinism: a sequence's output is bitwise identical whatever else is in the batch, the thread
 count, and the history of other sequences' appends/frees (split points depend only on its length),
 unless it shares a prefix (fork) with other sequences of the call: then its output depends, within
@@ -47,7 +51,7 @@ class KVStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bf16",
                  threads: int | None = None, scale: float | None = None, capacity_bytes: int | None = None,
                  isa: str | None = None, v_tile: int | None = None, prefetch: bool | str | None = None,
-                 amx: bool | str | None = None):
+                 amx: bool | str | None = None, windows=None, softcap: float | None = None):
         kv_dtype = _ALIASES.get(kv_dtype, kv_dtype)
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be 'bf16', 'fp16', 'fp32' or 'int8', got {kv_dtype!r}")
@@ -66,8 +70,15 @@ class KVStore:
         if n < 1:
             raise ValueError(f"threads must be >= 1, got {threads!r}")
         spin_us = int(os.environ.get("FASTDECODE_SPIN_US", "50"))
+        self._windows, self._softcap = _windows(windows, self.num_layers), _softcap(softcap)
+        variants = {}          # passed only when set: a store without them runs exactly as before
+        if any(self._windows):
+            variants["windows"] = list(self._windows)
+        if self._softcap is not None:
+            variants["softcap"] = self._softcap
+        self._sinks: dict[int, np.ndarray] = {}
         self._st = self._mod.Store(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype, self.scale,
-                                   int(capacity_bytes or 0), n, pin_cpus(n), spin_us, self._layout(v_tile))
+                                   int(capacity_bytes or 0), n, pin_cpus(n), spin_us, self._layout(v_tile), **variants)
         if prefetch is not None:
             self.prefetch = prefetch
         if amx is not None:
@@ -112,6 +123,51 @@ class KVStore:
         return self.kv_dtype == "bf16" and hasattr(self._mod, "V_PAIRS") and (
             self.isa == "avx512emu" or "avx512bf16" in _isa.cpu_features())     # SIMDe emulates it anywhere
 
+    # ---- attention variants ---------------------------------------------------------------
+    @property
+    def windows(self) -> tuple:
+        """Sliding window per layer in tokens (0: full attention). A layer with window W attends a
+        sequence's last W stored tokens, positions [max(0, len - W), len) (the query is the last
+        stored token; as transformers' sliding-window mask: key j visible to query i iff i - j < W).
+        Its pages wholly before them are given back to the store as appends pass them, and never
+        taken by an append that would leave them dead at once."""
+        return self._windows
+
+    @property
+    def softcap(self) -> float | None:
+        """The logit cap: every layer's scores s = q.k * scale become softcap * tanh(s / softcap)
+        before the softmax (Gemma 2 style). None: no cap."""
+        return self._softcap
+
+    def set_sinks(self, layer: int, sinks) -> None:
+        """Attention sinks of one layer: sinks float [Hq], a natural-log logit per query head (Hq as
+        the layer's attend calls pass), or None to clear. The softmax runs over the scores and the
+        sink: o = sum_t e^{s_t} v_t / (sum_t e^{s_t} + e^{sink}) (GPT-OSS). An attend whose q has
+        another head count raises ValueError."""
+        if isinstance(layer, (bool, np.bool_)) or int(layer) != layer or not 0 <= layer < self.num_layers:
+            raise ValueError(f"set_sinks: layer {layer!r} out of range [0, {self.num_layers})")
+        layer = int(layer)
+        if sinks is None:
+            self._st.set_sinks(layer, np.zeros(0, np.float32))
+            self._sinks.pop(layer, None)
+            return
+        a = np.array(sinks, np.float32)
+        if a.ndim != 1 or a.size < 1:
+            raise ValueError(f"set_sinks: layer {layer}: sinks must be a 1-d array of one logit per query head, "
+                             f"got shape {a.shape}")
+        if a.size % self.num_kv_heads:
+            raise ValueError(f"set_sinks: layer {layer}: {a.size} sinks, not a multiple of num_kv_heads={self.num_kv_heads}")
+        bad = np.flatnonzero(~np.isfinite(a))
+        if bad.size:
+            raise ValueError(f"set_sinks: layer {layer}: sinks must be finite, head {bad[0]} is {a[bad[0]]}")
+        self._st.set_sinks(layer, a)
+        a.flags.writeable = False
+        self._sinks[layer] = a
+
+    def sinks(self, layer: int) -> np.ndarray | None:
+        """The sinks set_sinks gave `layer` (float32 [Hq], read-only), or None."""
+        return self._sinks.get(int(layer))
+
     # ---- data path ------------------------------------------------------------------------
     def append(self, layer: int, seq_ids, k: np.ndarray, v: np.ndarray) -> None:
         """Append rows in order: row i is the next token of sequence seq_ids[i]."""
@@ -119,7 +175,8 @@ class KVStore:
             raise self._capacity_error(len(_ids(seq_ids)))
 
     def attend(self, layer: int, seq_ids, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """o[i] = softmax(q[i] K_i^T * scale) V_i over all stored tokens of seq_ids[i] at `layer`."""
+        """o[i] = softmax(q[i] K_i^T * scale) V_i over all stored tokens of seq_ids[i] at `layer` (its
+        last W with a window; scores capped with softcap; the layer's sinks in the softmax)."""
         ids = _ids(seq_ids)
         if out is None:
             out = np.empty(q.shape, np.float32)
@@ -157,7 +214,11 @@ class KVStore:
         last holder), the tokens of a partial last page copied into a page of dst's own, so that
         appends never write a shared page. Decode attention reads shared pages once for all the
         sequences of one call that hold them. ValueError: unknown src, existing dst, or src
-        holding fewer than `tokens` at some layer."""
+        holding fewer than `tokens` at some layer, or a store with sliding windows (prefix sharing is
+        not offered with them: a shared page would die for one holder and not the others)."""
+        if any(self._windows):
+            raise ValueError(f"fork of sequence {src_id} into {dst_id}: prefix sharing is not offered with sliding "
+                             f"windows (windows={self._windows})")
         if not self._st.fork(int(src_id), int(dst_id), int(tokens)):
             raise KVCapacityError(f"KV store capacity {self.capacity_bytes} bytes reached ({self.bytes_used()} in use); "
                                   f"fork of sequence {src_id} into {dst_id} refused, nothing stored")
@@ -291,9 +352,12 @@ class KVStore:
         )
 
     def __repr__(self) -> str:
+        variants = ((f", windows={self._windows}" if any(self._windows) else "")
+                    + (f", softcap={self._softcap:g}" if self._softcap is not None else "")
+                    + (f", sinks at layers {sorted(self._sinks)}" if self._sinks else ""))
         return (f"KVStore(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"kv_dtype={self.kv_dtype}, isa={self.isa}, v_tile={self.v_tile}, prefetch={self.prefetch}, amx={self.amx}, "
-                f"threads={self.threads}, "
+                f"threads={self.threads}{variants}, "
                 f"seqs={self.num_seqs()}, bytes_used={self.bytes_used()})")
 
 
@@ -308,6 +372,33 @@ def prefetch_code(mode: bool | str) -> int:
     if mode not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {PREFETCH_MODES} or a bool, got {mode!r}")
     return PREFETCH_MODES.index(mode)
+
+
+def _windows(windows, num_layers: int) -> tuple:
+    """windows as a tuple of num_layers ints >= 0 (None: all 0, full attention)."""
+    if windows is None:
+        return (0,) * num_layers
+    if isinstance(windows, (str, bytes)) or not hasattr(windows, "__len__"):
+        raise ValueError(f"windows must be a sequence of {num_layers} ints (one per layer, 0: full) or None, got {windows!r}")
+    if len(windows) != num_layers:
+        raise ValueError(f"windows: {len(windows)} values for {num_layers} layers")
+    for layer, w in enumerate(windows):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or not 0 <= w < 2**31:
+            raise ValueError(f"windows: layer {layer} has window {w!r}, must be an int >= 0 (0: full attention)")
+    return tuple(int(w) for w in windows)
+
+
+def _softcap(cap) -> float | None:
+    """softcap as a finite float > 0, or None."""
+    if cap is None:
+        return None
+    try:
+        c = float(cap)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a number > 0 or None, got {cap!r}") from None
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {cap!r}")
+    return c
 
 
 def _ids(seq_ids) -> np.ndarray:

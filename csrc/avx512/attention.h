@@ -16,6 +16,19 @@
 // order. A row alone with its prefix in a call (or unshared) runs over all its pages as before:
 // its output is bitwise what the unshared kernel gives.
 //
+// Variants (each off by default; off, the arithmetic is bit for bit what it was without them):
+//   sliding window (per layer, paging.h): a row attends tokens [len - W, len). Its chunks start at
+//     the window's first page (page-aligned, so the boundaries depend only on len and W) and the
+//     tokens of that page before the start are masked (scores -inf: softmax_page makes them exactly
+//     0 on every ISA). Windowed rows never run the shared-prefix path (a windowed store has no forks).
+//   soft-capping (per store): scores s become cap tanh(s / cap) (softcap_page, simd.h), one pass
+//     over the scores page after whichever scores pass ran (fp, bf16 dot products, AMX, int8),
+//     before the window's mask.
+//   sinks (per layer, one logit per query head, GPT-OSS style): the softmax runs over the scores and
+//     one more column that adds 2^sink to the denominator and nothing to the numerator: at the
+//     final normalisation of a lone chunk, or in the chunk merge, with the max taken over the
+//     sink too so that a sink far above every score overflows nothing.
+//
 // The page passes themselves are simd.h's (one ISA header per build), the AMX scores amx.h's.
 #pragma once
 
@@ -67,7 +80,10 @@ public:
     // ---- settings ---------------------------------------------------------------
 
     // checks that the geometry's V layout is one this build's V pass reads
-    Attention(const Geometry& geo, double scale) : Geometry(geo), scale_((float)scale) {
+    // softcap: the logit cap in natural units (0: none)
+    Attention(const Geometry& geo, double scale, double softcap = 0.0)
+        : Geometry(geo), scale_((float)scale), softcap_(softcap), softcap2_((float)(softcap * LOG2E)), sinks_(L_) {
+        if (!(softcap >= 0.0) || std::isinf(softcap)) throw std::invalid_argument("softcap must be a finite number > 0 (0: none)");
 #if defined(FD_HAVE_DPBF16)
         // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
         // (the SIMDe test build emulates the instruction, so it takes the path on any CPU)
@@ -120,10 +136,31 @@ public:
         prefetch_.store(mode, std::memory_order_relaxed);
     }
 
-    void check_heads(int Hq) const {
+    // q's head count against the store's (and the layer's sinks, when it has some)
+    void check_heads(int Hq, int layer) const {
         if (Hq < Hkv_ || Hq % Hkv_ != 0)
             throw std::invalid_argument("q has " + std::to_string(Hq) + " heads, not a multiple of num_kv_heads=" +
                                         std::to_string(Hkv_));
+        const auto& sk = sinks_[layer];
+        if (!sk.empty() && (int)sk.size() != Hq)
+            throw std::invalid_argument("layer " + std::to_string(layer) + " has sinks for " + std::to_string(sk.size()) +
+                                        " query heads, q has " + std::to_string(Hq));
+    }
+
+    // ---- variants ---------------------------------------------------------------
+
+    double softcap() const { return softcap_; }
+    // the sinks of `layer` (natural-log logits, one per query head), or none (n = 0)
+    void set_sinks(int layer, const float* sinks, int n) {
+        if (layer < 0 || layer >= L_)
+            throw std::invalid_argument("layer " + std::to_string(layer) + " out of range [0, " + std::to_string(L_) + ")");
+        std::vector<float> s2(n);
+        for (int j = 0; j < n; ++j) {
+            if (!std::isfinite(sinks[j]))
+                throw std::invalid_argument("sinks of layer " + std::to_string(layer) + ": head " + std::to_string(j) + " is not finite");
+            s2[j] = sinks[j] * LOG2E;     // the kernel's log2 units
+        }
+        sinks_[layer] = std::move(s2);
     }
 
     // ---- one call: the work list, run on the pool -------------------------------
@@ -133,14 +170,15 @@ public:
     void run(const PageTable& pages, Pool& pool, int layer, int64_t n, const int64_t* ids, const void* q, int qdt,
              int Hq, void* out, int odt) {
         pages.check_layer(layer);
-        check_heads(Hq);
+        check_heads(Hq, layer);
         if (n == 0) return;
         const int g = Hq / Hkv_;
         const bool dp = use_dp_ && dt_ == BF16 && qdt == BF16;
         // AMX where the tiles fit: 32-dim steps, 2..16 heads per group (one head would fill 1/16
         // of every tile product, for the cost of a full one: MHA stays on vdpbf16ps)
         const int amx = dp && Dp_ % 32 == 0 && g >= 2 && g <= AMX_ROWS_MAX ? amx_ : AMX_OFF;
-        Call C{layer, g, Hq, dp, amx, q, qdt, out, odt, {}};
+        const int32_t W = win_[layer];
+        Call C{layer, g, Hq, dp, amx, sinks_[layer].empty() ? nullptr : sinks_[layer].data(), q, qdt, out, odt, {}};
         C.seqs.resize(n);
 
         // 1. resolve sequences; rows holding the same last shared page form a group (paging.h: fork)
@@ -155,7 +193,7 @@ public:
                 throw std::invalid_argument("sequence " + std::to_string(ids[i]) + " has no tokens at layer " +
                                             std::to_string(layer));
             C.seqs[i] = s;
-            if (s->shared == 0) { lone.push_back((int32_t)i); continue; }
+            if (s->shared == 0 || W > 0) { lone.push_back((int32_t)i); continue; }
             const char* key = s->pages[layer][(size_t)(s->shared - 1) * Hkv_];
             auto it = group_of_.emplace(key, (int32_t)groups_.size());
             if (it.second) groups_.emplace_back();
@@ -195,7 +233,8 @@ public:
             // slots: the shared chunks first, then the member's own (rows_ gets each member again)
             for (int32_t i : grp) own_chunks(i, shared_tokens, ncs);
         }
-        for (int32_t i : lone) own_chunks(i, 0, 0);
+        for (int32_t i : lone)      // a window's rows from its first page (run_item masks the tokens before it)
+            own_chunks(i, (int32_t)(window_start(layer, C.seqs[i]->len[layer]) / P * P), 0);
 
         // partial slot: [g][Dp] acc, then g m, then g l
         part_stride_ = (size_t)g * Dp_ + 2 * (size_t)g;
@@ -228,6 +267,7 @@ private:
         int layer, g, Hq;
         bool dp;          // bf16 dot-product path (bf16 q, bf16 K, CPU has AVX512-BF16)
         int amx;          // scores as AMX tile products (AMX_HW / AMX_EMU, amx.h) or AMX_OFF
+        const float* sinks;   // [Hq] the layer's sinks in log2 units, or nullptr
         const void* q;
         int qdt;
         void* out;
@@ -250,6 +290,7 @@ private:
         const int g = C.g, G = it.nr * g, Dp = Dp_, D = D_;   // G query rows: nr rows x g heads
         const Seq& s = *C.seqs[rows_[it.r0]];
         const int32_t t0 = it.t0, t1 = it.t1;
+        const int32_t lo = (int32_t)window_start(C.layer, s.len[C.layer]);   // tokens before it are masked
 
         // scratch: qf [G][Dp] | acc [G][Dp] | S [G][PT] | m [G] | l [G][L_LANES] | qw [G][Dp/2] words
         //          | qs [G] | qz [G][2] (int8: qw holds the query's hi parts [G][Dp/4] then its lo parts,
@@ -328,12 +369,16 @@ private:
             else
 #endif
                 scores_page(dt_, kr, Dp, qf, G, S, pf);
-            // 2c. online softmax; rescale the accumulators when the running max moves
+            // 2c. the variants: soft-capped scores; a window's first page masked before its start
+            if (softcap2_ > 0.f) softcap_page(S, G, softcap2_);
+            if (tb < lo)
+                for (int j = 0; j < G; ++j) std::fill(S + (size_t)j * PT, S + (size_t)j * PT + (lo - tb), -INFINITY);
+            // 2d. online softmax; rescale the accumulators when the running max moves
             for (int j = 0; j < G; ++j) {
                 float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l_of(j));
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
-            // 2d. acc += p V: one pass over the V run
+            // 2e. acc += p V: one pass over the V run
             if (i8) pv_page_i8(use_vnni_, vr, nvalid, Dp, S, G, acc, pf, page_bytes_);
             else
 #if defined(FD_HAVE_DPBF16)
@@ -354,9 +399,11 @@ private:
         auto obase = [&](int32_t row) {
             return static_cast<char*>(C.out) + ((size_t)row * C.Hq + (size_t)it.h * g) * D * oisz;
         };
+        const float* sinks = C.sinks ? C.sinks + (size_t)it.h * g : nullptr;    // this head group's
         if (it.slot < 0) {
             for (int j = 0; j < g; ++j)
-                out_row(acc + (size_t)j * Dp, apos_.data(), 1.f / l_total(l_of(j)), D, obase(rows_[it.r0]) + (size_t)j * D * oisz, C.odt);
+                out_row(acc + (size_t)j * Dp, apos_.data(), inv_denominator(m[j], l_total(l_of(j)), sinks ? sinks + j : nullptr),
+                        D, obase(rows_[it.r0]) + (size_t)j * D * oisz, C.odt);
             return;
         }
         int32_t done[ROWS_PER_ITEM];
@@ -371,20 +418,30 @@ private:
             if (counters_[ph].fetch_add(1, std::memory_order_acq_rel) == nchunks_[row] - 1) done[ndone++] = row;
         }
         for (int r = 0; r < ndone; ++r)
-            merge(part_[(size_t)done[r] * Hkv_ + it.h], nchunks_[done[r]], g, obase(done[r]), C.odt, acc);
+            merge(part_[(size_t)done[r] * Hkv_ + it.h], nchunks_[done[r]], g, obase(done[r]), C.odt, acc, sinks);
+    }
+
+    // 1 / the softmax denominator of a row with running max m and sum l; with a sink (log2 units)
+    // its column joins the sum: everything scaled by 2^-M, M = max(m, sink), so that a sink far
+    // above every score overflows nothing (the returned factor multiplies acc, which is scaled by 2^-m)
+    static float inv_denominator(float m, float l, const float* sink) {
+        if (!sink) return 1.f / l;
+        const float M = std::fmax(m, *sink), f = exp2_1(m - M);
+        return f / (l * f + exp2_1(*sink - M));
     }
 
     // ---- the chunk merge --------------------------------------------------------
 
     // log-sum-exp merge of nc partials in slot order (base 2), the first at slot `part`; acc is
-    // scratch [g][Dp]
-    void merge(int64_t part, int32_t nc, int g, char* obase, int odt, float* acc) const {
+    // scratch [g][Dp]; sinks: the g heads' sinks (log2 units), whose column joins the max and the sum
+    void merge(int64_t part, int32_t nc, int g, char* obase, int odt, float* acc, const float* sinks) const {
         const int Dp = Dp_;
         const size_t oisz = dtype_size(odt);
         const float* first = parts_.p + (size_t)part * part_stride_;
         for (int j = 0; j < g; ++j) {
             float M = -INFINITY;
             for (int c = 0; c < nc; ++c) M = std::fmax(M, first[c * part_stride_ + (size_t)g * Dp + j]);
+            if (sinks) M = std::fmax(M, sinks[j]);
             float* a = acc + (size_t)j * Dp;
             std::memset(a, 0, sizeof(float) * Dp);
             float lsum = 0.f;
@@ -395,6 +452,7 @@ private:
                 const float* pa = sl + (size_t)j * Dp;
                 for (int d = 0; d < Dp; ++d) a[d] += w * pa[d];
             }
+            if (sinks) lsum += exp2_1(sinks[j] - M);
             out_row(a, apos_.data(), 1.f / lsum, D_, obase + (size_t)j * D_ * oisz, odt);
         }
     }
@@ -402,6 +460,9 @@ private:
     // ---- state ------------------------------------------------------------------
 
     const float scale_;
+    const double softcap_;    // logit cap in natural units, 0: none
+    const float softcap2_;    // the same in the scores' log2 units (cap * log2 e)
+    std::vector<std::vector<float>> sinks_;   // [L] per layer: [Hq] sinks in log2 units, or empty
     // software prefetch of the next page (PF_*): FASTDECODE_PREFETCH, default on; set_prefetch (the
     // R-worker's start-up tune, rworker/tune.py) picks per host, since it pays on some and not others
     std::atomic<int> prefetch_{prefetch_mode_env()};

@@ -77,9 +77,10 @@ struct PyStore {
     Store st;
 
     PyStore(int L_, int Hkv_, int D_, const std::string& dts, double scale, int64_t capacity, int threads,
-            std::vector<int> cpus, int spin_us, int vtile)
+            std::vector<int> cpus, int spin_us, int vtile, std::vector<int32_t> windows, double softcap)
         : L(L_), Hkv(Hkv_), D(D_), dtype(parse_dtype(dts)),
-          st(L_, Hkv_, D_, parse_dtype(dts), scale, capacity, threads, std::move(cpus), spin_us, vtile) {}
+          st(L_, Hkv_, D_, parse_dtype(dts), scale, capacity, threads, std::move(cpus), spin_us, vtile, std::move(windows),
+             softcap) {}
 
     static int parse_dtype(const std::string& s) {
         if (s == "fp32" || s == "float32") return F32;
@@ -158,10 +159,12 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
 #endif
 
     py::class_<PyStore>(m, "Store", py::module_local())
-        .def(py::init<int, int, int, const std::string&, double, int64_t, int, std::vector<int>, int, int>(),
+        .def(py::init<int, int, int, const std::string&, double, int64_t, int, std::vector<int>, int, int,
+                      std::vector<int32_t>, double>(),
              py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("kv_dtype"), py::arg("scale"),
              py::arg("capacity_bytes"), py::arg("threads"), py::arg("cpus"), py::arg("spin_us"),
-             py::arg("v_tile") = V_TILE)
+             py::arg("v_tile") = V_TILE, py::arg("windows") = std::vector<int32_t>{}, py::arg("softcap") = 0.0,
+             "windows: sliding window per layer (0: full attention; empty: all full); softcap: logit cap (0: none)")
         .def("append", &PyStore::append, "append rows; False if the capacity would be passed (nothing stored)")
         .def("attend", &PyStore::attend)
         .def("append_attend", &PyStore::append_attend)
@@ -176,6 +179,14 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
              "take the pages for tokens[i] tokens of sequence ids[i] at every layer now; False past the capacity")
         .def("fork", [](PyStore& s, int64_t src, int64_t dst, int64_t tokens) { return s.st.fork(src, dst, tokens); },
              "new sequence dst sharing src's first `tokens` tokens (full pages by reference); False past the capacity")
+        .def("set_sinks",
+             [](PyStore& s, int layer, py::array_t<float, py::array::c_style | py::array::forcecast> sinks) {
+                 if (sinks.ndim() != 1) throw py::value_error("sinks must be 1-D [num query heads]");
+                 s.st.set_sinks(layer, sinks.data(), (int)sinks.shape(0));
+             },
+             "the layer's sinks (natural-log logits, one per query head; empty: none)")
+        .def_property_readonly("windows", [](PyStore& s) { return s.st.windows(); })
+        .def_property_readonly("softcap", [](PyStore& s) { return s.st.softcap(); })
         .def("shared_pages", [](PyStore& s) { return s.st.shared_pages(); }, "pages held by >= 2 sequences")
         .def("saved_pages", [](PyStore& s) { return s.st.saved_pages(); }, "references to shared pages beyond the first")
         .def("free", [](PyStore& s, int64_t id) { return s.st.free_seq(id); })
@@ -214,6 +225,20 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
                 s.st.set_threads(n);
             });
 
+    m.def(
+        "softcap_values",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float cap) {
+            // simd.h's softcap_page on any array (tests of its error bound)
+            if (!(cap > 0)) throw py::value_error("cap must be > 0");
+            const size_t n = (size_t)x.size();
+            std::vector<float> buf((n + PT - 1) / PT * PT, 0.f);
+            std::copy(x.data(), x.data() + n, buf.begin());
+            softcap_page(buf.data(), (int)(buf.size() / PT), cap);
+            py::array_t<float> out(n);
+            std::copy(buf.begin(), buf.begin() + n, out.mutable_data());
+            return out;
+        },
+        py::arg("x"), py::arg("cap"), "cap * tanh(x / cap) elementwise, as the kernel's soft-cap pass computes it");
     m.def("cpu_features", &cpu_features, "x86 features usable here (CPU has them and the OS enabled their state)");
     m.def(
         "read_bandwidth",

@@ -3,7 +3,9 @@
 // A facade over the two halves, which share the page geometry: the page table (paging.h:
 // layout, arena, append, reserve, extents, accounting) and the attention (attention.h: work
 // items, the per-item passes, the chunk merge). The Store owns both and the thread pool, and
-// serializes every call on one mutex. kernels.cpp binds it to Python.
+// serializes every call on one mutex. kernels.cpp binds it to Python. The attention variants
+// (attention.h): sliding windows per layer and the logit cap are fixed at construction, a layer's
+// sinks set by set_sinks.
 #pragma once
 
 #include <memory>
@@ -23,10 +25,12 @@ public:
     static constexpr int P = PageTable::P;     // tokens per page
     static constexpr int CH = Attention::CH;   // tokens per split-KV chunk (a multiple of P)
 
+    // windows: [L] sliding window per layer (0: full; empty: all full); softcap: logit cap (0: none)
     Store(int L, int Hkv, int D, int dtype, double scale, int64_t capacity_bytes, int threads,
-          std::vector<int> cpus, int spin_us, int vtile = V_TILE)
-        : cpus_(std::move(cpus)), spin_us_(spin_us), pages_(Geometry(L, Hkv, D, dtype, vtile), capacity_bytes),
-          attn_(pages_.geometry(), scale), pool_(new Pool(threads, cpus_, spin_us)) {}
+          std::vector<int> cpus, int spin_us, int vtile = V_TILE, std::vector<int32_t> windows = {}, double softcap = 0.0)
+        : cpus_(std::move(cpus)), spin_us_(spin_us),
+          pages_(Geometry(L, Hkv, D, dtype, vtile, std::move(windows)), capacity_bytes),
+          attn_(pages_.geometry(), scale, softcap), pool_(new Pool(threads, cpus_, spin_us)) {}
 
     // ---- settings ---------------------------------------------------------------
     int v_tile() const { return pages_.geometry().vtile_; }
@@ -45,6 +49,12 @@ public:
     void set_threads(int n) {
         std::lock_guard<std::mutex> lk(mu_);
         pool_.reset(new Pool(n, cpus_, spin_us_));
+    }
+    std::vector<int32_t> windows() const { return pages_.geometry().win_; }
+    double softcap() const { return attn_.softcap(); }
+    void set_sinks(int layer, const float* sinks, int n) {
+        std::lock_guard<std::mutex> lk(mu_);     // not while an attend reads them
+        attn_.set_sinks(layer, sinks, n);
     }
     int extent_pages() const { return pages_.extent_pages(); }
     void set_extent_pages(int e) {
@@ -112,7 +122,7 @@ public:
                        const void* k, const void* v, int kvdt, void* out, int odt) {
         std::lock_guard<std::mutex> lk(mu_);
         pages_.check_layer(layer);
-        attn_.check_heads(Hq);
+        attn_.check_heads(Hq, layer);      // before the append: an error stores nothing
         if (!pages_.append(*pool_, layer, n, ids, k, v, kvdt)) return false;
         attn_.run(pages_, *pool_, layer, n, ids, q, qdt, Hq, out, odt);
         return true;

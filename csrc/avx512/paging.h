@@ -27,6 +27,15 @@
 // Every holder of a physical page at index j holds the same pages 0..j (a fork copies them all), so
 // the attention groups sequences by the last shared page (attention.h: "Shared prefixes").
 //
+// Sliding windows. A layer with window W attends only its last W tokens (attention.h), so a page
+// whose tokens are all before len - W is dead: an append that leaves a (sequence, layer) at len
+// tokens gives its dead pages back to the arena (nullptr in Seq::pages, counted in Seq::dead), never
+// takes a page that would be dead at once and skips the rows that land in one: a prefill of 8k
+// tokens into a layer with W = 512 holds ~17 pages per head of that layer, not 256. Page indices stay
+// absolute (page p of a head is still pages[p * Hkv + h]); every walk (accounting, free, trim, runs)
+// starts at the first live page. A reservation takes at most what the window keeps live. Prefix
+// sharing is not offered with windows (fork refuses): a shared page would die for one holder only.
+//
 // Not thread-safe: the Store (kvstore.h) calls in under its mutex.
 #pragma once
 
@@ -55,14 +64,32 @@ struct Geometry {
     const size_t page_bytes_;   // one head's K half + V half
     const int vtile_;           // V run layout: token-major (0) or tiles of this many dims (simd.h);
                                 // int8 stores have their own (quant.h) and ignore it
+    const std::vector<int32_t> win_;   // [L] sliding window per layer in tokens, 0: full attention
 
-    Geometry(int L, int Hkv, int D, int dtype, int vtile)
+    Geometry(int L, int Hkv, int D, int dtype, int vtile, std::vector<int32_t> windows = {})
         : L_(L), Hkv_(Hkv), D_(D), Dp_((int)round_up(D, 16)), dt_(dtype), isz_(dtype_size(dtype)),
           half_bytes_(dtype == I8 ? i8_half_bytes((int)round_up(D, 16)) : (size_t)PT * round_up(D, 16) * dtype_size(dtype)),
-          page_bytes_(2 * half_bytes_), vtile_(vtile) {
+          page_bytes_(2 * half_bytes_), vtile_(vtile),
+          win_(windows.empty() ? std::vector<int32_t>(std::max(L, 0), 0) : std::move(windows)) {
         if (L < 1 || Hkv < 1 || D < 1) throw std::invalid_argument("num_layers, num_kv_heads and head_dim must be >= 1");
         if (dtype != F32 && dtype != BF16 && dtype != F16 && dtype != I8) throw std::invalid_argument("bad kv dtype");
+        if ((int)win_.size() != L)
+            throw std::invalid_argument("windows: " + std::to_string(win_.size()) + " values for " + std::to_string(L) + " layers");
+        for (int l = 0; l < L; ++l)
+            if (win_[l] < 0)
+                throw std::invalid_argument("windows: layer " + std::to_string(l) + " has window " + std::to_string(win_[l]) +
+                                            ", must be >= 0 (0: full attention)");
     }
+
+    bool windowed() const {
+        return std::any_of(win_.begin(), win_.end(), [](int32_t w) { return w > 0; });
+    }
+    // first token a layer holding len tokens attends (its window's start; 0 without a window)
+    int64_t window_start(int l, int64_t len) const { return win_[l] > 0 && len > win_[l] ? len - win_[l] : 0; }
+    // pages per head wholly before that start: dead (freed)
+    size_t dead_pages(int l, int64_t len) const { return (size_t)(window_start(l, len) / PT); }
+    // pages per head a window keeps live at most: W tokens straddle up to ceil((W - 1) / PT) + 1
+    size_t window_pages(int l) const { return ((size_t)win_[l] + 2 * PT - 2) / PT; }
 };
 
 struct Seq {
@@ -71,6 +98,8 @@ struct Seq {
     int32_t pending = 0;                     // rows of the append call in progress
     size_t reserved = 0;                     // pages per (layer, head) `reserve` asked for
     int32_t shared = 0;                      // leading pages per (layer, head) held by reference (refs_)
+    std::vector<int32_t> dead;               // [L] leading pages per head freed (before the layer's
+                                             // window): nullptr in pages
 };
 
 // ============================================================================
@@ -107,7 +136,8 @@ public:
     size_t bytes_committed_walk() const {
         size_t pages = 0;
         for (auto& kv : seqs_)
-            for (int l = 0; l < L_; ++l) pages += (keep_pages(kv.second, l, 0) - kv.second.shared) * Hkv_;
+            for (int l = 0; l < L_; ++l)
+                pages += (keep_pages(kv.second, l, 0) - kv.second.shared - kv.second.dead[l]) * Hkv_;
         return (pages + refs_.size()) * page_bytes_;     // a shared page counts once
     }
     // pages held by >= 2 sequences, and the references to them beyond the first (pages a fork saved)
@@ -126,11 +156,11 @@ public:
         const Seq* s = find(id);
         if (!s) return 0;
         const auto& pl = s->pages[layer];
-        const size_t np = pl.size() / Hkv_;
+        const size_t np = pl.size() / Hkv_, p0 = s->dead[layer];   // from the first live page
         int64_t runs = 0;
         for (int h = 0; h < Hkv_; ++h)
-            for (size_t p = 0; p < np; ++p)
-                runs += p == 0 || pl[p * Hkv_ + h] != pl[(p - 1) * Hkv_ + h] + page_bytes_;
+            for (size_t p = p0; p < np; ++p)
+                runs += p == p0 || pl[p * Hkv_ + h] != pl[(p - 1) * Hkv_ + h] + page_bytes_;
         return runs;
     }
     int64_t num_seqs() const { return (int64_t)seqs_.size(); }
@@ -149,9 +179,9 @@ public:
         const int64_t shared = it->second.shared;
         for (int l = 0; l < L_; ++l) slack_pages_ -= slack_of(it->second, l);
         for (int l = L_ - 1; l >= 0; --l) {
-            const int64_t np = (int64_t)pages[l].size() / Hkv_;
+            const int64_t np = (int64_t)pages[l].size() / Hkv_, p0 = it->second.dead[l];   // dead: given back already
             for (int h = Hkv_ - 1; h >= 0; --h)
-                for (int64_t p = np - 1; p >= 0; --p)
+                for (int64_t p = np - 1; p >= p0; --p)
                     if (p >= shared || unref(pages[l][p * Hkv_ + h])) arena_.put(pages[l][p * Hkv_ + h]);
         }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
@@ -167,6 +197,10 @@ public:
         auto si = seqs_.find(src);
         if (si == seqs_.end()) throw std::invalid_argument("fork: unknown source sequence " + std::to_string(src));
         if (seqs_.count(dst)) throw std::invalid_argument("fork: sequence " + std::to_string(dst) + " already exists");
+        for (int l = 0; l < L_; ++l)
+            if (win_[l] > 0)
+                throw std::invalid_argument("fork: prefix sharing is not offered with sliding windows (layer " + std::to_string(l) +
+                                            " has window " + std::to_string(win_[l]) + ")");
         if (tokens < 1)
             throw std::invalid_argument("fork of sequence " + std::to_string(src) + " into " + std::to_string(dst) +
                                         ": token count " + std::to_string(tokens) + " < 1");
@@ -207,17 +241,22 @@ public:
     // sequence if new; pages already held count). A decode step's appends then land in pages
     // taken with the prompt's, so each (layer, head) stays one run in memory instead of a page
     // per 32 steps wherever the free list has one: scattered 8-16 KB pages streamed at 0.62-0.88x
-    // the runs (bench/kernel/NOTES.md, "Page runs"). Returns false (and takes nothing) past the capacity.
+    // the runs (bench/kernel/NOTES.md, "Page runs"). A windowed layer takes at most the pages its
+    // window keeps live beyond the dead ones (keep_pages). Returns false (and takes nothing) past the capacity.
     bool reserve(int64_t n, const int64_t* ids, const int64_t* tokens) {
+        auto target = [&](const Seq* s, int l, size_t need) {    // pages per head layer l holds for `need`
+            return win_[l] > 0 ? std::min(need, (s ? (size_t)s->dead[l] : 0) + window_pages(l)) : need;
+        };
         auto count_new = [&] {     // pages the reservations take beyond what their sequences hold
             size_t new_pages = 0;
             for (int64_t i = 0; i < n; ++i) {
                 if (tokens[i] < 0) throw std::invalid_argument("reserve: negative token count for sequence " + std::to_string(ids[i]));
                 const size_t need = ((size_t)tokens[i] + P - 1) / P;
                 auto it = seqs_.find(ids[i]);
+                const Seq* s = it == seqs_.end() ? nullptr : &it->second;
                 for (int l = 0; l < L_; ++l) {
-                    const size_t have = it == seqs_.end() ? 0 : it->second.pages[l].size() / Hkv_;
-                    if (need > have) new_pages += (need - have) * Hkv_;
+                    const size_t have = s ? s->pages[l].size() / Hkv_ : 0, want = target(s, l, need);
+                    if (want > have) new_pages += (want - have) * Hkv_;
                 }
             }
             return new_pages;
@@ -232,7 +271,7 @@ public:
             for (int l = 0; l < L_; ++l) slack_pages_ -= slack_of(s, l);
             s.reserved = std::max(s.reserved, need);
             for (int l = 0; l < L_; ++l) {
-                grow_pages(s.pages[l], need);
+                grow_pages(s.pages[l], target(&s, l, need));
                 slack_pages_ += slack_of(s, l);
             }
         }
@@ -253,39 +292,45 @@ public:
         rows_.resize(n);
         touched_.clear();
         Seq* last = nullptr;
+        bool interleaved = false;     // some sequence's rows come in several runs (step 4)
         for (int64_t i = 0; i < n; ++i) {
             Seq* s = (i > 0 && ids[i] == ids[i - 1]) ? last : &get_or_create(ids[i], created);
+            interleaved |= s != last && s->pending > 0;
             if (s->pending++ == 0) touched_.push_back(s);
             rows_[i].seq = s;
             last = s;
         }
 
         // 2. capacity: count the new pages (one per head per 32 tokens) before touching anything
-        //    (a reserved sequence may already hold them)
-        size_t new_pages = 0;
+        //    (a reserved sequence may already hold them; none before a window's start), less the
+        //    pages the new lengths leave dead before a window (given back in 3)
+        size_t new_pages = 0, freed = 0;
         for (Seq* s : touched_) {
-            size_t have = s->pages[layer].size() / Hkv_;
-            size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
-            if (need > have) new_pages += (need - have) * Hkv_;
+            const size_t have = s->pages[layer].size() / Hkv_, nlen = (size_t)s->len[layer] + s->pending;
+            const size_t need = (nlen + P - 1) / P, nd = dead_pages(layer, (int64_t)nlen);
+            if (need > std::max(have, nd)) new_pages += (need - std::max(have, nd)) * Hkv_;
+            if (std::min(have, nd) > (size_t)s->dead[layer]) freed += (std::min(have, nd) - s->dead[layer]) * Hkv_;
         }
-        if (over_capacity(new_pages)) trim_slack(layer);     // other sequences' extents make room
-        if (over_capacity(new_pages)) {
+        if (over_capacity(new_pages, freed)) trim_slack(layer);     // other sequences' extents make room
+        if (over_capacity(new_pages, freed)) {
             for (Seq* s : touched_) s->pending = 0;
             for (int64_t id : created) seqs_.erase(id);
             return false;
         }
 
-        // 3. allocate pages head by head (a prompt's pages of one head end up consecutive), a
-        //    whole extent for a sequence that outgrows its pages while 1/8 of the capacity stays
-        //    free after it; then give each row its page index and slot (serial, cheap)
+        // 3. give back the pages the new lengths leave before a window; allocate pages head by head
+        //    (a prompt's pages of one head end up consecutive), a whole extent for a sequence that
+        //    outgrows its pages while 1/8 of the capacity stays free after it; then give each row
+        //    its page index and slot (serial, cheap): none for a row in a dead page (not copied)
         size_t hard_left = new_pages;
         const size_t ext = (size_t)extent_ - 1;
         const size_t room = capacity_ > 0 ? (size_t)capacity_ / page_bytes_ * 7 / 8 : SIZE_MAX;
         for (Seq* s : touched_) {
             auto& pl = s->pages[layer];
-            const size_t have = pl.size() / Hkv_;
-            const size_t need = ((size_t)s->len[layer] + s->pending + P - 1) / P;
+            const size_t nlen = (size_t)s->len[layer] + s->pending, need = (nlen + P - 1) / P;
             slack_pages_ -= slack_of(*s, layer);    // added back below, with the new length
+            drop_dead(*s, layer, dead_pages(layer, (int64_t)nlen));
+            const size_t have = pl.size() / Hkv_;
             if (need > have) {
                 hard_left -= (need - have) * Hkv_;
                 const bool fits = arena_.pages_in_use() + (need - have + ext) * Hkv_ + hard_left <= room;
@@ -296,26 +341,28 @@ public:
         for (int64_t i = 0; i < n; ++i) {
             Seq* s = rows_[i].seq;
             int32_t pos = s->len[layer]++;
-            rows_[i].pages = s->pages[layer].data() + (size_t)(pos / P) * Hkv_;
+            rows_[i].pages = pos / P < s->dead[layer] ? nullptr : s->pages[layer].data() + (size_t)(pos / P) * Hkv_;
             rows_[i].slot = pos % P;
         }
         for (Seq* s : touched_) slack_pages_ += slack_of(*s, layer);
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
 
-        // 4. copy + convert. A task is (run of rows landing in one page, kv head): no two threads
-        //    write the same cache lines. K rows are converted into a [rows][Dp] block and
-        //    written transposed by 32-bit words (2 dims of 16-bit dtypes); V rows in place.
+        // 4. copy + convert. A task is (page, kv head): every segment (run of rows landing in one
+        //    page) of that page, in row order, so no two threads write the same cache lines, nor
+        //    the same word of a V run in token pairs (two tokens per word). A call that interleaves
+        //    sequences' rows gives a page several segments. K rows are converted into a [rows][Dp]
+        //    block and written transposed by 32-bit words (2 dims of 16-bit dtypes); V rows in
+        //    place. Rows of dead pages (before a window) form segments of their own, skipped.
         segs_.clear();
         for (int64_t i = 0; i < n; ++i)
             if (i == 0 || rows_[i].pages != rows_[i - 1].pages) segs_.push_back(i);
         segs_.push_back(n);
+        const int64_t ntasks = group_segments(interleaved);
         const size_t sisz = dtype_size(sdt);
         const size_t src_row = (size_t)Hkv_ * D_ * sisz;
-        const int64_t nseg = (int64_t)segs_.size() - 1;
-        auto copy_task = [&](int64_t task, int64_t) {
-            const int64_t si = task / Hkv_;
-            const int h = (int)(task % Hkv_);
+        auto copy_seg = [&](int64_t si, int h) {
             const int64_t i0 = segs_[si], nr = segs_[si + 1] - i0;    // nr <= P rows, slots s0..
+            if (!rows_[i0].pages) return;
             const int s0 = rows_[i0].slot;
             char* krun = rows_[i0].pages[h];
             char* vrun = krun + half_bytes_;
@@ -342,7 +389,11 @@ public:
                     tile_in(tmp, nr, vrun, s0);
             }
         };
-        const int64_t ntask = nseg * Hkv_;
+        auto copy_task = [&](int64_t task, int64_t) {
+            const int64_t t = task / Hkv_;
+            for (int64_t j = task_at_[t]; j < task_at_[t + 1]; ++j) copy_seg(task_segs_[j], (int)(task % Hkv_));
+        };
+        const int64_t ntask = ntasks * Hkv_;
         if ((size_t)n * Hkv_ * D_ >= (size_t)1 << 16 && pool.size() > 1 && ntask > 1) pool.parallel_for(ntask, copy_task);
         else for (int64_t t = 0; t < ntask; ++t) copy_task(t, -1);
         return true;
@@ -356,6 +407,7 @@ private:
         if (it != seqs_.end()) return it->second;
         Seq& s = seqs_[id];
         s.len.assign(L_, 0);
+        s.dead.assign(L_, 0);
         s.pages.resize(L_);
         created.push_back(id);
         return s;
@@ -369,6 +421,47 @@ private:
         pl.resize(need * Hkv_);
         for (int h = 0; h < Hkv_; ++h)
             for (size_t p = have; p < need; ++p) pl[p * Hkv_ + h] = arena_.get();
+    }
+
+    // append's copy tasks: task_segs_[task_at_[t] .. task_at_[t + 1]) the segments (segs_) of task
+    // t's page in row order; one segment per task unless the call interleaves sequences
+    int64_t group_segments(bool interleaved) {
+        const int64_t nseg = (int64_t)segs_.size() - 1;
+        task_segs_.resize(nseg);
+        task_at_.resize(nseg + 1);
+        if (!interleaved) {
+            for (int64_t j = 0; j <= nseg; ++j) task_at_[j] = j;
+            for (int64_t j = 0; j < nseg; ++j) task_segs_[j] = j;
+            return nseg;
+        }
+        page_task_.clear();
+        seg_task_.resize(nseg);
+        std::fill(task_at_.begin(), task_at_.end(), 0);
+        int64_t ntasks = 0;
+        for (int64_t j = 0; j < nseg; ++j) {
+            auto it = page_task_.emplace(rows_[segs_[j]].pages, ntasks);
+            ntasks += it.second;
+            ++task_at_[(seg_task_[j] = it.first->second) + 1];
+        }
+        for (int64_t t = 0; t < ntasks; ++t) task_at_[t + 1] += task_at_[t];   // counting sort, stable
+        std::vector<int64_t> fill(task_at_.begin(), task_at_.begin() + ntasks);
+        for (int64_t j = 0; j < nseg; ++j) task_segs_[fill[seg_task_[j]]++] = j;
+        return ntasks;
+    }
+
+    // the pages of (s, layer) before page `nd` given back (a window's start passed them), pushed so
+    // that the free list hands them out again in order; pl grows to nd with nullptr for pages never held
+    void drop_dead(Seq& s, int layer, size_t nd) {
+        auto& pl = s.pages[layer];
+        const size_t have = pl.size() / Hkv_, d0 = (size_t)s.dead[layer];
+        if (nd <= d0) return;
+        for (int h = Hkv_ - 1; h >= 0; --h)
+            for (size_t p = std::min(have, nd); p-- > d0;) {
+                arena_.put(pl[p * Hkv_ + h]);
+                pl[p * Hkv_ + h] = nullptr;
+            }
+        if (have < nd) pl.resize(nd * Hkv_, nullptr);
+        s.dead[layer] = (int32_t)nd;
     }
 
     // one more holder of page p (`held`: p is already counted in refs_, else it had one holder)
@@ -390,15 +483,18 @@ private:
         return false;
     }
 
-    bool over_capacity(size_t new_pages) const {
-        return capacity_ > 0 && (arena_.pages_in_use() + new_pages) * page_bytes_ > (size_t)capacity_;
+    // would new_pages more (and `freed` given back first) pass the capacity
+    bool over_capacity(size_t new_pages, size_t freed = 0) const {
+        return capacity_ > 0 && (arena_.pages_in_use() - freed + new_pages) * page_bytes_ > (size_t)capacity_;
     }
 
-    // pages per head one (sequence, layer) must keep: its tokens (with `extra` rows about to
-    // land) or its reservation, whichever is more; what it holds beyond is extent slack
+    // pages per head one (sequence, layer) must keep (dead ones included, from index 0): its tokens
+    // (with `extra` rows about to land) or its reservation, whichever is more, a windowed layer's
+    // reservation capped at what its window keeps live; what it holds beyond is extent slack
     size_t keep_pages(const Seq& s, int l, int32_t extra) const {
         const size_t have = s.pages[l].size() / Hkv_;
-        return std::min(have, std::max(s.reserved, ((size_t)s.len[l] + extra + P - 1) / P));
+        const size_t res = win_[l] > 0 ? std::min(s.reserved, (size_t)s.dead[l] + window_pages(l)) : s.reserved;
+        return std::min(have, std::max(res, ((size_t)s.len[l] + extra + P - 1) / P));
     }
     // pages (all heads) one (sequence, layer) holds beyond keep_pages: its share of slack_pages_
     size_t slack_of(const Seq& s, int l) const { return (s.pages[l].size() / Hkv_ - keep_pages(s, l, 0)) * Hkv_; }
@@ -479,6 +575,8 @@ private:
     struct RowDst { Seq* seq; char* const* pages; int slot; };   // pages: the Hkv pages of its slot
     std::vector<RowDst> rows_;
     std::vector<int64_t> segs_;
+    std::vector<int64_t> task_segs_, task_at_, seg_task_;           // copy tasks (group_segments)
+    std::unordered_map<char* const*, int64_t> page_task_;
     std::vector<Seq*> touched_;
 };
 

@@ -25,7 +25,12 @@
 //   scores_page(dt, K, Dp, q, g, S, pf)  S[j][t] = q_j . K[:, t] (q scaled, log2 units)
 //   softmax_page(S, nvalid, m, l)        online softmax step on one head's 32 tokens; S <- p,
 //                                        returns alpha (acc must be scaled by it). l: L_LANES
-//                                        lane sums, l_total(l) their sum (no horizontal add per page)
+//                                        lane sums, l_total(l) their sum (no horizontal add per page).
+//                                        A score of -inf (a token before a sliding window's start,
+//                                        attention.h) gives p exactly 0, as does exp2_1(-inf)
+//   softcap_page(S, g, cap)              S <- cap tanh(S / cap) on g heads' 32 scores (soft-capping,
+//                                        cap in the scores' log2 units): AVX-512 and AVX2 by tanhv
+//                                        (<= 3 ulp measured), portable by std::tanh
 //   pv_page(dt, V, nvalid, Dp, S, g, acc, pf, pf_bytes, vtile)  acc[j][apos] += sum_t p_j[t] V[t][:]
 //                                        vtile: the store's V layout (V_TILE or V_TILE_ALT)
 //                                        pf: the next page (pf_bytes) to prefetch while this one
@@ -67,6 +72,13 @@
 namespace FD_NS {
 
 constexpr int PT = 32;  // tokens per page (and per softmax block)
+
+// tanh(y) / y on |y| < 0.5 as a polynomial in y^2: Taylor coefficients of tanh to y^15 (the series
+// alternates: the first term left out, 6404582/10854718875 y^17, is < 1e-8 |y| there). The AVX
+// tanhv take it below 0.5 and (1 - e) / (1 + e), e = 2^(-2 log2(e) |y|), above (no cancellation)
+constexpr float TANH_POLY[8] = {1.0f, -3.3333333333333333e-01f, 1.3333333333333333e-01f, -5.3968253968253968e-02f,
+                                2.1869488536155203e-02f, -8.8632355299021966e-03f, 3.5921280365724810e-03f,
+                                -1.4558343870513183e-03f};
 
 // 2^r on [-0.5, 0.5]: Taylor coefficients ln2^k / k!, k = 0..7 (relative error < 1e-8)
 constexpr float EXP2_POLY[8] = {1.0f, 6.9314718055994531e-01f, 2.4022650695910071e-01f, 5.5504108664821580e-02f,

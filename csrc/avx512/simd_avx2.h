@@ -230,7 +230,10 @@ static inline void pv_page(int dt, const void* V, int nvalid, int Dp, const floa
     });
 }
 
+// 2^x for x <= 0; -inf -> exactly 0 (a token masked before a sliding window's start: the clamp
+// alone would give 2^-126), finite x bit for bit as before that case was added
 static inline __m256 exp2v(__m256 x) {
+    const __m256 minf = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
     x = _mm256_max_ps(_mm256_set1_ps(-126.f), x);  // keeps 2^n a normal float; NaN stays NaN (second operand)
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_sub_ps(x, n);
@@ -238,7 +241,7 @@ static inline __m256 exp2v(__m256 x) {
 #pragma GCC unroll 7
     for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP2_POLY[i]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(minf, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 static inline float exp2_1(float x) { return _mm256_cvtss_f32(exp2v(_mm256_set1_ps(x))); }
@@ -286,6 +289,28 @@ static inline float softmax_page(float* S, int nvalid, float& m, float* l) {
     }
     _mm256_storeu_ps(l, lv);
     return alpha;
+}
+
+// tanh (simd.h: TANH_POLY below |y| = 0.5, (1 - e) / (1 + e) above; e saturates at 2^-126 -> 1).
+// Measured against float64 over |x / cap| in 2^-20 .. 40: |error| <= 3 ulp of cap tanh(x / cap), the
+// rounding of x / cap included (relative < 2.4e-7; tests/test_attn_variants.py asserts 4 ulp)
+static inline __m256 tanhv(__m256 y) {
+    const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+    const __m256 ay = _mm256_andnot_ps(sign, y);
+    const __m256 e = exp2v(_mm256_mul_ps(ay, _mm256_set1_ps(-2.f * LOG2E)));
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 y2 = _mm256_mul_ps(ay, ay);
+    __m256 p = _mm256_set1_ps(TANH_POLY[7]);
+#pragma GCC unroll 7
+    for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(TANH_POLY[i]));
+    const __m256 t = _mm256_blendv_ps(big, _mm256_mul_ps(ay, p), _mm256_cmp_ps(ay, _mm256_set1_ps(0.5f), _CMP_LT_OQ));
+    return _mm256_or_ps(t, _mm256_and_ps(sign, y));
+}
+
+static inline void softcap_page(float* S, int g, float cap) {
+    const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.f / cap);
+    for (int i = 0; i < g * PT; i += 8)
+        _mm256_storeu_ps(S + i, _mm256_mul_ps(c, tanhv(_mm256_mul_ps(_mm256_loadu_ps(S + i), inv))));
 }
 
 static inline void scale_row(float* acc, float alpha, int Dp) {

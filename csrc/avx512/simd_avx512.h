@@ -435,6 +435,29 @@ static inline float softmax_page(float* S, int nvalid, float& m, float* l) {
     return alpha;
 }
 
+// tanh (simd.h: TANH_POLY below |y| = 0.5, (1 - e) / (1 + e) above; e saturates at 0 -> 1).
+// Measured against float64 over |x / cap| in 2^-20 .. 40: |error| <= 3 ulp of cap tanh(x / cap), the
+// rounding of x / cap included (relative < 2.4e-7; tests/test_attn_variants.py asserts 4 ulp)
+static inline __m512 tanhv(__m512 y) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 ay = _mm512_abs_ps(y);
+    const __m512 e = exp2v(_mm512_mul_ps(ay, _mm512_set1_ps(-2.f * LOG2E)));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 y2 = _mm512_mul_ps(ay, ay);
+    __m512 p = _mm512_set1_ps(TANH_POLY[7]);
+#pragma GCC unroll 7
+    for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(TANH_POLY[i]));
+    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ay, _mm512_set1_ps(0.5f), _CMP_LT_OQ), big, _mm512_mul_ps(ay, p));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+
+static inline void softcap_page(float* S, int g, float cap) {
+    const __m512 c = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.f / cap);
+    for (int i = 0; i < g * PT; i += 16)
+        _mm512_storeu_ps(S + i, _mm512_mul_ps(c, tanhv(_mm512_mul_ps(_mm512_loadu_ps(S + i), inv))));
+}
+
 static inline void scale_row(float* acc, float alpha, int Dp) {
     __m512 a = _mm512_set1_ps(alpha);
     for (int d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(a, _mm512_loadu_ps(acc + d)));

@@ -101,6 +101,13 @@ static inline float softmax_page(float* s, int nvalid, float& m, float* l) {
     return alpha;
 }
 
+// the logit soft-cap: libm's tanh, element by element (exact to its ulp or so; the portable build
+// is the reference path, not the fast one)
+static inline void softcap_page(float* S, int g, float cap) {
+    const float inv = 1.f / cap;
+    for (int i = 0; i < g * PT; ++i) S[i] = cap * std::tanh(S[i] * inv);
+}
+
 static inline void scale_row(float* acc, float alpha, int Dp) {
     for (int d = 0; d < Dp; ++d) acc[d] *= alpha;
 }
