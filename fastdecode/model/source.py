@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from fastdecode.model.config import ConfigError, ModelConfig, config_from_hf_dict, read_hf_config
+from fastdecode.model.gguf_meta import gguf_hf_dict
 from fastdecode.model.presets import PRESETS
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -81,55 +82,6 @@ def resolve_model(model: str) -> ModelSource:
     raise ConfigError(f"model {model!r} not found: not a directory, a .gguf file, or an embedded name ({known})")
 
 
-# ---------------------------------------------------------------- GGUF metadata -> HF-style config dict
-
-def _gguf_hf_dict(path: str) -> dict:
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the gguf package raises ValueError/struct errors on damaged files
-        raise ConfigError(f"{path}: cannot read GGUF ({type(e).__name__}: {e})") from None
-
-    def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; fastdecode serves llama, mistral, qwen2")
-    heads = field(f"{arch}.attention.head_count")
-    hidden = field(f"{arch}.embedding_length")
-    key_len = field(f"{arch}.attention.key_length")
-    n_vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens", []))
-    tensor_names = {t.name for t in reader.tensors}
-    cfg = {
-        "model_type": "llama" if arch == "mistral" else arch,
-        "hidden_size": hidden,
-        "num_hidden_layers": field(f"{arch}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": key_len or hidden // heads,
-        "intermediate_size": field(f"{arch}.feed_forward_length"),
-        "vocab_size": n_vocab,
-        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": field(f"{arch}.context_length", 4096),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
-        "gguf_arch": arch,
-    }
-    scaling = field(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
-    elif scaling not in (None, "none"):
-        raise ConfigError(f"{path}: GGUF rope scaling {scaling!r} is not supported")
-    if "rope_freqs.weight" in tensor_names:
-        cfg["gguf_rope_freqs"] = True   # llama3-style factors stored as a tensor; weights.py applies them
-    return cfg
-
-
 def random_config_dict(spec: str) -> dict:
     """`random:<shape>[:key=N ...]`: a model of a published shape with random weights, for
     benchmarks (FastDecode's evaluation does the same with fewer layers). Prompts are token ids.
@@ -168,7 +120,7 @@ def read_config(source: ModelSource) -> ModelConfig:
         with open(meta_path) as f:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError):
-        cfg = _gguf_hf_dict(source.path)
+        cfg = gguf_hf_dict(source.path)
         os.makedirs(os.path.dirname(meta_path), exist_ok=True)
         tmp = f"{meta_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:

@@ -1,8 +1,8 @@
 """Load model weights as a dict of torch tensors with HF parameter names.
 
 HF directories load straight from safetensors. GGUF files are dequantized with the `gguf`
-package once, un-permuted (llama.cpp stores Llama's Q/K rows interleaved for its RoPE), and
-cached as float32 safetensors under the cache dir keyed by the file's SHA-256, so a warm load
+package once, un-permuted (llama.cpp stores Llama's Q/K rows interleaved for its RoPE), Gemma's
+norms given back their HF meaning (llama.cpp stores 1 + w), and cached as float32 safetensors under the cache dir keyed by the file's SHA-256, so a warm load
 is an mmap.
 """
 from __future__ import annotations
@@ -17,29 +17,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from fastdecode.model.config import ModelConfig
+from fastdecode.model.gguf_meta import CONFIG_TENSORS, TOP_NAMES, block_names
 from fastdecode.model.source import ModelSource, cache_dir
-
-# llama.cpp tensor name (per block: blk.N.<name>) -> HF name (model.layers.N.<name>)
-_GGUF_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
-}
 
 
 def file_sha256(path: str) -> str:
@@ -75,19 +54,25 @@ def _gguf_to_hf_arrays(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     import gguf
 
     reader = gguf.GGUFReader(path)
-    permuted = config.hf_config.get("gguf_arch", "llama") in ("llama", "mistral")
+    arch = config.hf_config.get("gguf_arch", "llama")
+    permuted = arch in ("llama", "mistral")
+    names = block_names(arch)
     out = {}
     for t in reader.tensors:
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
-            if rest not in _GGUF_BLOCK_NAMES:
+            if rest not in names:
                 raise ValueError(f"{path}: unexpected GGUF tensor {t.name}")
-            name = f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[rest]}"
-        elif t.name in _GGUF_TOP_NAMES:
-            name = _GGUF_TOP_NAMES[t.name]
+            name = f"model.layers.{layer}.{names[rest]}"
+        elif t.name in TOP_NAMES:
+            name = TOP_NAMES[t.name]
+        elif t.name in CONFIG_TENSORS:
+            continue
         else:
             raise ValueError(f"{path}: unexpected GGUF tensor {t.name}")
         arr = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if arch.startswith("gemma") and t.name.endswith("norm.weight"):
+            arr = arr - 1.0      # llama.cpp stores Gemma's norms as 1 + w; HF's weight is w
         if permuted and rest_is(t.name, "attn_q."):
             arr = _unpermute_rope_rows(arr, config.num_heads)
         elif permuted and rest_is(t.name, "attn_k."):
