@@ -136,7 +136,7 @@ def test_variants_match_the_reference(path, kv_dtype, variant):
     win, cap, sinks = settings(variant, rng, Hq)
     name, pairs = path.removesuffix("+pairs"), path.endswith("+pairs")
     L = len(WINDOWS)
-    kw = dict(threads=2, windows=win, softcap=cap)
+    kw = {"threads": 2, "windows": win, "softcap": cap}
     st = KVStore(L, HKV, D, kv_dtype, isa=name, v_tile=V_PAIRS, **kw) if pairs else open_store(L, HKV, D, kv_dtype, isa=name, **kw)
     if sinks is not None:
         for layer in range(L):
@@ -151,7 +151,7 @@ def test_variants_match_the_reference(path, kv_dtype, variant):
             assert np.abs(o[:, 1]).max() < 1e-20           # a sink far above every score takes all the weight
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 80), (1, 16, 128), (3, 2, 48)], ids=lambda s: "Hkv%d-g%d-D%d" % s)
+@pytest.mark.parametrize("shape", [(1, 1, 80), (1, 16, 128), (3, 2, 48)], ids=lambda s: "Hkv{}-g{}-D{}".format(*s))
 @pytest.mark.parametrize("path", [p for p in ISAS if "emu" not in p])
 def test_all_variants_on_other_shapes(path, shape):
     """MHA with padded dims, GQA 16 (the largest AMX tile), three kv heads: bf16 KV, all variants."""

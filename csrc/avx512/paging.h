@@ -31,7 +31,7 @@
 // whose tokens are all before len - W is dead: an append that leaves a (sequence, layer) at len
 // tokens gives its dead pages back to the arena (nullptr in Seq::pages, counted in Seq::dead), never
 // takes a page that would be dead at once and skips the rows that land in one: a prefill of 8k
-// tokens into a layer with W = 512 holds ~17 pages per head of that layer, not 256. Page indices stay
+// tokens into a layer with W = 512 holds 16-17 pages per head of that layer, not 256. Page indices stay
 // absolute (page p of a head is still pages[p * Hkv + h]); every walk (accounting, free, trim, runs)
 // starts at the first live page. A reservation takes at most what the window keeps live. Prefix
 // sharing is not offered with windows (fork refuses): a shared page would die for one holder only.
@@ -81,9 +81,6 @@ struct Geometry {
                                             ", must be >= 0 (0: full attention)");
     }
 
-    bool windowed() const {
-        return std::any_of(win_.begin(), win_.end(), [](int32_t w) { return w > 0; });
-    }
     // first token a layer holding len tokens attends (its window's start; 0 without a window)
     int64_t window_start(int l, int64_t len) const { return win_[l] > 0 && len > win_[l] ? len - win_[l] : 0; }
     // pages per head wholly before that start: dead (freed)
