@@ -23,6 +23,9 @@ result = {"workers": len(llm.engine.backend.workers),
           "outputs": [[c.token_ids for c in o.outputs] for o in outs],
           "texts": [[c.text for c in o.outputs] for o in outs],
           "finish": [[c.finish_reason for c in o.outputs] for o in outs],
+          # per output token {token id: log-probability} (itself and the top ones), where asked for
+          "logprobs": [[[{t: lp.logprob for t, lp in step.items()} for step in c.logprobs] if c.logprobs else None
+                        for c in o.outputs] for o in outs],
           "prefix": llm.engine.prefix_summary(), "kv_saved_bytes_peak": llm.engine.recorder.kv_saved_bytes_peak}
 json.dump(result, open(sys.argv[2], "w"))
 llm.close()
