@@ -32,7 +32,6 @@ from rworker.protocol import control as P
 from rworker.protocol.wire import split_kv, split_qkv
 from rworker.tune import open_tuned_store
 
-
 STATS = P.STEP_STATS     # what it reports after each DECODE step (rworker.protocol.control)
 
 

@@ -133,8 +133,9 @@ def test_config_errors_name_the_directory_and_option():
 
 
 def test_multimodal_gemma3_with_unknown_weight_prefix_is_a_config_error(tmp_path):
-    from fastdecode.model.config import ConfigError, read_hf_config
     from safetensors.torch import save_file
+
+    from fastdecode.model.config import ConfigError, read_hf_config
     save_file({"decoder.embed_tokens.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3",
                                                       "text_config": {**BASE, "model_type": "gemma3_text"}}))
@@ -147,10 +148,11 @@ def test_hub_style_gemma3_config_takes_hf_defaults_and_both_ropes():
     """A multimodal Gemma 3 config as published (its text_config names little more than sizes,
     the RoPE in the older rope_scaling form): HF's defaults fill the rest, and the two RoPE kinds
     (local 10k on sliding layers, global 1M with linear scaling) match HF's rotary embedding."""
-    from fastdecode.model.config import config_from_hf_dict
-    from fastdecode.model.rope import Rope
     from transformers import Gemma3TextConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from fastdecode.model.config import config_from_hf_dict
+    from fastdecode.model.rope import Rope
     text = {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 7,
             "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 32}
     c = config_from_hf_dict({"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106]}, "/models/g3")

@@ -65,7 +65,7 @@ def dense_mlp(w: dict[str, torch.Tensor], p: str) -> tuple[torch.Tensor, torch.T
 
 def moe_layer(c: ModelConfig, w: dict[str, torch.Tensor], p: str):
     """The routed experts (and Qwen2-MoE's gated shared expert) of the layer under prefix p."""
-    from fastdecode.model.moe import MoESpec, SparseMoE, stack_experts   # only MoE models need it
+    from fastdecode.model.moe import MoESpec, SparseMoE, stack_experts  # only MoE models need it
 
     # stack_experts also finds Mixtral's experts under mlp. (as transformers v5 may save them)
     s = stack_experts(w, p + ("block_sparse_moe." if c.model_type == "mixtral" else "mlp."), c.num_experts)
