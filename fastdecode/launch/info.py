@@ -48,7 +48,7 @@ def collect() -> dict:
         import mpi4py
         from mpi4py import MPI
         info["mpi4py"] = mpi4py.__version__
-        info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        info["mpi_library"] = MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()   # Open MPI's ends in NUL
         info["mpi_world_size"] = MPI.COMM_WORLD.Get_size()
     except Exception as e:
         info["mpi4py"] = f"unavailable ({type(e).__name__}: {e})"
