@@ -94,7 +94,8 @@ def check_library_before_init() -> None:
 
 
 def mixed_mpi_exit(message: str):
-    """Each rank knows; rank 0 says it, the others give it time to before their exit ends the job."""
+    """Every rank knows; rank 0 says it, the others wait a little so that their exit, which ends
+    the job, does not cut it short."""
     if launched_rank() == 0:
         print(f"fastdecode: error: {message}", file=sys.stderr, flush=True)
     else:
@@ -122,8 +123,9 @@ def mixed_mpi_message(world_size: int | None, library_version: str, env=None, or
         fixes.insert(0, "give srun the MPI plugin: srun --mpi=pmix or --mpi=pmi2 (srun --mpi=list)")
     if launcher_family and (hint := dual_abi_hint(origin, launcher_family)):
         fixes.append(hint)
-    fixes.append(f"rebuild mpi4py against {launcher_family or 'the launcher' + chr(39) + 's MPI'} (MPICC=<its mpicc> "
-                 "python3 -m pip install --no-binary=mpi4py --no-cache-dir --force-reinstall mpi4py)")
+    target = launcher_family or "the launcher's MPI"
+    fixes.append(f"rebuild mpi4py against {target} (MPICC=<its mpicc> python3 -m pip install --no-binary=mpi4py "
+                 "--no-cache-dir --force-reinstall mpi4py)")
     saw = f"which sees a world of {world_size}" if world_size else "which cannot start under it"
     return (f"{launcher} started {size} ranks{said}, but mpi4py's MPI library is {library}"
             f"{f' ({lib_path})' if lib_path else ''}, {saw}: the launcher and mpi4py must be the same MPI. "
