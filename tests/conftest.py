@@ -1,5 +1,9 @@
 """Shared fixtures: the embedded model, an HF transformers reference on the same weights, and a
-helper that runs `fastdecode` under `mpiexec` (the tests launch MPI themselves)."""
+helper that runs `fastdecode` under `mpiexec` (the tests launch MPI themselves).
+
+MPIEXEC is the launcher of the MPI that mpi4py uses (MPICH's Hydra or Open MPI's mpirun; the
+override FASTDECODE_TEST_MPIEXEC wins); what an Open MPI launcher needs (root, oversubscription,
+no binding) goes into the environment every child inherits (MPI_ENV)."""
 from __future__ import annotations
 
 import json
@@ -11,10 +15,73 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the launcher installed beside this Python (pip's MPICH, matching mpi4py) before any on PATH: the
-# SLURM test setup also brings Debian's Open MPI into /usr/bin
-_BESIDE = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-MPIEXEC = _BESIDE if os.access(_BESIDE, os.X_OK) else (shutil.which("mpiexec") or shutil.which("mpirun"))
+if REPO not in sys.path:          # this checkout's fastdecode, as the children get (PYTHONPATH)
+    sys.path.insert(0, REPO)
+OVERRIDE = "FASTDECODE_TEST_MPIEXEC"      # a launcher of the tester's choice, used as given
+
+
+def mpi4py_library(python: str = sys.executable) -> str | None:
+    """MPI_Get_library_version of `python`'s mpi4py, asked in a child: no MPI starts in pytest."""
+    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version())"
+    try:
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def launcher_env(flavour: str, root: bool) -> dict[str, str]:
+    """What the children's environment needs for this launcher: Open MPI refuses root without
+    consent, a rank per core without oversubscription, and binds ranks (MPICH's Hydra does none)."""
+    if not flavour.startswith("Open MPI"):
+        return {}
+    env = {"OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_hwloc_base_binding_policy": "none"}
+    if root:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def choose_launcher(library: str | None, override: str | None, which, flavour_of, beside: str,
+                    root: bool) -> tuple[str | None, dict[str, str], str | None]:
+    """(launcher, its environment additions, why none) for an mpi4py on `library`: the override,
+    else the first launcher of the same MPI among those beside the Python, on PATH, and Debian's
+    alternatives names. which(name) -> path or None; flavour_of(path) -> info.launcher_flavour's."""
+    from fastdecode.launch.info import flavour_family, library_family
+    if override:
+        path = which(override)
+        if path is None:
+            return None, {}, f"{OVERRIDE}={override}: no such launcher"
+        return path, launcher_env(flavour_of(path), root), None
+    family = library_family(library)
+    names = {"Open MPI": ("mpirun", "mpiexec", "mpirun.openmpi", "/usr/bin/mpirun.openmpi"),
+             "MPICH": ("mpiexec", "mpirun", "mpiexec.hydra", "mpiexec.mpich")}.get(family, ("mpiexec", "mpirun"))
+    candidates = [os.path.join(beside, n) for n in names[:2]] + [which(n) for n in names]
+    for path in dict.fromkeys(p for p in candidates if p and which(p)):
+        flavour = flavour_of(path)
+        if family is None or flavour_family(flavour) == family:
+            return path, launcher_env(flavour, root), None
+    what = f"mpi4py's MPI ({' '.join(library.split()[:3])})" if library else "mpi4py (it does not import)"
+    return None, {}, (f"no MPI launcher matches {what}: the multi-rank tests need one of the same MPI. Either "
+                      "`pip install mpi4py mpich` (MPICH's mpiexec beside this Python), or use the site's MPI "
+                      "with an mpi4py built against it (scripts/openmpi_env.sh builds one for Open MPI; "
+                      f"docs/site_mpi.md); {OVERRIDE} names a launcher")
+
+
+def _which(name: str) -> str | None:
+    return name if os.path.isabs(name) and os.access(name, os.X_OK) else shutil.which(name)
+
+
+def _pick():
+    from fastdecode.launch.info import probe_launcher
+    override = os.environ.get(OVERRIDE)
+    return choose_launcher(None if override else mpi4py_library(), override, _which, probe_launcher,
+                           os.path.dirname(sys.executable), os.geteuid() == 0)
+
+
+# MPIEXEC: the launcher of the MPI that mpi4py uses (a single path; the tests build their command
+# lines from it); MPI_ENV: what its ranks' environment needs, set in pytest_configure so that
+# every child inherits it; MPIEXEC_ERROR: why there is none
+MPIEXEC, MPI_ENV, MPIEXEC_ERROR = _pick()
 
 
 def pytest_configure(config):
@@ -23,6 +90,8 @@ def pytest_configure(config):
     # Engines and R-workers start without the kernel tune (seconds each, a ~1 GB probe): every
     # layout gives the same bits (test_kvstore); tests/test_kernel_tune.py turns it on.
     os.environ.setdefault("FASTDECODE_KERNEL_TUNE", "0")
+    for key, value in MPI_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +148,7 @@ def run_fastdecode(args: list[str], ranks: int | None = None, timeout: float = 6
     cmd = [sys.executable, "-m", "fastdecode"] + args
     if ranks is not None:
         if MPIEXEC is None:
-            pytest.fail("mpiexec not found: install it with `pip install mpich` (the multi-rank tests need it)")
+            pytest.fail(MPIEXEC_ERROR)
         cmd = [MPIEXEC, "-n", str(ranks)] + cmd
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")

@@ -42,7 +42,7 @@ def rank_processes(launcher: subprocess.Popen, rank: int) -> tuple[psutil.Proces
             env = p.environ()
         except psutil.Error:
             continue
-        if env.get("PMI_RANK") == str(rank) and "fastdecode" in " ".join(p.cmdline()):
+        if env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK")) == str(rank) and "fastdecode" in " ".join(p.cmdline()):
             if env.get("FASTDECODE_SUPERVISED"):
                 child = p
             else:

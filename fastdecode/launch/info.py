@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+import shutil
+import subprocess
+
+LAUNCHERS = ("mpiexec", "mpirun")
+FAMILY = {"Open MPI": "Open MPI", "MPICH Hydra": "MPICH", "Intel MPI": "MPICH"}   # who launches whom
 
 
 def collect() -> dict:
@@ -42,10 +48,11 @@ def collect() -> dict:
         import mpi4py
         from mpi4py import MPI
         info["mpi4py"] = mpi4py.__version__
-        info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        info["mpi_library"] = MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()   # Open MPI's ends in NUL
         info["mpi_world_size"] = MPI.COMM_WORLD.Get_size()
     except Exception as e:
         info["mpi4py"] = f"unavailable ({type(e).__name__}: {e})"
+    info.update(launcher_info(info.get("mpi_library")))
     try:
         import torch
         info["torch"] = torch.__version__
@@ -56,6 +63,103 @@ def collect() -> dict:
     except ImportError:
         info["torch"] = "not installed (R-worker-only node)"
     return info
+
+
+def library_family(library_version: str | None) -> str | None:
+    """"Open MPI" or "MPICH" (MPICH and its ABI kin: Intel MPI, MVAPICH, Cray MPICH) from
+    MPI_Get_library_version's text; None when unknown."""
+    text = library_version or ""
+    if "Open MPI" in text:
+        return "Open MPI"
+    if re.search(r"MPICH|MVAPICH|Intel\(R\) MPI", text):
+        return "MPICH"
+    return None
+
+
+def launcher_flavour(version_text: str) -> str:
+    """What `mpiexec --version` printed, as a flavour and version: "Open MPI 4.1.4", "MPICH Hydra
+    5.0.2", "Intel MPI 2021.10", or "unknown"."""
+    if m := re.search(r"\((?:Open MPI|OpenRTE)\) (\S+)", version_text):
+        return f"Open MPI {m.group(1)}"
+    if m := re.search(r"Intel\(R\) MPI Library.*?Version (\S+)", version_text):
+        return f"Intel MPI {m.group(1).rstrip(',')}"
+    if "HYDRA" in version_text:
+        m = re.search(r"Version:\s+(\S+)", version_text)
+        return "MPICH Hydra" + (f" {m.group(1)}" if m else "")
+    return "unknown"
+
+
+def flavour_family(flavour: str) -> str | None:
+    return next((family for name, family in FAMILY.items() if flavour.startswith(name)), None)
+
+
+def probe_launcher(path: str, timeout: float = 5.0) -> str:
+    """The flavour of the launcher at `path` from its --version (no MPI starts)."""
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return launcher_flavour(proc.stdout + proc.stderr)
+
+
+def launcher_info(library_version: str | None) -> dict:
+    """mpi_launcher: the flavour of `mpiexec` and `mpirun` on PATH; mpi_warning when mpi4py's
+    library is another MPI (launched by it, every rank would start alone: a world of 1)."""
+    found = {name: shutil.which(name) for name in LAUNCHERS}
+    flavours = {name: probe_launcher(path) for name, path in found.items() if path}
+    if not flavours:
+        return {"mpi_launcher": "none on PATH (mpiexec, mpirun)"}
+    out = {"mpi_launcher": "; ".join(f"{name}: {flavours[name]} ({found[name]})" for name in flavours)}
+    family = library_family(library_version)
+    wrong = [f"{name} is {flavours[name]}" for name in flavours
+             if family and flavour_family(flavours[name]) not in (None, family)]
+    if wrong:
+        out["mpi_warning"] = (f"mpi4py uses {family} but {' and '.join(wrong)}: a job it launches starts every "
+                              f"rank alone (a world of 1) and stops; launch with {family}'s launcher or build "
+                              "mpi4py against the launcher's MPI (docs/site_mpi.md)")
+    return out
+
+
+def library_before_init() -> tuple[str, str, str | None] | None:
+    """(MPI_Get_library_version, extension path, libmpi path) of the library `from mpi4py import
+    MPI` would load, without starting MPI (the standard allows that call before MPI_Init): the
+    extension is loaded, not imported. None when unknown."""
+    import ctypes
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("mpi4py.MPI")
+        if spec is None or not spec.origin:
+            return None
+        lib = ctypes.CDLL(spec.origin, mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+        text, length = ctypes.create_string_buffer(8192), ctypes.c_int(0)   # >= every MPI's maximum
+        if lib.MPI_Get_library_version(text, ctypes.byref(length)) != 0:
+            return None
+    except Exception:  # noqa: BLE001 - a probe: no answer is an answer
+        return None
+    return text.value.decode(errors="replace"), spec.origin, loaded_libmpi()
+
+
+def loaded_libmpi() -> str | None:
+    """The MPI library this process has loaded (Linux: /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libmpi" in line}
+    except OSError:
+        return None
+    return next((p for p in sorted(paths) if os.path.basename(p).startswith("libmpi.")), None)
+
+
+def dual_abi_hint(origin: str | None, family: str) -> str | None:
+    """mpi4py >= 4 wheels from PyPI carry an extension per MPI ABI (MPI.mpich.*.so, MPI.openmpi.*.so)
+    and pick one at import: MPI4PY_MPIABI chooses the other. The hint when this one has `family`'s."""
+    if not origin:
+        return None
+    abi = {"Open MPI": "openmpi", "MPICH": "mpich"}.get(family)
+    here = os.path.dirname(origin)
+    if abi and os.path.isdir(here) and any(n.startswith(f"MPI.{abi}.") for n in os.listdir(here)):
+        return f"export MPI4PY_MPIABI={abi} (this mpi4py carries both ABIs{'; mpirun -x MPI4PY_MPIABI' if abi == 'openmpi' else ''})"
+    return None
 
 
 def int8_path(features) -> str:

@@ -49,6 +49,7 @@ def world(init_timeout: float | None = None):
         except ImportError:
             return None
         return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    check_library_before_init()
     timeout = max(init_timeout, 30.0) if init_timeout else INIT_TIMEOUT_S
     # MPICH's start-up installs its own handlers for the stop signals, and one arriving meanwhile
     # would end the process: hold them until MPI is up, give back this process's own answers to
@@ -65,7 +66,70 @@ def world(init_timeout: float | None = None):
         for sig, handler in own.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    if comm.Get_size() == 1:     # mixed MPIs: mpi4py's library cannot reach the launcher, so every
+        # rank starts alone, each a rank 0 of a world of 1
+        from fastdecode.launch.info import loaded_libmpi
+        mixed_mpi_exit(mixed_mpi_message(1, MPI.Get_library_version(), origin=MPI.__file__,
+                                         lib_path=loaded_libmpi()))
     return comm
+
+
+EXIT_USAGE = 2
+_LAUNCHERS = (("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun", "Open MPI"),
+              ("MV2_COMM_WORLD_SIZE", "MVAPICH's mpirun_rsh", "MPICH"),
+              ("PMI_SIZE", "a Hydra mpiexec (MPICH, Intel MPI) or srun --mpi=pmi2", "MPICH"),
+              ("PMIX_RANK", "a PMIx launcher (srun --mpi=pmix, Open MPI 5's mpirun)", None),
+              ("SLURM_STEP_NUM_TASKS", "srun", None))
+
+
+def check_library_before_init() -> None:
+    """Under Open MPI's launcher, an MPICH-family mpi4py aborts inside MPI_Init (it finds PMIx, not
+    its PMI): ask the library mpi4py would load, without starting it, and stop first, saying why."""
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        return
+    from fastdecode.launch.info import library_before_init, library_family
+    found = library_before_init()
+    if found and library_family(found[0]) not in (None, "Open MPI"):
+        mixed_mpi_exit(mixed_mpi_message(None, found[0], origin=found[1], lib_path=found[2]))
+
+
+def mixed_mpi_exit(message: str):
+    """Every rank knows; rank 0 says it, the others wait a little so that their exit, which ends
+    the job, does not cut it short."""
+    if launched_rank() == 0:
+        print(f"fastdecode: error: {message}", file=sys.stderr, flush=True)
+    else:
+        import time
+        time.sleep(2.0)
+    raise SystemExit(EXIT_USAGE)
+
+
+def mixed_mpi_message(world_size: int | None, library_version: str, env=None, origin: str | None = None,
+                      lib_path: str | None = None) -> str:
+    """The launcher started ranks that mpi4py's MPI library cannot join (world_size: what it saw,
+    1; None: it cannot start): the launcher and the library are different MPIs, or srun ran
+    without an MPI plugin. Names both and the fixes."""
+    from fastdecode.launch.info import dual_abi_hint, library_family
+    env = os.environ if env is None else env
+    var, launcher, launcher_family = next(((v, name, fam) for v, name, fam in _LAUNCHERS if v in env),
+                                          ("", "the launcher", None))
+    size = next((env[v] for v in _SIZE_VARS + ("SLURM_STEP_NUM_TASKS",) if v in env), "?")
+    first = library_version.strip().splitlines()[0] if library_version.strip() else "unknown"
+    library = " ".join(first.split(",")[0].split())
+    family = library_family(library_version) or library
+    said = f" ({var}={env[var]})" if var else ""
+    fixes = [f"launch with {family}'s own mpiexec/mpirun"]
+    if var == "SLURM_STEP_NUM_TASKS":
+        fixes.insert(0, "give srun the MPI plugin: srun --mpi=pmix or --mpi=pmi2 (srun --mpi=list)")
+    if launcher_family and (hint := dual_abi_hint(origin, launcher_family)):
+        fixes.append(hint)
+    target = launcher_family or "the launcher's MPI"
+    fixes.append(f"rebuild mpi4py against {target} (MPICC=<its mpicc> python3 -m pip install --no-binary=mpi4py "
+                 "--no-cache-dir --force-reinstall mpi4py)")
+    saw = f"which sees a world of {world_size}" if world_size else "which cannot start under it"
+    return (f"{launcher} started {size} ranks{said}, but mpi4py's MPI library is {library}"
+            f"{f' ({lib_path})' if lib_path else ''}, {saw}: the launcher and mpi4py must be the same MPI. "
+            f"Fix: {'; or '.join(fixes)}. `fastdecode info` shows both; docs/site_mpi.md has the details")
 
 
 def role_name(rank: int) -> str:
