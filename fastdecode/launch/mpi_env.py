@@ -93,7 +93,9 @@ def share_end_notices(comm) -> dict | None:
     every other rank passes its address to its supervisor. Returns the address (None on rank 0)."""
     from rworker.host import end_notice
     if comm.Get_rank() == 0:
+        from fastdecode.launch.supervise import on_orphan
         listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice))
+        on_orphan(lambda: lost_rank_report(listener))
         comm.bcast(listener.address(), root=0)
         return None
     address = comm.bcast(None, root=0)
@@ -105,16 +107,40 @@ def on_end_notice(comm, notice: dict):
     """Rank 0, on the listener's thread: a rank failed (it aborts the job itself) or died. The run
     report names it before the job ends; for a dead rank this returns the abort (exit 1), which
     runs once the notice is answered."""
+    from fastdecode.batch.interrupt import STOP
     from fastdecode.batch.report import fail_live
     try:
         rank, error, code = int(notice["rank"]), str(notice["error"]), int(notice.get("code", 1))
     except (KeyError, TypeError, ValueError):
         return None
-    fail_live(error, rank, code)
+    if notice.get("lost") and STOP.requested:
+        return None          # the launcher ending every rank after a stop signal (Open MPI): no death
+    if fail_live(error, rank, code) and notice.get("lost"):      # no supervisor left to name it on stderr
+        print(f"fastdecode: {error}", file=sys.stderr, flush=True)
     if not notice.get("abort"):
         return None
     from rworker.host.wait import abort_job
     return lambda: abort_job(comm, code)
+
+
+def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
+    """Rank 0, ended because its supervisor was killed: if an R-worker's link to rank 0 has closed
+    without a bye (a launcher kills every rank once one has died: MPICH's at once), the report
+    failed naming it. The listener's threads get a moment to record the one that closed first."""
+    import time
+
+    from fastdecode.batch.interrupt import STOP
+    from fastdecode.batch.report import failed_note, live_running
+    if STOP.requested:
+        return None
+    lost = listener.lost()
+    if not lost:
+        return None
+    deadline = time.monotonic() + settle_s
+    while live_running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rank, error = lost[0]
+    return failed_note(error, rank)
 
 
 def fail(comm, exc: BaseException, code: int = 1) -> None:
