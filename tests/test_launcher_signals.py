@@ -165,6 +165,42 @@ def test_kill_9_of_an_rworker_leaves_a_failed_report_naming_it(tmp_path, victims
     assert time.monotonic() - t0 < 60
     assert code == AFTER_A_KILLED_RANK, (code, err[-3000:])
     rep = report_of(out)
-    assert rep["state"] == "failed" and rep["failed_rank"] == 1, rep
+    assert rep["state"] == "failed" and rep["failed_rank"] == 1 and rep["exit_code"] is None, rep
     assert f"rank 1 (R-worker pid {child.pid} on" in rep["error"] and f"(pid {sup.pid}," in rep["error"], rep
     assert len(kept_rows(out)) >= 2
+
+
+def test_a_supervisor_link_closed_without_a_bye_is_a_lost_rank():
+    """The link each R-worker's supervisor holds to rank 0: a bye is a normal end; a link that
+    closes without one names its rank (alone) or names none (several together: the launcher
+    killed them all, which went first is unknown)."""
+    from rworker.host import end_notice
+    got = []
+    listener = end_notice.Listener(lambda notice: got.append(notice))
+    try:
+        links = {}
+        for rank in (1, 2, 3):
+            read_end, write_end = os.pipe()
+            links[rank] = end_notice.SupervisorLink(read_end, rank, f"rank {rank} (R-worker pid {100 + rank} on h)")
+            os.write(write_end, json.dumps(listener.address()).encode() + b"\n")
+            os.close(write_end)
+            assert links[rank].address() == listener.address()
+        deadline = time.monotonic() + 10
+        while len(listener.watched) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(listener.watched) == [1, 2, 3]
+        links[1].bye()
+        links[2].conn.close()                                   # as if its process were killed
+        time.sleep(2 * end_notice.SETTLE_S + 0.3)
+        assert got == [{"rank": 2, "error": f"rank 2 (R-worker pid 102 on h) died: its supervisor (pid {os.getpid()}, "
+                        "the process the launcher started) ended without a word: killed", "abort": True, "lost": True}]
+        assert listener.gone() == {2: listener.closed[2]}
+        links[3].conn.close()
+        deadline = time.monotonic() + 5
+        while 3 not in listener.gone() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        both = listener.lost_notice()
+        assert both["rank"] is None and "ranks 2, 3" in both["error"]
+        assert len(got) == 1                                     # reported once
+    finally:
+        listener.close()

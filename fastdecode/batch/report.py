@@ -146,7 +146,7 @@ def live_running() -> bool:
     return live is not None and live.get("state") == "running"
 
 
-def failed_note(error: str, rank: int) -> bytes | None:
+def failed_note(error: str, rank: int | None) -> bytes | None:
     """Rank 0's supervisor-death handler, having found a rank gone: the run in progress as failed
     naming it (None: no run in progress, or it ended). Waits at most a second for the lock."""
     if not _live_lock.acquire(timeout=1.0):
@@ -155,7 +155,7 @@ def failed_note(error: str, rank: int) -> bytes | None:
         if not _live or _live["report"].get("state") != "running":
             return None
         return encode(dict(_live["report"], state="failed", interrupted=False, error=error, exit_code=None,
-                           failed_rank=rank))
+                           **({"failed_rank": rank} if rank is not None else {})))
     finally:
         _live_lock.release()
 
@@ -181,7 +181,7 @@ def mark_failed(path: str, report: dict, error: str, exit_code: int | None, rank
     return True
 
 
-def fail_live(error: str, rank: int, exit_code: int | None) -> bool:
+def fail_live(error: str, rank: int | None, exit_code: int | None) -> bool:
     """Fail the run in progress in this process, if there is one (rank 0, on an end notice)."""
     with _live_lock:
         return bool(_live) and mark_failed(_live["path"], _live["report"], error, exit_code, rank)

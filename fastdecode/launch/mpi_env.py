@@ -110,13 +110,17 @@ def on_end_notice(comm, notice: dict):
     from fastdecode.batch.interrupt import STOP
     from fastdecode.batch.report import fail_live
     try:
-        rank, error, code = int(notice["rank"]), str(notice["error"]), int(notice.get("code", 1))
+        rank = int(notice["rank"]) if notice["rank"] is not None or not notice.get("lost") else None
+        error, code = str(notice["error"]), int(notice.get("code", 1))
     except (KeyError, TypeError, ValueError):
         return None
     if notice.get("lost") and STOP.requested:
         return None          # the launcher ending every rank after a stop signal (Open MPI): no death
-    if fail_live(error, rank, code) and notice.get("lost"):      # no supervisor left to name it on stderr
-        print(f"fastdecode: {error}", file=sys.stderr, flush=True)
+    if notice.get("lost"):   # the launcher saw its process killed: the job's exit code is the launcher's
+        if fail_live(error, rank, None):
+            print(f"fastdecode: {error}", file=sys.stderr, flush=True)     # no supervisor left to say it
+    else:
+        fail_live(error, rank, code)
     if not notice.get("abort"):
         return None
     from rworker.host.wait import abort_job
@@ -124,23 +128,20 @@ def on_end_notice(comm, notice: dict):
 
 
 def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
-    """Rank 0, ended because its supervisor was killed: if an R-worker's link to rank 0 has closed
-    without a bye (a launcher kills every rank once one has died: MPICH's at once), the report
-    failed naming it. The listener's threads get a moment to record the one that closed first."""
+    """Rank 0, ended because its supervisor was killed: if R-worker links to rank 0 have closed
+    without a bye, the report failed naming the rank (one closed) or the ranks (the launcher killed
+    them together). The listener's threads get a moment to write it themselves."""
     import time
 
     from fastdecode.batch.interrupt import STOP
     from fastdecode.batch.report import failed_note, live_running
-    if STOP.requested:
-        return None
-    lost = listener.lost()
-    if not lost:
+    if STOP.requested or not listener.gone():
         return None
     deadline = time.monotonic() + settle_s
     while live_running() and time.monotonic() < deadline:
         time.sleep(0.02)
-    rank, error = lost[0]
-    return failed_note(error, rank)
+    notice = listener.lost_notice()
+    return failed_note(notice["error"], notice["rank"]) if notice is not None else None
 
 
 def fail(comm, exc: BaseException, code: int = 1) -> None:

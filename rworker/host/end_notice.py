@@ -23,11 +23,13 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 CONNECT_S = 2.0          # per address tried
 ACK_S = 10.0             # rank 0 writes its report (an fsync) before it answers
 MAX_BYTES = 64 << 10
+SETTLE_S = 0.2           # after a link closes: the launcher's kills of the others (MPICH's: at once) land
 
 
 class Listener:
@@ -39,6 +41,8 @@ class Listener:
         self.sock = socket.create_server(("", 0), backlog=16)
         self.on_notice = on_notice
         self.watched: dict[int, tuple[socket.socket, dict]] = {}    # rank -> its supervisor's link, its hello
+        self.closed: dict[int, dict] = {}         # rank -> hello, of links that closed without a bye
+        self._told = threading.Lock()             # held for good by the thread that reports them
         threading.Thread(target=self._serve, name="end-notices", daemon=True).start()
 
     def address(self) -> dict:
@@ -94,12 +98,17 @@ class Listener:
         self.watched.pop(rank, None)
         if data:
             return None                                  # bye: it ended normally
-        return self.on_notice({"rank": rank, "error": lost_text(hello), "abort": True, "lost": True})
+        self.closed[rank] = hello
+        time.sleep(SETTLE_S)                             # the launcher's kills of the others, if it sends them
+        if not self._told.acquire(blocking=False):
+            return None
+        notice = self.lost_notice()
+        return self.on_notice(notice) if notice is not None else None
 
-    def lost(self) -> list[tuple[int, str]]:
-        """(rank, what happened) of every watched supervisor whose link has closed without a bye, not
-        yet handled; plain system calls (rank 0's supervisor-death handler calls it)."""
-        out = []
+    def gone(self) -> dict[int, dict]:
+        """rank -> hello of every watched supervisor whose link closed without a bye: those seen
+        closing, and those closed by now (a peek: plain system calls, for a signal handler)."""
+        out = dict(self.closed)
         for rank, (conn, hello) in list(self.watched.items()):
             try:
                 data = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -108,8 +117,23 @@ class Listener:
             except OSError:
                 data = b""
             if not data:
-                out.append((rank, lost_text(hello)))
+                out[rank] = hello
         return out
+
+    def lost_notice(self) -> dict | None:
+        """The notice for the ranks gone: one names it; several gone together cannot say which went
+        first (the launcher killed the others: MPICH's at once), so the notice names none."""
+        gone = self.gone()
+        if not gone:
+            return None
+        if len(gone) == 1:
+            rank, hello = next(iter(gone.items()))
+            return {"rank": rank, "error": lost_text(hello), "abort": True, "lost": True}
+        ranks = ", ".join(str(r) for r in sorted(gone))
+        return {"rank": None, "abort": True, "lost": True,
+                "error": f"the launcher ended the job: the processes it started for ranks {ranks} (their "
+                         f"supervisors) were killed together, as a launcher kills every rank once one has died "
+                         f"(the rank that died first is named on stderr)"}
 
     def close(self) -> None:
         self.sock.close()
