@@ -8,6 +8,7 @@ order (--sort-output), or in file order less the rows that answer no line.
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections import Counter
@@ -216,6 +217,8 @@ class BatchJob:
             print(f"fastdecode: resuming: {rows} of {self.total_lines} requests already in {output_path}",
                   file=sys.stderr, flush=True)
         self.runner: BatchRunner | None = None
+        # earlier rows that answer a line for good (counted once: the stop-watch thread's lines_now)
+        self.prior_done = self.index.done_prior() if self.index.complete and self.index.prior_rows else 0
         self.wall = 0.0
         self.rewrite_error: str | None = None
         self.completed = False        # every input line is answered (this run's rows and earlier ones)
@@ -238,7 +241,7 @@ class BatchJob:
         the earlier rows could (one done row per line at least) are the lines read and matched, as
         a run would; if one needs serving, the index is loaded afresh for the run."""
         index = self.index
-        if not index.complete or not index.prior_rows or index.done_prior() < self.total_lines:
+        if not index.complete or not index.prior_rows or self.prior_done < self.total_lines:
             return False
         for i, line in enumerate(read_lines(self.input_path, self.limits)):
             if i % 10_000 == 0 and self._stopping():
@@ -272,9 +275,22 @@ class BatchJob:
         self.writer.close()
         self.completed = not interrupted
         if interrupted:
+            report.stopping(self.stop.name)     # the rows of the step in flight too, before the shutdown
             print(f"fastdecode: interrupted by {self.stop.name}: {self.done_lines()} of {total} requests done; "
                   f"rerun the same command to resume", file=sys.stderr, flush=True)
         return interrupted
+
+    def progress_now(self) -> dict:
+        """Input lines answered so far and this run's rows, from counters that any thread may read
+        (the stop-watch thread's note: report.stopping); no lines while earlier rows are unread."""
+        index, runner = self.index, self.runner
+        out = {"requests": runner.num_requests if runner else 0, "errors": runner.num_errors if runner else 0,
+               "skipped_done": index.skipped}
+        if index.complete:
+            answered = self.prior_done + index.rows_total - index.prior_rows
+            out["lines"] = {"input": self.total_lines, "answered": answered,
+                            "remaining": max(self.total_lines - answered, 0)}
+        return out
 
     def done_lines(self) -> int:
         """Input lines answered in the output now: this run's rows, the earlier rows it matched,
@@ -341,6 +357,8 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
         stack.callback(close_engine)
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output,
                              stats_json=args.stats_json)
+        report.track(job.progress_now)
+        stop.watch(lambda signum: report.stopping(signal.Signals(signum).name))   # noted at once, any thread
         try:
             if stop.requested or job.every_line_answered() or stop.requested:
                 skip_engine()

@@ -13,11 +13,23 @@ model load included, is a clean stop: rank 0 then shuts the R-workers down and e
 A further signal while stopping is only noted: the rows being written must not be cut short,
 and under a launcher one signal often arrives twice (sent to the task and forwarded by the
 script or the supervisor). SIGKILL remains for "now".
+
+Some launchers give rank 0 little time: Open MPI's mpirun, signalled SIGTERM or SIGINT itself,
+sends every rank SIGCONT, SIGTERM `odls_base_sigkill_timeout` seconds later (default 1) and SIGKILL
+as long again after that (docs/usage.md, "Batch jobs"). So the first stop signal is also acted on at
+once, off the main thread (`watch`): the run report says "interrupted" with the rows done so far
+before the step in flight ends, even while the main thread waits inside C code (an MPI call, the
+model load), where a Python handler cannot run. Python's signal wake-up fd carries the signal to a
+thread the moment it arrives; the handler itself pokes that thread too, should anything else take
+the wake-up fd.
 """
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
@@ -34,7 +46,9 @@ class StopRequest:
     def __init__(self):
         self.signum: int | None = None
         self.repeats = 0                 # signals received after the first
+        self.noticed: int | None = None  # the first, as the watch thread saw it (maybe before the handler)
         self._old: dict[int, object] = {}
+        self._poke: socket.socket | None = None
 
     def install(self) -> StopRequest:
         """Take the stop signals (again: an MPI library may have taken them meanwhile); a
@@ -52,14 +66,57 @@ class StopRequest:
         else:
             self.repeats += 1
             _say(f"got {name} while stopping: ignored, still saving (SIGKILL ends at once)")
+        poke = self._poke
+        if poke is not None:
+            try:
+                poke.send(bytes([signum]))
+            except OSError:
+                pass
 
     @property
     def requested(self) -> bool:
-        return self.signum is not None
+        return self.signum is not None or self.noticed is not None
 
     @property
     def name(self) -> str | None:
-        return signal.Signals(self.signum).name if self.signum is not None else None
+        signum = self.signum if self.signum is not None else self.noticed
+        return signal.Signals(signum).name if signum is not None else None
+
+    def watch(self, on_first: Callable[[int], None]) -> None:
+        """Main thread, once: call on_first(signum) on a thread of its own as the first stop signal
+        arrives (at once if one came already). The process's signal wake-up fd is taken for it."""
+        if self._poke is not None:
+            return
+        read_end, write_end = socket.socketpair()
+        write_end.setblocking(False)
+        try:
+            signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
+        except ValueError:               # not the main thread: the handler's poke still wakes it
+            pass
+        self._poke, self._read_end = write_end, read_end       # both kept open for the process's life
+        threading.Thread(target=self._watch, args=(read_end, on_first), name="stop-watch", daemon=True).start()
+        if self.signum is not None:
+            write_end.send(bytes([self.signum]))
+
+    def _watch(self, read_end: socket.socket, on_first: Callable[[int], None]) -> None:
+        stops = {int(s) for s in SIGNALS}
+        while True:
+            try:
+                data = read_end.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            signum = next((b for b in data if b in stops), None)
+            if signum is None:
+                continue
+            if self.noticed is None:
+                self.noticed = signum
+            try:
+                on_first(self.noticed)
+            except Exception as e:  # noqa: BLE001 - the main thread still saves at the end of its step
+                _say(f"could not note the stop in the run report at once: {type(e).__name__}: {e}")
+            return
 
     def restore(self) -> None:
         for sig, old in self._old.items():

@@ -4,12 +4,20 @@ again when it ends ("done" or "interrupted"); `runs` counts the runs of this out
 started (or --overwrite). State "failed" names the cause in `error`: an exception on rank 0, a
 rank that failed or died (`failed_rank`, from its end notice: rworker/host/end_notice.py), rank 0
 killed (its supervisor writes it), or the launcher ending rank 0 (what rank 0's supervisor-death
-handler writes, prepared here at the start of the run: launch/supervise.py)."""
+handler writes, prepared here at the start of the run: launch/supervise.py).
+
+A stop signal is noted at once, before the step in flight ends (`stopping`, from the stop-watch
+thread: batch/interrupt.py): state "interrupted", `stopping` true, the lines answered so far, so a
+launcher that kills rank 0 soon after its SIGTERM (Open MPI's mpirun) leaves a report that says
+so; the report written when the save completes replaces it. Whatever rank 0 writes, the note its
+supervisor-death handler would write is set to the same content first, so that handler never
+puts back an older state."""
 from __future__ import annotations
 
 import json
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -38,14 +46,25 @@ def previous(path: str, overwrite: bool) -> dict:
         return {}
 
 
-def write_atomic(path: str, obj: dict) -> None:
+def encode(obj: dict) -> bytes:
+    return (json.dumps(obj, indent=1) + "\n").encode()
+
+
+def write_atomic(path: str, obj: dict | bytes) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
+    with open(tmp, "wb") as f:
+        f.write(obj if isinstance(obj, bytes) else encode(obj))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _commit(path: str, obj: dict) -> None:
+    """Write the report of the run in progress, and make it what rank 0 writes if orphaned meanwhile."""
+    from fastdecode.launch.supervise import note_for_orphan
+    data = encode(obj)
+    note_for_orphan(path, data)
+    write_atomic(path, data)
 
 
 def token_latency(gaps: np.ndarray) -> dict | None:
@@ -79,8 +98,8 @@ def started(path: str, prev: dict, input_path: str, output_path: str, stats_json
               "input": os.path.abspath(input_path), "output": os.path.abspath(output_path),
               "stats_json": os.path.abspath(stats_json) if stats_json else None, "history": history}
     with _live_lock:
-        write_atomic(path, report)
         _set_live(path, report)
+        write_atomic(path, report)
     return report
 
 
@@ -89,11 +108,56 @@ def _set_live(path: str, report: dict | None) -> None:
     from fastdecode.launch.supervise import note_for_orphan
     _live.clear()
     if report is not None:
-        _live.update(path=path, report=report)
-        orphaned = dict(report, state="failed", interrupted=False, error=ORPHANED, exit_code=None)
-        note_for_orphan(path, (json.dumps(orphaned, indent=1) + "\n").encode())
+        _live.update(path=path, report=report, t0=time.monotonic())
+        note_for_orphan(path, encode(dict(report, state="failed", interrupted=False, error=ORPHANED, exit_code=None)))
     else:
         note_for_orphan(None, None)
+
+
+def track(progress_now) -> None:
+    """The run in progress counts its lines and rows with progress_now() (any thread may call it):
+    {"lines": {input, answered, remaining}, "requests", "errors", "skipped_done"}."""
+    with _live_lock:
+        if _live:
+            _live["progress_now"] = progress_now
+
+
+def stopping(signal_name: str | None) -> bool:
+    """A stop signal came (any thread): the run in progress is written "interrupted" now, with the
+    lines answered so far and a line in its history; the save that follows writes the full report.
+    True if written."""
+    with _live_lock:
+        if not _live or _live["report"].get("state") != "running":
+            return False
+        report, progress_now = _live["report"], _live.get("progress_now")
+        now = progress_now() if progress_now is not None else {}
+        lines = now.pop("lines", None)
+        run = {"run": report["runs"], "state": "interrupted", "signal": signal_name,
+               "wall_s": round(time.monotonic() - _live["t0"], 4), "requests": 0, "errors": 0, "skipped_done": 0, **now}
+        _commit(_live["path"], dict(report, state="interrupted", interrupted=True, signal=signal_name, exit_code=None,
+                                    stopping=True, history=(report["history"] + [run])[-HISTORY_KEEP:],
+                                    **({"lines": lines} if lines else {})))
+    return True
+
+
+def live_running() -> bool:
+    """Whether a run is in progress in this process and has not ended (no lock: a signal handler asks)."""
+    live = _live.get("report")
+    return live is not None and live.get("state") == "running"
+
+
+def failed_note(error: str, rank: int | None) -> bytes | None:
+    """Rank 0's supervisor-death handler, having found a rank gone: the run in progress as failed
+    naming it (None: no run in progress, or it ended). Waits at most a second for the lock."""
+    if not _live_lock.acquire(timeout=1.0):
+        return None
+    try:
+        if not _live or _live["report"].get("state") != "running":
+            return None
+        return encode(dict(_live["report"], state="failed", interrupted=False, error=error, exit_code=None,
+                           **({"failed_rank": rank} if rank is not None else {})))
+    finally:
+        _live_lock.release()
 
 
 def failed(path: str, report: dict, exc: BaseException, exit_code: int = 1) -> None:
@@ -109,13 +173,15 @@ def mark_failed(path: str, report: dict, error: str, exit_code: int | None, rank
         report.update(state="failed", interrupted=False, error=error, exit_code=exit_code)
         if rank is not None:
             report["failed_rank"] = rank
-        write_atomic(path, report)
         if _live.get("report") is report:
+            _commit(path, report)
             _set_live(path, None)
+        else:
+            write_atomic(path, report)
     return True
 
 
-def fail_live(error: str, rank: int, exit_code: int | None) -> bool:
+def fail_live(error: str, rank: int | None, exit_code: int | None) -> bool:
     """Fail the run in progress in this process, if there is one (rank 0, on an end notice)."""
     with _live_lock:
         return bool(_live) and mark_failed(_live["path"], _live["report"], error, exit_code, rank)
@@ -181,4 +247,4 @@ def _finish(path: str, report: dict, job, engine, this_run: dict, signal_name: s
     report["history"] = (report.pop("history") + [{
         "run": report["runs"], "state": report["state"], "signal": signal_name, "wall_s": this_run["wall_s"],
         "requests": this_run["requests"], "errors": this_run["errors"], "skipped_done": index.skipped}])[-HISTORY_KEEP:]
-    write_atomic(path, report)
+    _commit(path, report)

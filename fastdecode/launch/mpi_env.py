@@ -157,7 +157,9 @@ def share_end_notices(comm) -> dict | None:
     every other rank passes its address to its supervisor. Returns the address (None on rank 0)."""
     from rworker.host import end_notice
     if comm.Get_rank() == 0:
+        from fastdecode.launch.supervise import on_orphan
         listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice))
+        on_orphan(lambda: lost_rank_report(listener))
         comm.bcast(listener.address(), root=0)
         return None
     address = comm.bcast(None, root=0)
@@ -169,16 +171,41 @@ def on_end_notice(comm, notice: dict):
     """Rank 0, on the listener's thread: a rank failed (it aborts the job itself) or died. The run
     report names it before the job ends; for a dead rank this returns the abort (exit 1), which
     runs once the notice is answered."""
+    from fastdecode.batch.interrupt import STOP
     from fastdecode.batch.report import fail_live
     try:
-        rank, error, code = int(notice["rank"]), str(notice["error"]), int(notice.get("code", 1))
+        rank = int(notice["rank"]) if notice["rank"] is not None or not notice.get("lost") else None
+        error, code = str(notice["error"]), int(notice.get("code", 1))
     except (KeyError, TypeError, ValueError):
         return None
-    fail_live(error, rank, code)
+    if notice.get("lost") and STOP.requested:
+        return None          # the launcher ending every rank after a stop signal (Open MPI): no death
+    if notice.get("lost"):   # the launcher saw its process killed: the job's exit code is the launcher's
+        if fail_live(error, rank, None):
+            print(f"fastdecode: {error}", file=sys.stderr, flush=True)     # no supervisor left to say it
+    else:
+        fail_live(error, rank, code)
     if not notice.get("abort"):
         return None
     from rworker.host.wait import abort_job
     return lambda: abort_job(comm, code)
+
+
+def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
+    """Rank 0, ended because its supervisor was killed: if R-worker links to rank 0 have closed
+    without a bye, the report failed naming the rank (one closed) or the ranks (the launcher killed
+    them together). The listener's threads get a moment to write it themselves."""
+    import time
+
+    from fastdecode.batch.interrupt import STOP
+    from fastdecode.batch.report import failed_note, live_running
+    if STOP.requested or not listener.gone():
+        return None
+    deadline = time.monotonic() + settle_s
+    while live_running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    notice = listener.lost_notice()
+    return failed_note(notice["error"], notice["rank"]) if notice is not None else None
 
 
 def fail(comm, exc: BaseException, code: int = 1) -> None:

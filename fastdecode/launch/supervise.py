@@ -16,10 +16,13 @@ far stay.
 
 The run report must not say "running" after any of that. The supervisor of a dead R-worker
 reports it to rank 0 (rworker/host/end_notice.py: the child passes rank 0's address up a pipe),
-which marks its report failed naming the rank and aborts the job with exit 1; rank 0's own
-supervisor marks the report failed when rank 0 ends abnormally; and rank 0, ended because its
-supervisor was killed, writes the "failed" report prepared at the start of its run
-(note_for_orphan) with plain system calls before it exits.
+which marks its report failed naming the rank and aborts the job with exit 1; an R-worker whose
+supervisor was killed too is found by the link that supervisor held open to rank 0 (closed
+without a bye), with the same result; rank 0's own supervisor marks the report failed when rank 0
+ends abnormally; and rank 0, ended because its supervisor was killed, writes the report prepared
+for that (note_for_orphan: "failed", or "interrupted" once a stop signal came) with plain system
+calls before it exits, or "failed" naming an R-worker whose link it finds closed then (on_orphan).
+The report comes first there: a message to a launcher that has gone (a broken pipe) must not cost it.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CLEAN_EXITS = (0, 2, 75)      # done, usage error, interrupted with work saved
 WAIT_FOR_ABORT_S = 10.0       # after rank 0 recorded this rank's death: its abort ends this process
 _orphan_note: tuple[str, bytes] | None = None     # (report path, report bytes) rank 0 writes if orphaned
+_orphan_check = None          # rank 0: () -> report bytes naming a rank found gone as it is orphaned, or None
 
 
 def should_supervise() -> bool:
@@ -49,8 +53,8 @@ def should_supervise() -> bool:
 
 def run_supervised(argv: list[str], summary_path: str | None = None) -> int:
     from fastdecode.batch.interrupt import STOP
-    from fastdecode.launch.mpi_env import launched_rank
-    from rworker.host.end_notice import SUPERVISOR_FD, read_from_child
+    from fastdecode.launch.mpi_env import launched_rank, role_name
+    from rworker.host.end_notice import SUPERVISOR_FD, SupervisorLink
     rank, started = launched_rank(), time.time()
     from_child, to_supervisor = os.pipe()          # the child passes rank 0's address up
     os.set_inheritable(to_supervisor, True)
@@ -71,10 +75,14 @@ def run_supervised(argv: list[str], summary_path: str | None = None) -> int:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     if rank == 0 and STOP.requested:      # received before the child existed (cli.main took it)
         child.send_signal(STOP.signum)
+    # an R-worker's supervisor links to rank 0 as soon as the child knows its address: if this
+    # process is killed, rank 0 sees the link close and names the rank
+    link = SupervisorLink(from_child, rank, f"rank {rank} ({role_name(rank)} pid {child.pid} on "
+                                            f"{socket.gethostname()})" if rank > 0 else None)
     code = child.wait()                   # retried after each forwarded signal (PEP 475)
-    rank0_address = read_from_child(from_child)
     if code not in CLEAN_EXITS:
-        report_end(rank, child.pid, code, rank0_address, summary_path, started)
+        report_end(rank, child.pid, code, link.address() if rank > 0 else None, summary_path, started)
+    link.bye()
     return 128 - code if code < 0 else code
 
 
@@ -104,13 +112,26 @@ def note_for_orphan(path: str | None, data: bytes | None) -> None:
     _orphan_note = (path, data) if path is not None and data is not None else None
 
 
+def on_orphan(check) -> None:
+    """Rank 0: check() -> the report naming a rank found gone, to write instead of the prepared note."""
+    global _orphan_check
+    _orphan_check = check
+
+
 def _write_orphan_note() -> None:
-    """Plain system calls only: this runs in a signal handler or as the process ends."""
-    note = _orphan_note
+    """Plain system calls only (and the check's peek at rank 0's links): this runs in a signal
+    handler or as the process ends."""
+    found = None
+    if _orphan_note is not None and _orphan_check is not None:
+        try:
+            found = _orphan_check()
+        except Exception:  # noqa: BLE001 - the prepared note still goes out
+            pass
+    note = _orphan_note                  # read after the check: a listener thread may have written meanwhile
     if note is None:
         return
-    path, data = note
-    tmp = path + ".orphaned.tmp"
+    path, data = note[0], found or note[1]
+    tmp = f"{path}.orphaned.{threading.get_ident()}.tmp"     # the handler and the watch thread may both write
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -138,8 +159,11 @@ def child_started(rank: int) -> None:
 
     def orphaned(*_) -> None:
         try:                             # whatever goes wrong on the way, the process ends
-            os.write(2, text)
-            _write_orphan_note()
+            _write_orphan_note()         # first: stderr may be a pipe to a launcher that is gone
+            try:
+                os.write(2, text)
+            except OSError:
+                pass
         finally:
             os._exit(1)
 
