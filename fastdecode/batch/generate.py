@@ -217,7 +217,7 @@ class BatchJob:
             print(f"fastdecode: resuming: {rows} of {self.total_lines} requests already in {output_path}",
                   file=sys.stderr, flush=True)
         self.runner: BatchRunner | None = None
-        # earlier rows that answer a line for good (counted once: the stop-watch thread's lines_now)
+        # earlier rows that answer a line for good (counted once: progress_now, for the stop-watch thread)
         self.prior_done = self.index.done_prior() if self.index.complete and self.index.prior_rows else 0
         self.wall = 0.0
         self.rewrite_error: str | None = None
