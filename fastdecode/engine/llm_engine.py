@@ -160,7 +160,7 @@ class LLMEngine:
     def describe_model(self) -> str:
         """One line for the job's start: the architecture and the attention variants it runs."""
         c = self.config
-        variants = c.attention_variants() if hasattr(c, "attention_variants") else ""
+        variants = c.attention_variants()
         return (f"model {c.model_type}: {c.num_layers} layers, {c.num_heads} query / {c.num_kv_heads} KV heads x "
                 f"{c.head_dim}" + (f"; {variants}" if variants else "")
                 + ("; prefix sharing off (sliding windows)" if self.variants.windowed and self.args.prefix_sharing

@@ -188,7 +188,7 @@ def model_info(model: str) -> dict:
     from fastdecode.model.config import SUPPORTED_ARCHS
     from fastdecode.model.source import read_config, resolve_model
     c = read_config(resolve_model(model))
-    variants = c.attention_variants() if hasattr(c, "attention_variants") else ""
+    variants = c.attention_variants()
     return {"model": model,
             "model_architecture": f"{c.model_type}: {c.num_layers} layers, {c.num_heads} query / {c.num_kv_heads} "
                                   f"KV heads x {c.head_dim}",

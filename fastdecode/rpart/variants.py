@@ -22,17 +22,17 @@ class AttentionVariants:
     @classmethod
     def of(cls, config: ModelConfig, model=None) -> "AttentionVariants":
         """The variants of `config`; sinks come from the S-part's weights (model.sinks(layer))."""
-        scale = getattr(config, "attn_scale", None) or config.head_dim ** -0.5
-        windows = tuple(int(w) for w in getattr(config, "layer_windows", ()) or ())
+        scale = config.attn_scale or config.head_dim ** -0.5
+        windows = tuple(int(w) for w in config.layer_windows)
         sinks: tuple[float, ...] = ()
-        if getattr(config, "attn_sinks", False) and model is not None:
+        if config.attn_sinks and model is not None:
             rows = [model.sinks(layer) for layer in range(config.num_layers)]
             missing = [layer for layer, r in enumerate(rows) if r is None]
             if missing and len(missing) < len(rows):
                 raise ValueError(f"the model has attention sinks on some layers but none on layer {missing[0]}")
             if not missing:
                 sinks = tuple(float(x) for r in rows for x in r.detach().float().cpu().numpy().ravel())
-        return cls(float(scale), windows if any(windows) else (), float(getattr(config, "attn_softcap", 0) or 0),
+        return cls(float(scale), windows if any(windows) else (), float(config.attn_softcap or 0),
                    sinks)
 
     @property
