@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup families tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup families gpuonly tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so a session runs a few of them, newest need first.
 # The queue, newest need first:
-#   call 0: setup families (~4 min, issue 33: the S-part per layer of each served model family
-#           against its pure GEMMs at B = 1,024 and 8,192; the MoE layers on grouped GEMMs;
-#           measured once on the H200 box 2026-11-26 with this stage's command, not yet on the H100)
+#   call 0: setup gpuonly families (~7 min; families, issue 33: the S-part per layer of each served
+#           model family against its pure GEMMs at B = 1,024 and 8,192, the MoE layers on grouped
+#           GEMMs, Llama-3-70B's layer for the projections; gpuonly, issue 34: HF generate of a
+#           full-depth Llama-3-8B with its KV on the card, the GPU-only peer of docs/projections.md)
 # Measured 2026-11-26 on the H200 box (results labelled h200-box): int8, tests, soverhead, fidelity,
 # e2e8b, amx, roofline, prefix, prefill, prefillmix, e2e7b, kernel, pageruns, vtile (docs/results.md):
 # rerun any of them after the code they measure changes.
@@ -95,6 +96,9 @@ amx)         # issue 3: scores as AMX tile products (csrc/avx512/amx.h, FASTDECO
 families)    # issue 33: the S-part per layer of each family (dense, MoE, Gemma, Phi-3) against its pure GEMMs
     stage families 240 $PY bench/gpu/families_bench.py --label $BOX --device cuda --dtype bfloat16 \
         --batches 1024 8192 ;;
+gpuonly)     # issue 34: GPU-only serving, the peer of the cluster projections (short, 2k and 32k contexts)
+    stage gpuonly 200 $PY bench/gpu/gpu_only_bench.py --label $BOX --model random:llama-3-8b \
+        --workloads 512,128 2048,128 32000,32 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

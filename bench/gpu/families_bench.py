@@ -54,6 +54,11 @@ FAMILIES = {
         "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "max_position_embeddings": 8192, "hidden_act": "silu",
         "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001},
+    "llama-3-70b": {
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "num_hidden_layers": 80, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "hidden_act": "silu",
+        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001},
     "qwen3-8b": {
         "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
         "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
