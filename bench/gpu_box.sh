@@ -97,8 +97,11 @@ families)    # issue 33: the S-part per layer of each family (dense, MoE, Gemma,
     stage families 240 $PY bench/gpu/families_bench.py --label $BOX --device cuda --dtype bfloat16 \
         --batches 1024 8192 ;;
 gpuonly)     # issue 34: GPU-only serving, the peer of the cluster projections (short, 2k and 32k contexts)
-    stage gpuonly 200 $PY bench/gpu/gpu_only_bench.py --label $BOX --model random:llama-3-8b \
-        --workloads 512,128 2048,128 32000,32 ;;
+    stage gpuonly 300 $PY bench/gpu/gpu_only_bench.py --label $BOX --model random:llama-3-8b \
+        --workloads 512,128 2048,128 8192,64 32000,32 --caches dynamic static
+    # the S-part of a full Llama-3-8B step and the PCIe copies (the projections' S side)
+    stage soverhead8b 120 $PY bench/gpu/s_overhead_bench.py --label $BOX-llama-3-8b \
+        --model random:llama-3-8b:layers=8 --batches 1024 4096 16384 --depths 1 2 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

@@ -49,33 +49,34 @@ def batch_estimate(cfg: dict, prompt: int, gen: int, free_bytes: int, max_batch:
     return max(1, min(max_batch, int(free_bytes * 0.85 / per_seq)))
 
 
-def timed_generate(model, ids, new_tokens: int, sync) -> float:
+def timed_generate(model, ids, new_tokens: int, cache: str, sync) -> float:
+    """No attention mask (no padding): the causal SDPA path, no [B, H, S, S] mask materialized."""
     sync()
     t = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, cache_implementation=cache)
     sync()
     assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
     return time.perf_counter() - t
 
 
-def run_workload(model, cfg, prompt: int, gen: int, args, sync) -> dict:
+def run_workload(model, cfg, prompt: int, gen: int, cache: str, args, sync) -> dict:
     free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 8 << 30
     batch = batch_estimate(cfg, prompt, gen, free, args.max_batch)
     while True:
         try:
             ids = torch.randint(1, min(20000, cfg["vocab_size"]), (batch, prompt), device=args.device)
-            prefill_s = timed_generate(model, ids, 1, sync)
-            whole_s = timed_generate(model, ids, gen, sync)
+            prefill_s = timed_generate(model, ids, 1, cache, sync)
+            whole_s = timed_generate(model, ids, gen, cache, sync)
             break
         except torch.OutOfMemoryError:
             if batch == 1:
-                return {"prompt": prompt, "gen": gen, "error": "out of memory at batch 1"}
+                return {"prompt": prompt, "gen": gen, "cache": cache, "error": "out of memory at batch 1"}
             batch = max(1, batch // 2)
             torch.cuda.empty_cache()
     decode_s = max(whole_s - prefill_s, 1e-9)
-    return {"prompt": prompt, "gen": gen, "batch": batch, "prefill_s": round(prefill_s, 3),
+    return {"prompt": prompt, "gen": gen, "cache": cache, "batch": batch, "prefill_s": round(prefill_s, 3),
             "whole_s": round(whole_s, 3), "decode_s": round(decode_s, 3),
             "decode_tokens_per_s": round(batch * (gen - 1) / decode_s, 1),
             "output_tokens_per_s": round(batch * gen / whole_s, 1),
@@ -90,6 +91,8 @@ def main():
     ap.add_argument("--workloads", nargs="+", default=["512,128", "2048,128", "32000,32"],
                     help="PROMPT,GEN pairs")
     ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--caches", nargs="+", default=["dynamic", "static"], choices=("dynamic", "static"),
+                    help="HF cache implementations: dynamic grows by concatenation, static is preallocated")
     args = ap.parse_args()
     import transformers
 
@@ -102,17 +105,18 @@ def main():
                        do_sample=False, pad_token_id=0)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     doc = {"label": args.label, "model": args.model, "device": device_name,
-           "system": "hf-transformers generate, bf16, KV cache on the GPU (sdpa attention)",
+           "system": "hf-transformers generate, bf16, KV cache on the GPU (sdpa attention, no mask: causal kernel)",
            "torch": torch.__version__, "transformers": transformers.__version__,
            "date": time.strftime("%Y-%m-%d"), "runs": []}
     path = os.path.join(RESULTS, f"gpu_only_{args.label}.json")
     for w in args.workloads:
         prompt, gen = (int(x) for x in w.split(","))
-        row = run_workload(model, cfg, prompt, gen, args, sync)
-        print(row, flush=True)
-        doc["runs"].append(row)
-        with open(path, "w") as f:   # after every workload: a cut run keeps what it finished
-            json.dump(doc, f, indent=1)
+        for cache in args.caches:
+            row = run_workload(model, cfg, prompt, gen, cache, args, sync)
+            print(row, flush=True)
+            doc["runs"].append(row)
+            with open(path, "w") as f:   # after every run: a cut run keeps what it finished
+                json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":
