@@ -7,10 +7,8 @@
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so a session runs a few of them, newest need first.
 # The queue, newest need first:
-#   call 0: setup gpuonly families (~7 min; families, issue 33: the S-part per layer of each served
-#           model family against its pure GEMMs at B = 1,024 and 8,192, the MoE layers on grouped
-#           GEMMs, Llama-3-70B's layer for the projections; gpuonly, issue 34: HF generate of a
-#           full-depth Llama-3-8B with its KV on the card, the GPU-only peer of docs/projections.md)
+#   (empty: every stage has run on a box. Rerun any of them after the code they measure changes.)
+# Measured 2026-11-26 on the H100 box (results labelled h100-box): gpuonly (with soverhead8b), families.
 # Measured 2026-11-26 on the H200 box (results labelled h200-box): int8, tests, soverhead, fidelity,
 # e2e8b, amx, roofline, prefix, prefill, prefillmix, e2e7b, kernel, pageruns, vtile (docs/results.md):
 # rerun any of them after the code they measure changes.
