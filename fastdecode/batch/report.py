@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -162,7 +163,15 @@ def failed_note(error: str, rank: int | None) -> bytes | None:
 
 def failed(path: str, report: dict, exc: BaseException, exit_code: int = 1) -> None:
     """A run that ended by an exception: its rows so far are on disk, a rerun resumes."""
-    mark_failed(path, report, f"{type(exc).__name__}: {exc}", exit_code)
+    mark_failed(path, report, f"{type(exc).__name__}: {exc}", exit_code, rank=silent_rank(exc))
+
+
+def silent_rank(exc: BaseException) -> int | None:
+    """The rank a peer timeout names when it names one alone ("no reply from rank 1 (R-worker on
+    h) within 10 s": a lost node or a partitioned link), else None."""
+    from rworker.host.wait import PeerTimeout
+    ranks = set(re.findall(r"\brank (\d+) \(", str(exc))) if isinstance(exc, PeerTimeout) else set()
+    return int(ranks.pop()) if len(ranks) == 1 else None
 
 
 def mark_failed(path: str, report: dict, error: str, exit_code: int | None, rank: int | None = None) -> bool:

@@ -27,7 +27,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 from fastdecode.launch import netns_links as links
 
@@ -161,10 +160,7 @@ def up(name: str, nodes: int, link: links.Link | None = None, owner_pid: int | N
         slot = next((s for s in range(MAX_SLOTS) if s not in used and not _subnet_in_use(s)), None)
         if slot is None:
             raise RuntimeError(f"no free subnet among {MGMT_NET}.0-{MAX_SLOTS - 1}.0/24")
-        script = os.path.join(STATE_DIR, "launcher-exec.sh")
-        with open(script, "w") as f:
-            f.write(EXEC_SCRIPT)
-        os.chmod(script, 0o755)
+        script = _exec_script()
         rec = {"name": name, "nodes": nodes, "slot": slot, "owner": _owner(owner_pid), "netem": links.has_netem(),
                "launcher_exec": script, "shape": {}}
         _save(rec)                      # first: a failure below leaves a record that `down` removes
@@ -176,6 +172,20 @@ def up(name: str, nodes: int, link: links.Link | None = None, owner_pid: int | N
     for i in range(nodes):
         shape(name, i, link or links.PROFILES["none"])
     return record(name)
+
+
+def _exec_script() -> str:
+    """The launcher-exec script all clusters share, replaced atomically (a job of another cluster
+    may be starting ranks through it)."""
+    script = os.path.join(STATE_DIR, "launcher-exec.sh")
+    with contextlib.suppress(OSError), open(script) as f:
+        if f.read() == EXEC_SCRIPT:
+            return script
+    with open(script + ".tmp", "w") as f:
+        f.write(EXEC_SCRIPT)
+    os.chmod(script + ".tmp", 0o755)
+    os.replace(script + ".tmp", script)
+    return script
 
 
 def _subnet_in_use(slot: int) -> bool:
@@ -301,12 +311,3 @@ def cluster(name: str, nodes: int, link: links.Link | None = None):
     finally:
         with contextlib.suppress(ValueError):
             down(name)
-
-
-def wait_for(predicate, limit_s: float, every_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(every_s)
-    return True
