@@ -264,7 +264,8 @@ def set_link(name: str, i: int, is_up: bool) -> None:
 
 def counters(name: str) -> dict:
     """Bytes each node sent and received on each network (read at the bridge-side veth, whose rx is
-    the node's tx), with the shaping applied: {"nodes": [{"node", "fabric": {"rx", "tx"}, "mgmt": ...}]}."""
+    the node's tx), the shaping applied and what its qdiscs held back or dropped:
+    {"nodes": [{"node", "host", "fabric": {"rx", "tx"}, "mgmt": ..., "fabric_link", "shape", "shaper"}]}."""
     rec = record(name)
     nodes = []
     for i in range(rec["nodes"]):
@@ -276,8 +277,21 @@ def counters(name: str) -> dict:
         with open(f"/sys/class/net/{veth(name, 'f', i)}/operstate") as f:
             entry["fabric_link"] = f.read().strip()
         entry["shape"] = rec["shape"].get(str(i))
+        entry["shaper"] = {"to_node": _qdisc_stats(["tc"], veth(name, "f", i)),
+                           "from_node": _qdisc_stats(["tc", "-n", node_name(name, i)], FABRIC_IF)}
         nodes.append(entry)
     return {"name": name, "nodes": nodes}
+
+
+def _qdisc_stats(tc: list[str], dev: str) -> dict | None:
+    """The root qdisc's packets held back by the rate (overlimits) and dropped; None: unshaped."""
+    try:
+        root = json.loads(_run(*tc, "-s", "-j", "qdisc", "show", "dev", dev, "root").stdout or "[]")[0]
+    except (RuntimeError, ValueError, IndexError):
+        return None
+    if root.get("kind") not in ("tbf", "netem"):
+        return None
+    return {"qdisc": root["kind"], "overlimits": root.get("overlimits", 0), "drops": root.get("drops", 0)}
 
 
 def mpiexec_env(name: str) -> dict[str, str]:

@@ -88,9 +88,9 @@ def qdisc_args(link: Link, netem: bool) -> list[str] | None:
         return args + (["rate", f"{link.rate_bit}bit"] if link.rate_bit else [])
     if link.rate_bit is None:
         return None                    # a delay alone, and no netem: nothing to apply
-    # burst: a 64 KiB segment (veth passes GSO super-packets) or one timer tick (1 ms) at the rate,
-    # whichever is larger; the queue holds 50 ms at the rate (a 100x slower link still queues a step)
-    burst = max(1 << 17, link.rate_bit // 8 // 1000)
+    # burst: 1 ms at the rate, at least 16 KiB (ten full frames; tbf cuts larger GSO super-packets
+    # into frames): a slow link passes no whole step in one burst. The queue holds 50 ms at the rate.
+    burst = max(16 << 10, link.rate_bit // 8 // 1000)
     return ["tbf", "rate", f"{link.rate_bit}bit", "burst", str(burst), "latency", "50ms"]
 
 

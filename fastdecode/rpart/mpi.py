@@ -21,7 +21,7 @@ from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo
 from fastdecode.rpart.staging import HostBuffer, Stager
 from fastdecode.rpart.variants import AttentionVariants
 from rworker.host.progressor import Progressor
-from rworker.host.wait import wait_message
+from rworker.host.wait import PeerTimeout, wait_all, wait_message
 from rworker.protocol import control as P
 from rworker.protocol.kvformat import ACT_CODES
 
@@ -77,6 +77,7 @@ class MPIBackend(RBackend):
         # without --timeout: a silent rank is declared after max(AUTO_MIN_S, 50 x the slowest step)
         self._auto_timeout = AUTO_FIRST_S
         self._slowest_step = 0.0
+        self._silent_rank = False      # a rank stayed silent past the timeout: no goodbyes at close
         self._pf_bufs = [HostBuffer(self.act_dtype, self.pinned), HostBuffer(self.act_dtype, self.pinned)]
         self._pf_tickets = [None, None]
         self.prefill_times = PrefillTimes()
@@ -101,7 +102,14 @@ class MPIBackend(RBackend):
                           pid=info.get("pid", 0), kernel=info.get("kernel", ""), forks=bool(info.get("forks")))
 
     def _send_control(self, w: int, msg: np.ndarray) -> None:
-        self.comm.Send([msg, MPI.INT64_T], dest=self.ranks[w], tag=P.TAG_CTRL)
+        """A Send with the silent-rank timeout: to a rank whose link is down a message stays queued
+        once the connection's window is full, and a plain Send would wait for it forever."""
+        req = self.comm.Isend([msg, MPI.INT64_T], dest=self.ranks[w], tag=P.TAG_CTRL)
+        try:
+            wait_all([req], self.policy, self.timeout or self._auto_timeout, who=self._names[w])
+        except PeerTimeout:
+            self._silent_rank = True
+            raise
 
     def _flush_frees(self) -> None:
         for w, ids in enumerate(self._pending_free):
@@ -111,7 +119,11 @@ class MPIBackend(RBackend):
 
     def _wait(self, ticket) -> None:
         if ticket is not None:
-            self.progress.wait(ticket, self.timeout or self._auto_timeout)
+            try:
+                self.progress.wait(ticket, self.timeout or self._auto_timeout)
+            except PeerTimeout:
+                self._silent_rank = True
+                raise
 
     # ------------------------------------------------------------------ prefill: stream prompt K/V per layer
 
@@ -306,6 +318,9 @@ class MPIBackend(RBackend):
             self._pending_free[w].extend(int(i) for i in ids)
 
     def close(self):
+        if self._silent_rank:     # the job is being aborted (mpi_env.fail); a SHUTDOWN would wait for it
+            self.progress.close()
+            return
         self._flush_frees()
         for w in range(len(self.ranks)):
             self._send_control(w, P.control(P.SHUTDOWN, self.step))
