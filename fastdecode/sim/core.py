@@ -50,7 +50,7 @@ def make_admission(cfg: SimConfig):
 
 class _Seq:
     """What placement reads of a sequence (fastdecode/engine/sequence.py's Sequence)."""
-    __slots__ = ("seq_id", "prompt_len", "max_tokens", "generated", "worker")
+    __slots__ = ("generated", "max_tokens", "prompt_len", "seq_id", "worker")
 
     def __init__(self, seq_id: int, prompt_len: int, max_tokens: int):
         self.seq_id, self.prompt_len, self.max_tokens, self.generated, self.worker = \
