@@ -96,10 +96,13 @@ setup(
     extras_require={
         # triton: the fused S-part kernels run under its CPU interpreter in the tests (GPU sites
         # already have the triton their torch pins, which satisfies this)
-        "test": ["pytest>=7", "hypothesis>=6", "accelerate>=0.30", "matplotlib>=3.7",
+        "test": ["pytest>=7", "hypothesis>=6", "accelerate>=0.30", "matplotlib>=3.7", "numba>=0.59",
                  "triton>=3.0; platform_system == 'Linux'"],
         "bench": ["matplotlib>=3.7", "accelerate>=0.30"],
         "plot": ["matplotlib>=3.7"],        # `fastdecode report -o run.png`
+        # `fastdecode simulate`: its event loop compiled (without numba it runs as plain Python,
+        # same results, slower on traces of millions of requests)
+        "sim": ["numba>=0.59", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["fastdecode=fastdecode.cli:main"]},
 )

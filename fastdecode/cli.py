@@ -1,4 +1,4 @@
-"""The `fastdecode` command: generate | profile | plan | report | info.
+"""The `fastdecode` command: generate | profile | plan | simulate | report | info.
 
 Every rank of `mpirun -n 1+R fastdecode generate ...` runs this: rank 0 becomes the S-worker,
 ranks 1..R R-workers (which never import torch). Usage and config errors are found on rank 0
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fastdecode.cli_args import CommandParser
     parser = CommandParser(prog="fastdecode", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"fastdecode {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,report,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,profile,plan,simulate,report,info}")
     sub.required = True
     g = sub.add_parser("generate", help="batch generation: OpenAI batch JSONL in, JSONL out",
                        description="Batch generation. Under mpirun -n 1+R: rank 0 S-worker, 1..R R-workers.")
@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub, add_engine_options)
     from fastdecode.sizing.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
+    from fastdecode.sim.cli import add_parser as add_simulate_parser
+    add_simulate_parser(sub)
     from fastdecode.batch.report_cmd import add_parser as add_report_parser
     add_report_parser(sub)
     info = sub.add_parser("info", help="versions, ISA path, MPI, devices; with --model, what it serves of a model")
@@ -332,6 +334,11 @@ def cmd_plan(args) -> int:
     return run(args)
 
 
+def cmd_simulate(args) -> int:
+    from fastdecode.sim.cli import run
+    return run(args)
+
+
 def cmd_report(args) -> int:
     from fastdecode.batch.report_cmd import run
     return run(args)
@@ -380,7 +387,7 @@ def run_command(argv: list[str] | None, words: list[str], job: bool) -> int:
     if rank == 0 and args.command == "profile":
         from fastdecode.batch.interrupt import STOP
         STOP.release()                        # profile saves nothing: a stop signal ends it
-    handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "report": cmd_report,
+    handlers = {"generate": cmd_generate, "profile": cmd_profile, "plan": cmd_plan, "simulate": cmd_simulate, "report": cmd_report,
                 "info": cmd_info}
     return handlers[args.command](args)
 

@@ -29,29 +29,7 @@ STATED_CPU_MEM_GB, STATED_LINK_BW_GBPS, STATED_LINK_LATENCY_US, STATED_OVERHEAD_
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="predict R-workers needed, latency and throughput", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    measured = "the profile's measurement; stated hardware: "
-    src = p.add_argument_group("hardware and model")
-    src.add_argument("--profile", help="profile JSON written by `fastdecode profile` (default: none: stated "
-                                       "hardware)")
-    src.add_argument("--gpu-profile", help=f"GPU preset ({', '.join(GPU_PRESETS)}) or a JSON file "
-                     "with name, peak_tflops, mem_bw_GBps, mem_GB (default: the profile's S-worker)")
-    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}) or an HF config.json "
-                                     "(default: the profile's model)")
-    src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s "
-                                                  "(default: the profile's measurement; needed without one)")
-    src.add_argument("--cpu-mem", type=float, help=f"memory of one R-worker, GB (default: {measured}"
-                                                   f"{STATED_CPU_MEM_GB:g})")
-    src.add_argument("--cpu-eff", type=float, default=0.66,
-                     help="fraction of --cpu-bw the attention kernel reaches (default: %(default)s)")
-    src.add_argument("--rworker-overhead-us", type=float,
-                     help=f"fixed cost per attention call, us (default: {measured}{STATED_OVERHEAD_US:g})")
-    src.add_argument("--shared-cost-ratio", type=float, metavar="X",
-                     help=f"what a member-token of shared prefix costs an R-worker against a streamed KV "
-                          f"token, in (0, 1] (default: {measured}1, as streamed)")
-    src.add_argument("--link-bw", type=float,
-                     help=f"S<->R link bandwidth, GB/s (default: {measured}{STATED_LINK_BW_GBPS:g})")
-    src.add_argument("--link-latency", type=float,
-                     help=f"S<->R one-way latency, us (default: {measured}{STATED_LINK_LATENCY_US:g})")
+    add_hardware_options(p)
     tgt = p.add_argument_group("target")
     tgt.add_argument("--context", type=int, default=1024, help="generation length S, tokens (default: %(default)s)")
     tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens (default: %(default)s)")
@@ -75,6 +53,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     return p
+
+
+def add_hardware_options(p: argparse.ArgumentParser):
+    """The hardware and model flags (a profile, stated hardware, or both): plan's and simulate's."""
+    measured = "the profile's measurement; stated hardware: "
+    src = p.add_argument_group("hardware and model")
+    src.add_argument("--profile", help="profile JSON written by `fastdecode profile` (default: none: stated "
+                                       "hardware)")
+    src.add_argument("--gpu-profile", help=f"GPU preset ({', '.join(GPU_PRESETS)}) or a JSON file "
+                     "with name, peak_tflops, mem_bw_GBps, mem_GB (default: the profile's S-worker)")
+    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}) or an HF config.json "
+                                     "(default: the profile's model)")
+    src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s "
+                                                  "(default: the profile's measurement; needed without one)")
+    src.add_argument("--cpu-mem", type=float, help=f"memory of one R-worker, GB (default: {measured}"
+                                                   f"{STATED_CPU_MEM_GB:g})")
+    src.add_argument("--cpu-eff", type=float, default=0.66,
+                     help="fraction of --cpu-bw the attention kernel reaches (default: %(default)s)")
+    src.add_argument("--rworker-overhead-us", type=float,
+                     help=f"fixed cost per attention call, us (default: {measured}{STATED_OVERHEAD_US:g})")
+    src.add_argument("--shared-cost-ratio", type=float, metavar="X",
+                     help=f"what a member-token of shared prefix costs an R-worker against a streamed KV "
+                          f"token, in (0, 1] (default: {measured}1, as streamed)")
+    src.add_argument("--link-bw", type=float,
+                     help=f"S<->R link bandwidth, GB/s (default: {measured}{STATED_LINK_BW_GBPS:g})")
+    src.add_argument("--link-latency", type=float,
+                     help=f"S<->R one-way latency, us (default: {measured}{STATED_LINK_LATENCY_US:g})")
+    return src
 
 
 class PlanError(ValueError):
@@ -166,6 +172,12 @@ def _check(args) -> None:
                         ("--pipeline-depth", args.pipeline_depth, 1), ("--prefill-chunk", args.prefill_chunk, 1)):
         if v is not None and v < lo:
             raise PlanError(f"{flag} must be >= {lo} (got {v})")
+    check_hardware(args)
+    _check_sharing(args)
+
+
+def check_hardware(args) -> None:
+    """The hardware flags' values (add_hardware_options)."""
     for flag, v in (("--cpu-bw", args.cpu_bw), ("--cpu-mem", args.cpu_mem), ("--link-bw", args.link_bw),
                     ("--cpu-eff", args.cpu_eff)):
         if v is not None and not v > 0:
@@ -173,7 +185,8 @@ def _check(args) -> None:
     for flag, v in (("--link-latency", args.link_latency), ("--rworker-overhead-us", args.rworker_overhead_us)):
         if v is not None and v < 0:
             raise PlanError(f"{flag} must be >= 0 (got {v})")
-    _check_sharing(args)
+    if args.shared_cost_ratio is not None and not 0 < args.shared_cost_ratio <= 1:
+        raise PlanError(f"--shared-cost-ratio must be in (0, 1] (got {args.shared_cost_ratio})")
 
 
 def _check_sharing(args) -> None:
@@ -184,8 +197,6 @@ def _check_sharing(args) -> None:
                         f"(got {args.shared_prefix} > {args.prompt_len})")
     if args.prefix_group is not None and args.prefix_group < 1:
         raise PlanError(f"--prefix-group must be >= 1 (got {args.prefix_group})")
-    if args.shared_cost_ratio is not None and not 0 < args.shared_cost_ratio <= 1:
-        raise PlanError(f"--shared-cost-ratio must be in (0, 1] (got {args.shared_cost_ratio})")
 
 
 def _row(prof: Profile, batch: int, args) -> dict:

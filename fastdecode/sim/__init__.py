@@ -1,0 +1,1 @@
+"""`fastdecode simulate`: a discrete-event model of one job (docs/simulate.md)."""

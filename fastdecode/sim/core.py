@@ -1,0 +1,191 @@
+"""The job's steps, as the engine runs them (fastdecode/engine/llm_engine.py, LLMEngine.step),
+timed by the profile instead of run.
+
+Each step: the admission controller (the engine's own classes, fastdecode/sched/admission.py)
+picks how many queued requests start; they are placed on R-workers (the engine's Placement) and
+prefilled together up to --max-prefill-tokens (the scheduler's rule: the first always, the next
+while the chunk stays within it), each sampling its first token at the prefill's end; then every
+running sequence decodes one token (fastdecode/sim/kernel.py times it); a sequence ends when it
+has generated its trace's output length, and a controller that learns lengths hears of it.
+A request joins the queue at its arrival time; with nothing to run, time skips to the next.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fastdecode.sched.admission import HEAD_WINDOW, FifoAdmission, StabilizedAdmission
+from fastdecode.sched.placement import Placement
+from fastdecode.sim.costs import Costs
+from fastdecode.sim.kernel import step_function
+from fastdecode.sim.trace import Trace
+
+
+@dataclass(slots=True)
+class SimConfig:
+    rworkers: int = 1
+    depth: int = 2                  # --pipeline-depth
+    schedule: str = "fifo"          # fifo | stabilized
+    max_batch: int = 256
+    max_prefill_tokens: int = 8192
+    target_batch: int | None = None
+    admit_every: int | None = None
+    max_gen: int | None = None
+    learn_lengths: bool = True
+    use_numba: bool = True
+    max_steps: int = 10_000_000
+
+
+def make_admission(cfg: SimConfig):
+    """The controller the engine builds for these flags (LLMEngine._make_admission, --kv-reserve full)."""
+    if cfg.schedule == "fifo":
+        return FifoAdmission(cfg.max_batch, worst_case=True)
+    if cfg.schedule == "stabilized":
+        return StabilizedAdmission(min(cfg.target_batch or cfg.max_batch, cfg.max_batch), cfg.admit_every,
+                                   cfg.max_gen, learn_lengths=cfg.learn_lengths)
+    raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {cfg.schedule!r}")
+
+
+class _Seq:
+    """What placement reads of a sequence (fastdecode/engine/sequence.py's Sequence)."""
+    __slots__ = ("generated", "max_tokens", "prompt_len", "seq_id", "worker")
+
+    def __init__(self, seq_id: int, prompt_len: int, max_tokens: int):
+        self.seq_id, self.prompt_len, self.max_tokens, self.generated, self.worker = \
+            seq_id, prompt_len, max_tokens, 0, -1
+
+    @property
+    def kv_len(self) -> int:
+        return self.prompt_len + max(self.generated - 1, 0)
+
+    @property
+    def total_len_bound(self) -> int:
+        return self.prompt_len + self.max_tokens
+
+
+@dataclass(slots=True)
+class SimRun:
+    """Per step [T]: end time, rows decoded, tokens sampled, admitted, waiting, prefill and decode
+    seconds, S busy in the decode, each R-worker's busy [T, P] and KV tokens held [T, P], link busy
+    each way. Per request [n]: admission step and finish time (-1: never). Token gaps as (seconds,
+    how many) pairs: each is the time between two consecutive tokens of one sequence."""
+    steps: dict = field(default_factory=dict)
+    admitted_step: np.ndarray | None = None
+    finish_s: np.ndarray | None = None
+    gap_s: np.ndarray | None = None
+    gap_count: np.ndarray | None = None
+    admission: dict = field(default_factory=dict)
+
+
+STEP_KEYS = ("t_s", "active", "tokens", "admitted", "waiting", "prefill_s", "decode_s", "s_time_s",
+             "link_out_s", "link_back_s")
+
+
+def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
+    if cfg.rworkers < 1 or cfg.depth < 1 or cfg.max_batch < 1 or cfg.max_prefill_tokens < 1:
+        raise ValueError("rworkers, depth, max_batch and max_prefill_tokens must be >= 1")
+    if cfg.max_batch >= costs.s_table.size:
+        raise ValueError(f"max_batch {cfg.max_batch} exceeds the cost tables ({costs.s_table.size - 1})")
+    n, P = len(trace), cfg.rworkers
+    step_fn = step_function(cfg.use_numba)
+    controller = make_admission(cfg)
+    placement = Placement(costs.workers(P), int(costs.kv_bytes_token), policy="full")
+    capacity = placement.total_capacity_tokens()
+    order = np.lexsort((np.arange(n), trace.arrival_s))          # FIFO: by arrival, then trace order
+    seqs = [_Seq(i + 1, int(trace.prompt_len[i]), int(trace.max_tokens[i])) for i in range(n)]
+    admitted_step, finish_s = np.full(n, -1, np.int64), np.full(n, -1.0)
+    running: list[int] = []                                       # request indices, admission order
+    rec = {k: [] for k in STEP_KEYS}
+    r_busy, kv_held, gaps = [], [], []
+    now, nxt, step = 0.0, 0, 0
+    while (nxt < n or running) and step < cfg.max_steps:
+        end = nxt + int(np.searchsorted(trace.arrival_s[order[nxt:]], now, side="right"))
+        if not running and end == nxt:
+            now = float(trace.arrival_s[order[nxt]])              # idle until the next request arrives
+            continue
+        step += 1
+        new = _admit(controller, placement, seqs, trace, order[nxt:end], running, cfg, step, capacity)
+        nxt += len(new)
+        admitted_step[new] = step
+        prefill = costs.prefill_s(trace.prompt_len[new]) if new else 0.0
+        for i in new:
+            seqs[i].generated = 1
+        done_now = [i for i in new if trace.output_len[i] <= 1]
+        old = len(running)
+        running += [i for i in new if trace.output_len[i] > 1]
+        idx = np.array(running, np.int64)
+        gen = np.array([seqs[i].generated for i in running], np.int64)
+        worker = np.array([seqs[i].worker for i in running], np.int64)
+        kv = trace.prompt_len[idx] + gen                                   # [m] tokens attended
+        res = step_fn(kv, costs.read_tokens(kv), idx + 1, worker, cfg.depth, P, costs.layers, costs.s_table,
+                      float(costs.head_table[idx.size]), costs.r_token_s, costs.r_call_s, costs.out_bytes_row,
+                      costs.back_bytes_row, costs.link, costs.msg_bytes, costs.msg_time)
+        decode = float(res[0])
+        t_end = now + prefill + decode
+        if old:
+            gaps.append((t_end - now, old))
+        if idx.size > old:
+            gaps.append((decode, idx.size - old))
+        kv_held.append(np.bincount(worker, weights=kv, minlength=P))
+        for i in running:
+            seqs[i].generated += 1
+        finished = done_now + [i for i in running if seqs[i].generated >= trace.output_len[i]]
+        for i in finished:
+            finish_s[i] = t_end if seqs[i].generated > 1 else now + prefill
+            placement.release(seqs[i])
+            controller_observe(controller, seqs[i].generated, trace.output_len[i] < trace.max_tokens[i])
+        running = [i for i in running if seqs[i].generated < trace.output_len[i]]
+        for k, v in zip(STEP_KEYS, (t_end, idx.size, idx.size + len(new), len(new), end - nxt, prefill, decode,
+                                    float(res[1]), float(res[2]), float(res[3]))):
+            rec[k].append(v)
+        r_busy.append(res[4:4 + P])
+        now = t_end
+    steps = {k: np.asarray(v) for k, v in rec.items()}
+    steps["r_busy_s"] = np.asarray(r_busy).reshape(-1, P)          # [T, P]
+    steps["kv_tokens"] = np.asarray(kv_held).reshape(-1, P)        # [T, P]
+    g = np.asarray(gaps, dtype=np.float64).reshape(-1, 2)
+    return SimRun(steps=steps, admitted_step=admitted_step, finish_s=finish_s, gap_s=g[:, 0],
+                  gap_count=g[:, 1].astype(np.int64), admission=controller.describe())
+
+
+def controller_observe(controller, generated: int, stopped: bool) -> None:
+    observe = getattr(controller, "observe_finished", None)
+    if observe is not None:
+        observe(int(generated), bool(stopped))
+
+
+def _admit(controller, placement: Placement, seqs: list, trace: Trace, queue: np.ndarray, running: list[int],
+           cfg: SimConfig, step: int, capacity: float) -> list[int]:
+    """Scheduler.schedule_prefill without chunked prefill: the controller's k, then placement and
+    the prefill token budget (the first admitted always, the rest while they fit). -> admitted."""
+    if not queue.size:
+        return []
+    head = queue[:max(HEAD_WINDOW, cfg.max_batch)]
+    waiting = list(zip(trace.prompt_len[head].tolist(), trace.max_tokens[head].tolist()))
+    run = [(seqs[i].kv_len, seqs[i].max_tokens - seqs[i].generated, seqs[i].generated) for i in running]
+    k = min(controller.admit(step, waiting, run, capacity), cfg.max_batch - len(running))
+    admitted, tokens = [], 0
+    for i in queue[:max(k, 0)].tolist():
+        rows = int(trace.prompt_len[i])
+        if admitted and tokens + rows > cfg.max_prefill_tokens:
+            break
+        if placement.place(seqs[i]) is None:
+            break
+        admitted.append(i)
+        tokens += rows
+    return admitted
+
+
+def weighted_percentile(values: np.ndarray, counts: np.ndarray, q: float) -> float:
+    """np.percentile(np.repeat(values, counts), q) (linear interpolation) without the repeat."""
+    total = int(counts.sum())
+    if total == 0:
+        return math.nan
+    order = np.argsort(values, kind="mergesort")
+    v, c = values[order], np.cumsum(counts[order])
+    pos = q / 100 * (total - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    at = np.searchsorted(c, [lo, hi], side="right")          # the value holding each 0-based rank
+    return float(v[at[0]] + (v[at[1]] - v[at[0]]) * (pos - lo))
