@@ -229,7 +229,9 @@ def test_profile_json_round_trip_and_validation(tmp_path):
     back = Profile.from_json(prof.to_json())
     assert back == prof
     assert back.link.time(1024) == pytest.approx(12e-6)            # measured table
-    assert back.link.time(1 << 30) == pytest.approx(10e-6 + (1 << 30) / 10e9)
+    # past the table: its largest point plus the rest at the bandwidth
+    assert back.link.time(1 << 30) == pytest.approx(110e-6 + ((1 << 30) - (1 << 20)) / 10e9)
+    assert back.link.time(512) == pytest.approx(10e-6 + 512 / 10e9)   # below it: latency + size / bandwidth
     extra = json.loads(prof.to_json())
     extra["r_workers"][0]["measured_at"] = "2026-11-22"          # metadata is ignored
     assert Profile.from_dict(extra) == prof

@@ -42,6 +42,7 @@ import numpy as np
 
 from fastdecode.sched.admission import memory_batch
 from fastdecode.sched.placement import RESERVE_POLICIES, grow_overhead_tokens
+from fastdecode.sizing.link import mini_batch_link
 from fastdecode.sizing.schema import Profile, RWorkerProfile
 
 
@@ -187,7 +188,8 @@ def _prefill_tokens(batch: float, gen_len: int, prompt_len: float) -> float:
 def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int,
                 depth: int, shared_prefix: int = 0, prefix_group: int | None = None) -> dict:
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
-    r (R-part), link (Q,K,V out + O back). Each resource serves every mini-batch once per layer
+    r (R-part), link (Q,K,V out + O back: over the slowest R-worker's link or the S-worker's path
+    to all of them, sizing/link.py, which the result names as link_by). Each resource serves every mini-batch once per layer
     (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
     cycle: layer = max(depth*s, depth*r, depth*link, s + r + link + hop). Depth 1 gives s + r +
     link + hop; depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the
@@ -206,13 +208,15 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     own = _own_prompt(prompt_len, shared_prefix, group)
     prompt_kv = _prefill_tokens(mini, gen_len, own) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
-    link = (profile.link.time(out_bytes) + profile.link.time(back_bytes)
-            + profile.link.device_time(out_bytes, back_bytes))
+    path = mini_batch_link(profile.link, workers, out_bytes, back_bytes)
+    device = profile.link.device_time(out_bytes, back_bytes)
+    link = path["s"] + device
     parts = {"S": s, "R": r, "link": link}
     chain = s + r + link + profile.link.hop_s
     layer = max(depth * max(parts.values()), chain)
     return {"s": depth * s, "r": depth * r, "link": depth * link, "layer": layer,
-            "bound": max(parts, key=parts.get)}
+            "bound": max(parts, key=parts.get), "link_by": path["by"], "link_bytes": depth * path["bytes"],
+            "link_latency_s": depth * (path["latency_s"] + device)}
 
 
 def kv_tokens_capacity(profile: Profile, rworkers: int) -> float:
