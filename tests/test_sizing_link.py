@@ -4,6 +4,7 @@ says about the link (text and JSON)."""
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,17 +56,18 @@ def test_fit_takes_the_bandwidth_from_big_messages():
 def test_each_worker_carries_its_share_and_the_slowest_bounds():
     # 2 R-workers of equal attention bandwidth: each holds half the rows. Mini-batch of 1,000
     # rows: 1,024,000 B out, 512,000 B back, half each. Slow worker: 10 us + 512,000 / 0.25e9
-    # = 2.058 ms out, 10 us + 256,000 / 0.25e9 = 1.034 ms back. S path at 4 GB/s: 20 us +
-    # 1,536,000 / 4e9 = 0.404 ms, below it.
+    # = 2.058 ms out, 10 us + 256,000 / 0.25e9 = 1.034 ms back: the chain waits for both, the
+    # load is the busier direction (out). S path at 4 GB/s: 10 us + 1,024,000 / 4e9 = 0.266 ms.
     link = two_worker_link(concurrent_Bps=4e9)
     workers = flat_profile(link, 2).r_workers
     got = mini_batch_link(link, workers, 1000 * OUT, 1000 * BACK)
     assert got["by"] == "slow"
     assert got["s"] == pytest.approx(2.058e-3 + 1.034e-3)
-    assert got["bytes"] == pytest.approx(768_000)
-    # the S-worker's path at 0.4 GB/s to both at once: 20 us + 1,536,000 / 0.4e9 = 3.86 ms bounds
+    assert got["load"] == pytest.approx(2.058e-3) and got["bytes"] == pytest.approx(512_000)
+    # the S-worker's path at 0.4 GB/s to both at once: 10 us + 1,024,000 / 0.4e9 = 2.57 ms bounds
     narrow = mini_batch_link(two_worker_link(concurrent_Bps=0.4e9), workers, 1000 * OUT, 1000 * BACK)
     assert narrow["by"] == S_PATH
+    assert narrow["load"] == pytest.approx(10e-6 + 1_024_000 / 0.4e9)
     assert narrow["s"] == pytest.approx(20e-6 + 1_536_000 / 0.4e9)
 
 
@@ -75,24 +77,26 @@ def test_without_a_concurrent_figure_all_messages_share_the_slowest_path():
     got = mini_batch_link(link, flat_profile(link, 2).r_workers, 1000 * OUT, 1000 * BACK)
     assert got["by"] == "slow"
     assert got["s"] == pytest.approx(2 * 10e-6 + 1_536_000 / 0.25e9)
+    assert got["load"] == pytest.approx(10e-6 + 1_024_000 / 0.25e9)
 
 
 def test_link_bound_layer_and_what_plan_says_about_it():
-    # B = 1000, depth 2: a mini-batch of 500 sends 512,000 + 256,000 B; at 0.5 GB/s (no latency)
-    # 1.536 ms per mini-batch against the S-part's 1 ms: layer = max(2 x 1, 2 x 1.536, 1 + 1.536)
-    # = 3.072 ms, link-bound. Over a free link the layer is 2 ms: the link adds 1.072 ms a layer.
-    prof = flat_profile(LinkProfile(0.0, 0.5e9))
+    # B = 1000, depth 2: a mini-batch of 500 sends 512,000 B out, 256,000 back; at 0.25 GB/s (no
+    # latency) 2.048 ms out, 1.024 ms back, against the S-part's 1 ms. Load: the busier direction,
+    # 2 x 2.048 ms; chain 1 + 3.072 ms: layer = max(2 x 1, 2 x 2.048, 1 + 3.072) = 4.096 ms,
+    # link-bound. Over a free link the layer is 2 ms: the link adds 2.096 ms a layer.
+    prof = flat_profile(LinkProfile(0.0, 0.25e9))
     p = predict(prof, 1000, 64, rworkers=1, depth=2)
     assert p.bound == "link"
-    assert p.layer_s == pytest.approx(3.072e-3, rel=1e-6)
+    assert p.layer_s == pytest.approx(4.096e-3, rel=1e-6)
     rep = link_report(prof, 1000, 64, 0, 1, 2)
     assert rep["link_next_side"] == "S"
-    assert rep["link_over_next"] == pytest.approx(1.536, rel=1e-6)
-    assert rep["link_exposed_s"] == pytest.approx(2 * 1.072e-3, rel=1e-6)
+    assert rep["link_over_next"] == pytest.approx(2.048, rel=1e-6)
+    assert rep["link_exposed_s"] == pytest.approx(2 * 2.096e-3, rel=1e-6)
     assert rep["link_hidden"] is False
     assert rep["link_hiding_depth"] is None       # its load exceeds the S-part's (2 ms) at every depth
-    # balance: 1,536,000 B per layer in 2 ms of S-part -> 0.768 GB/s
-    assert rep["link_balance_Bps"] == pytest.approx(0.768e9, rel=1e-6)
+    # balance: 1,024,000 B out per layer in 2 ms of S-part -> 0.512 GB/s
+    assert rep["link_balance_Bps"] == pytest.approx(0.512e9, rel=1e-6)
 
 
 def test_a_link_below_the_other_side_is_hidden_from_depth_two():
@@ -120,9 +124,11 @@ def test_plan_names_the_worker_whose_link_bounds(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["bound"] == "link" and out["link_bound_by"] == "slow"
     # per mini-batch of 500 the slow worker carries 250 rows: 256,000 B out, 128,000 back,
-    # 10 us + 1.024 ms and 10 us + 0.512 ms; balance: 768,000 B per layer in 2 ms of S-part
-    assert out["link_layer_s"] == pytest.approx(2 * (1.034e-3 + 0.522e-3), rel=1e-6)
-    assert out["link_balance_Bps"] == pytest.approx(768_000 / (2e-3 - 4 * 10e-6), rel=1e-6)
+    # 10 us + 1.024 ms and 10 us + 0.512 ms; the load is out's, the chain waits for both:
+    # layer = max(2 x 1, 2 x 1.034, 1 + 1.556) ms; balance: 512,000 B out per layer in 2 ms of S-part
+    assert out["link_layer_s"] == pytest.approx(2 * 1.034e-3, rel=1e-6)
+    assert out["layer_s"] == pytest.approx(1e-3 + 1.556e-3, rel=1e-3)
+    assert out["link_balance_Bps"] == pytest.approx(512_000 / (2e-3 - 2 * 10e-6), rel=1e-6)
     assert out["link_hiding_depth"] is None
     assert plan.main(args) == 0
     text = capsys.readouterr().out
@@ -137,7 +143,7 @@ def test_a_stated_link_replaces_every_workers_table(tmp_path, capsys):
                       "--link-bw", "100", "--link-latency", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["link_bound_by"] == "the link" and out["link_hidden"] is True
-    assert out["link_layer_s"] == pytest.approx(2 * 768_000 / 100e9, rel=1e-6)   # 2 mini-batches, one path
+    assert out["link_layer_s"] == pytest.approx(2 * 512_000 / 100e9, rel=1e-6)   # 2 mini-batches' out, one path
 
 
 def test_profile_keeps_every_workers_table_and_the_slowest_heads_it():
@@ -163,3 +169,16 @@ def test_a_profile_whose_worker_tables_do_not_match_is_refused():
     d["link"]["worker_message_time_s"][1] = d["link"]["worker_message_time_s"][1][:2]
     with pytest.raises(ValueError, match="every R-worker needs"):
         Profile.from_dict(d)
+
+
+def test_a_busy_link_runs_at_the_fitted_rate_even_where_the_table_shows_a_burst():
+    # a shaper's token bucket passes an isolated 64 KiB message at line rate (0.1 ms in the
+    # table) while big messages show the 12.5 MB/s it sustains: the chain takes the table's time,
+    # the load at least latency + size / rate (5.24 ms for 64 KiB out)
+    sizes, times = [64, 1 << 16, 1 << 20, 4 << 20], [50e-6, 100e-6, 50e-6 + (1 << 20) / 12.5e6, 50e-6 + (4 << 20) / 12.5e6]
+    latency, rate = fit_link(sizes, times)
+    link = LinkProfile(latency, rate, message_bytes=sizes, message_time_s=times)
+    got = mini_batch_link(link, flat_profile(link).r_workers, 1 << 16, 1 << 15)
+    assert rate == pytest.approx(12.5e6)
+    assert got["s"] == pytest.approx(100e-6 + float(np.interp(1 << 15, sizes, times)))
+    assert got["load"] == pytest.approx(50e-6 + (1 << 16) / 12.5e6)

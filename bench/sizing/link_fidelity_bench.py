@@ -44,7 +44,9 @@ GROUPS = [
     ("100mbit-r2", dict(rate="100mbit"), SMOLLM, 2, [(32, 32, 24)], [2]),
     ("10gbe-r1-kvheavy", dict(profile="10gbe"), KV_HEAVY, 1, [(32, 512, 16)], [2]),
 ]
-PROFILE_ARGS = "--repeats 2 --r-seqs 16 --link-sizes 64,16K,256K,1M,4M"      # + the group's prompt lengths
+# the prompt grid spans the runs' prompts (a grid of the short ones alone leaves the chunk-size
+# table measured at a prompt too short to price a chunk: 0.05 ms per prompt token against 6 ms run)
+PROFILE_ARGS = "--repeats 2 --r-seqs 16 --link-sizes 64,16K,256K,1M,4M --prompt-lens 32,64,512"
 
 
 @contextlib.contextmanager
@@ -76,9 +78,8 @@ def run_group(args, group, result: dict) -> None:
     name = args.cluster
     with netns.cluster(name, r + 1, link) as rec, bench_lock():
         launcher = [sys.executable, os.path.join(fb.REPO, "scripts", "emulated_nodes.py"), "mpiexec", "--name", name]
-        prompts = ",".join(str(p) for p in sorted({16} | {c[1] for c in configs}))
-        fargs = fb.parse_args(["--label", args.label, "--model", model,
-                               "--profile-args", f"{PROFILE_ARGS} --prompt-lens {prompts}",
+        fargs = fb.parse_args(["--label", args.label, "--model", model, "--profile-args", PROFILE_ARGS,
+                               "--token-span", "3000",                # inside the KV-heavy model's 4,096
                                "--prefill-chunk", str(args.prefill_chunk)])
         grid = ",".join(str(b) for b in sorted({1, 4} | {c[0] // d for c in configs for d in depths} | {c[0] for c in configs}))
         job = SimpleNamespace(args=fargs, launcher=launcher, engine=shlex.split(fargs.engine_args), tmp=args.tmp, grid=grid)
@@ -100,12 +101,38 @@ def run_group(args, group, result: dict) -> None:
                 row = fb.compare(config, summary, steps, plan, dict(
                     pipeline_depth=depth, kv_reserve="full", profile=label,
                     speed_run_over_profile=round(run_speed / speed, 3)))
-                row.update(group=label, model=model, fabric_bytes_s_worker=moved,
-                           **{k: plan[k] for k in ("link_bound_by", "link_over_next", "link_exposed_s", "link_hidden",
-                                                   "link_hiding_depth", "link_balance_Bps", "link_layer_s",
-                                                   "s_layer_s", "r_layer_s", "layer_s")})
+                row.update(group=label, model=model, fabric_bytes_s_worker=moved, **plan_fields(plan))
                 result["runs"].append(row)
                 print(row, flush=True)
+
+
+PLAN_FIELDS = ("link_bound_by", "link_over_next", "link_exposed_s", "link_hidden", "link_hiding_depth",
+               "link_balance_Bps", "link_layer_s", "s_layer_s", "r_layer_s", "layer_s")
+
+
+def plan_fields(plan: dict) -> dict:
+    return {k: plan[k] for k in PLAN_FIELDS}
+
+
+def replan(result: dict, tmp: str) -> None:
+    """Predict every run again from its group's stored profile with the model as it is now (the
+    measured fields stay as they were measured)."""
+    for row in result["runs"]:
+        path = os.path.join(tmp, f"profile_{row['group']}.json")
+        with open(path, "w") as f:
+            json.dump(result["profiles"][row["group"]], f)
+        job = SimpleNamespace(args=fb.parse_args(["--label", result["label"], "--prefill-chunk", str(result["prefill_chunk"])]),
+                              engine=["--pipeline-depth", str(row["pipeline_depth"])])
+        plan = fb.predict(job, path, (row["batch"], row["rworkers"], row["prompt_len"], row["gen_len"]))
+        row.update(predicted_step_latency_s=round(plan["step_latency_s"], 5),
+                   predicted_tokens_per_s=round(plan["tokens_per_s"], 3), predicted_bound=plan["bound"],
+                   predicted_decode_step_s=round(plan["step_latency_s"] - plan["prefill_s"], 5), **plan_fields(plan))
+        row["step_latency_error"] = round(row["predicted_step_latency_s"] / row["measured_step_latency_s"] - 1, 4)
+        row["tokens_per_s_error"] = round(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1, 4)
+        row["decode_step_error"] = round(row["predicted_decode_step_s"] / row["measured_decode_step_s_mean"] - 1, 4)
+        if "measured_full_batch_decode_step_s" in row:
+            row["full_batch_decode_step_error"] = round(
+                row["predicted_decode_step_s"] / row["measured_full_batch_decode_step_s"] - 1, 4)
 
 
 def depth_pairs(result: dict) -> list[dict]:
@@ -135,19 +162,29 @@ def main(argv=None) -> None:
     ap.add_argument("--cluster", default="lnkfid", help="emulated cluster name (1-8 of a-z, 0-9)")
     ap.add_argument("--groups", nargs="*", help=f"group names to run (default all: {', '.join(g[0] for g in GROUPS)})")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--append", action="store_true", help="add the groups to the label's result file")
+    ap.add_argument("--replan", action="store_true",
+                    help="run nothing: predict the label's runs again from their stored profiles")
     args = ap.parse_args(argv)
     args.tmp = tempfile.mkdtemp(prefix="link-fidelity-")
-    why = netns.unavailable()
-    if why:
-        sys.exit(f"link_fidelity_bench: no emulated nodes here: {why}")
-    result = {"label": args.label, "profile_args": PROFILE_ARGS, "links": [], "runs": [], "profiles": {}}
-    for group in GROUPS:
-        if not args.groups or group[0] in args.groups:
-            run_group(args, group, result)
+    base = os.path.join(fb.RESULTS, f"link_fidelity_{args.label}")
+    result = {"label": args.label, "profile_args": PROFILE_ARGS, "prefill_chunk": args.prefill_chunk,
+              "links": [], "runs": [], "profiles": {}}
+    if args.append or args.replan:
+        with open(base + ".json") as f:
+            result = json.load(f)
+    if args.replan:
+        replan(result, args.tmp)
+    else:
+        why = netns.unavailable()
+        if why:
+            sys.exit(f"link_fidelity_bench: no emulated nodes here: {why}")
+        for group in GROUPS:
+            if not args.groups or group[0] in args.groups:
+                run_group(args, group, result)
     errs = fb.summarize(result)
     result["tokens_per_s_within_15_percent"] = sum(abs(r["tokens_per_s_error"]) <= 0.15 for r in result["runs"])
     result["depth_pairs"] = depth_pairs(result)
-    base = os.path.join(fb.RESULTS, f"link_fidelity_{args.label}")
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, base + ".png")

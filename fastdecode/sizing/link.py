@@ -7,7 +7,10 @@ holds a share of the rows proportional to its attention bandwidth (placement), s
 carry that share of the bytes. Two things can bound:
 - an R-worker's own link: its share of the bytes over its table (the slowest of them bounds);
 - the S-worker's path, which carries every R-worker's messages: the mini-batch's bytes at the
-  bandwidth measured to all R-workers at once (`concurrent_Bps`). Where that was not measured
+  bandwidth measured to all R-workers at once (`concurrent_Bps`).
+Links are full duplex: a mini-batch's chain waits for its Q, K, V out and then its O back, but
+the link's load per layer is the busier direction's (out and back of different mini-batches pass
+at once), at the rate a busy link sustains (`sustained`). Where that was not measured
   (stated hardware, an older profile) the R-workers' messages share one path: the whole
   mini-batch's bytes over the slowest worker's table.
 """
@@ -40,25 +43,43 @@ def shares(workers: list[RWorkerProfile]) -> np.ndarray:
     return bw / bw.sum()
 
 
+def sustained(table_s: float, latency_s: float, bandwidth_Bps: float, nbytes: float) -> float:
+    """A message's share of a direction kept busy: its table time (an isolated message, which a
+    shaper's token bucket or a switch's buffer may pass faster than the rate), never less than
+    latency + bytes at the bandwidth fitted over big messages (the rate a busy link sustains)."""
+    return max(table_s, latency_s + nbytes / bandwidth_Bps) if nbytes > 0 else 0.0
+
+
 def mini_batch_link(link: LinkProfile, workers: list[RWorkerProfile], out_bytes: float,
                     back_bytes: float) -> dict:
     """One mini-batch's messages in one layer, Q, K, V out and O back, over P = len(workers)
-    R-workers (module docstring): {"s": seconds, "by": what bounds (a worker's name or S_PATH),
-    "bytes": the bytes on that path, "latency_s": the part of "s" that is the path's latency
-    (both ways)}. A GPU S-worker's device<->host copies are not included (LinkProfile.device_time)."""
-    total = out_bytes + back_bytes
+    R-workers (module docstring): {"s": the chain's link time (out, then back), "load": what the
+    mini-batch takes of the busier direction (the link is full duplex: out and back of different
+    mini-batches pass at once), "by": what bounds (a worker's name or S_PATH), "bytes": the
+    bytes on that path's busier direction, "latency_s": the latency in "load"}. A GPU S-worker's
+    device<->host copies are not included (LinkProfile.device_time)."""
     if not link.per_worker() or link.concurrent_Bps <= 0:       # one path for every worker's messages
         distinct = range(min(len(workers), max(len(link.worker_message_time_s), 1)))
-        times = [link.worker_time(w, out_bytes) + link.worker_time(w, back_bytes) for w in distinct]
-        worst = int(np.argmax(times))
-        return dict(s=times[worst], by=link.worker_name(worst), bytes=total,
-                    latency_s=2 * (link.worker_latency_s[worst] if link.per_worker() else link.latency_s))
+        paths = [_worker_path(link, w, out_bytes, back_bytes) for w in distinct]
+        worst = max(range(len(paths)), key=lambda w: (paths[w]["load"], paths[w]["s"]))
+        return {**paths[worst], "by": link.worker_name(worst)}
     share = shares(workers)
-    each = [link.worker_time(w, out_bytes * f) + link.worker_time(w, back_bytes * f) for w, f in enumerate(share)]
-    worst = int(np.argmax(each))
-    fastest = 2 * min(link.worker_latency_s)
-    s_path = fastest + total / link.concurrent_Bps
-    if len(workers) > 1 and s_path > each[worst]:
-        return dict(s=s_path, by=S_PATH, bytes=total, latency_s=fastest)
-    return dict(s=each[worst], by=link.worker_name(worst), bytes=total * share[worst],
-                latency_s=2 * link.worker_latency_s[worst % len(link.worker_latency_s)])
+    paths = [_worker_path(link, w, out_bytes * f, back_bytes * f) for w, f in enumerate(share)]
+    worst = max(range(len(paths)), key=lambda w: (paths[w]["load"], paths[w]["s"]))
+    best = {**paths[worst], "by": link.worker_name(worst)}
+    latency = min(link.worker_latency_s)
+    s_path = dict(s=2 * latency + (out_bytes + back_bytes) / link.concurrent_Bps,
+                  load=latency + max(out_bytes, back_bytes) / link.concurrent_Bps, by=S_PATH,
+                  bytes=max(out_bytes, back_bytes), latency_s=latency)
+    return s_path if len(workers) > 1 and s_path["load"] > best["load"] else best
+
+
+def _worker_path(link: LinkProfile, w: int, out_bytes: float, back_bytes: float) -> dict:
+    """R-worker w's own link for `out_bytes` out and `back_bytes` back."""
+    table = [link.worker_time(w, out_bytes), link.worker_time(w, back_bytes)]
+    latency, bandwidth = ((link.worker_latency_s[w % len(link.worker_latency_s)],
+                           link.worker_bandwidth_Bps[w % len(link.worker_bandwidth_Bps)])
+                          if link.per_worker() else (link.latency_s, link.bandwidth_Bps))
+    each = [sustained(t, latency, bandwidth, n) for t, n in zip(table, (out_bytes, back_bytes))]
+    busier = int(each[1] > each[0])
+    return dict(s=sum(table), load=each[busier], bytes=(out_bytes, back_bytes)[busier], latency_s=latency)

@@ -189,7 +189,8 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
                 depth: int, shared_prefix: int = 0, prefix_group: int | None = None) -> dict:
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
     r (R-part), link (Q,K,V out + O back: over the slowest R-worker's link or the S-worker's path
-    to all of them, sizing/link.py, which the result names as link_by). Each resource serves every mini-batch once per layer
+    to all of them, sizing/link.py, which the result names as link_by; in the chain out then
+    back, as a load the busier direction). Each resource serves every mini-batch once per layer
     (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
     cycle: layer = max(depth*s, depth*r, depth*link, s + r + link + hop). Depth 1 gives s + r +
     link + hop; depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the
@@ -210,11 +211,10 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
     path = mini_batch_link(profile.link, workers, out_bytes, back_bytes)
     device = profile.link.device_time(out_bytes, back_bytes)
-    link = path["s"] + device
-    parts = {"S": s, "R": r, "link": link}
-    chain = s + r + link + profile.link.hop_s
+    parts = {"S": s, "R": r, "link": path["load"] + device}
+    chain = s + r + path["s"] + device + profile.link.hop_s
     layer = max(depth * max(parts.values()), chain)
-    return {"s": depth * s, "r": depth * r, "link": depth * link, "layer": layer,
+    return {"s": depth * s, "r": depth * r, "link": depth * parts["link"], "layer": layer,
             "bound": max(parts, key=parts.get), "link_by": path["by"], "link_bytes": depth * path["bytes"],
             "link_latency_s": depth * (path["latency_s"] + device)}
 
