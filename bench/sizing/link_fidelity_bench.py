@@ -39,6 +39,7 @@ KV_HEAVY = "random:smollm2-135m:layers=12:hidden=256:heads=16:kv_heads=16:interm
 GROUPS = [
     ("1gbe-r1", dict(profile="1gbe"), SMOLLM, 1, [(16, 64, 24)], [2]),
     ("1gbe-r3", dict(profile="1gbe"), SMOLLM, 3, [(48, 64, 24)], [2]),
+    ("1gbe-r1-b64", dict(profile="1gbe"), SMOLLM, 1, [(64, 32, 24)], [1, 2]),     # plan: depth 2 hides the link
     ("100mbit-r1", dict(rate="100mbit"), SMOLLM, 1, [(32, 32, 24)], [1, 2]),
     ("50mbit-r1", dict(rate="50mbit"), SMOLLM, 1, [(32, 32, 24)], [1, 2]),
     ("100mbit-r2", dict(rate="100mbit"), SMOLLM, 2, [(32, 32, 24)], [2]),
