@@ -176,6 +176,8 @@ def main(argv=None) -> None:
             result = json.load(f)
     if args.replan:
         replan(result, args.tmp)
+        result["predictions"] = ("predicted again from each group's stored profile (--replan) by the model as "
+                                 "revised after the first pass: bench/sizing/NOTES.md, 'Over real links'")
     else:
         why = netns.unavailable()
         if why:
