@@ -33,6 +33,10 @@ def test_profile_under_mpi_then_plan(tmp_path):
     assert data["link"]["device_d2h_Bps"] == 0          # a CPU S-worker has no PCIe hop
     assert data["link"]["bandwidth_Bps"] > 0 and data["link"]["latency_s"] > 0   # real MPI messages
     assert 0 <= data["link"]["hop_s"] < 1.0             # chain hand-offs, measured (0 if none showed)
+    link = data["link"]                                 # each R-worker's own table, the slowest heading them
+    assert [n.split("@")[0] for n in link["worker_names"]] == ["rank1", "rank2"]
+    assert all(len(t) == len(link["message_bytes"]) for t in link["worker_message_time_s"])
+    assert link["message_time_s"] in link["worker_message_time_s"] and link["concurrent_Bps"] > 0
     assert data["kv_dtype_bytes"] == 2 and data["model"]["num_layers"] == 30
     plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "128", "--batch", "32",
                            "--rworkers", "2", "--json"], timeout=120)

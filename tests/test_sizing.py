@@ -229,7 +229,9 @@ def test_profile_json_round_trip_and_validation(tmp_path):
     back = Profile.from_json(prof.to_json())
     assert back == prof
     assert back.link.time(1024) == pytest.approx(12e-6)            # measured table
-    assert back.link.time(1 << 30) == pytest.approx(10e-6 + (1 << 30) / 10e9)
+    # past the table: its largest point plus the rest at the bandwidth
+    assert back.link.time(1 << 30) == pytest.approx(110e-6 + ((1 << 30) - (1 << 20)) / 10e9)
+    assert back.link.time(512) == pytest.approx(10e-6 + 512 / 10e9)   # below it: latency + size / bandwidth
     extra = json.loads(prof.to_json())
     extra["r_workers"][0]["measured_at"] = "2026-11-22"          # metadata is ignored
     assert Profile.from_dict(extra) == prof
@@ -348,24 +350,30 @@ def test_plan_reads_an_hf_config(tmp_path, capsys):
 
 def test_prompts_add_prefill_to_the_s_worker_and_their_kv_to_the_link():
     # prompt 512, S = 1024, B = 1024: 1024/1024 = 1 sequence starts per step -> 512 prompt tokens.
-    # Prefill: 32 layers * 512 tokens / 512,000 tokens/s (best E) = 32 ms per step.
-    # Link, depth 1: out = 10 us + (1024 * 24576 + 512 * 16384) B / 10 GB/s = 3.3655 ms,
-    # back = 0.8489 ms. Average context 512 + 1024/2 = 1024 tokens on 86 workers:
+    # Prefill: 32 layers * 512 tokens / 512,000 tokens/s (best E) = 32 ms per step; their K, V
+    # cross as each layer computes them, one after another: 10 us + 32 * 512 * 16384 B / 10 GB/s
+    # = 26.85 ms, less.
+    # Link, depth 1: out = 10 us + 1024 * 24576 B / 10 GB/s = 2.5266 ms, back = 0.8489 ms.
+    # Average context 512 + 1024/2 = 1024 tokens on 86 workers:
     # r = 1024 * 1024 * 16384 / 8.6e12 = 1.9976 ms; s = T(1024) = 2 ms.
     p = predict(hand_profile(), 1024, 1024, prompt_len=512, rworkers=86, depth=1)
     assert p.prefill_s == pytest.approx(32 * 512 / 512_000)
-    out = 10e-6 + (1024 * 24576 + 512 * KVB) / 10e9
+    out = 10e-6 + 1024 * 24576 / 10e9
     back = 10e-6 + 1024 * 8192 / 10e9
     r = 1024 * 1024 * KVB / (86 * 100e9)
     assert p.layer_s == pytest.approx(2e-3 + r + out + back)
     assert p.step_latency_s == pytest.approx(32 * p.layer_s + 1e-3 + 0.032)
+    # over a 1 GB/s link the prompt's K, V take longer than its compute: 10 us + 32 * 8.389 ms
+    slow = predict(hand_profile(link_GBps=1.0), 1024, 1024, prompt_len=512, rworkers=86, depth=1)
+    assert slow.prefill_s == pytest.approx(10e-6 + 32 * 512 * KVB / 1e9)
 
 
 def test_a_measured_prefill_cost_replaces_the_dense_estimate():
     # Profiled: 10 us per prompt token at prompt 128, 30 us at 2048 (prompt attention grows).
     # Prompt 1088 lies halfway: 20 us. B = 1024, S = 1024: 1 sequence starts per step -> 1088
-    # prompt tokens -> 21.76 ms of prefill per step, whatever the dense layers' best efficiency.
-    prof = hand_profile()
+    # prompt tokens -> 21.76 ms of prefill per step, whatever the dense layers' best efficiency
+    # (over a link fast enough that the prompt's K, V take less).
+    prof = hand_profile(link_GBps=1000.0)
     prof.s_worker.prefill_prompt_len, prof.s_worker.prefill_token_s = [128, 2048], [10e-6, 30e-6]
     p = predict(prof, 1024, 1024, prompt_len=1088, rworkers=86, depth=1)
     assert p.prefill_s == pytest.approx(1088 * 20e-6)
@@ -376,8 +384,8 @@ def test_prefill_cost_follows_the_chunk_size():
     # Prompt table at 2,048-token chunks: 10 us/token at prompt 128, 30 us at 2048 (-> 20 us at
     # 1088). Chunk table at prompt 128: 8 / 10 / 13 us at chunks 512 / 2048 / 8192. A chunk
     # adds its dense-part difference: chunk 8192 -> 20 + (13 - 10) = 23 us; chunk 1024 (halfway
-    # in log between 512 and 2048) -> 20 + (9 - 10) = 19 us.
-    prof = hand_profile()
+    # in log between 512 and 2048) -> 20 + (9 - 10) = 19 us. A link fast enough for the K, V.
+    prof = hand_profile(link_GBps=1000.0)
     sw = prof.s_worker
     sw.prefill_prompt_len, sw.prefill_token_s, sw.prefill_chunk = [128, 2048], [10e-6, 30e-6], 2048
     sw.prefill_chunk_grid, sw.prefill_chunk_token_s, sw.prefill_chunk_prompt_len = [512, 2048, 8192], [8e-6, 10e-6, 13e-6], 128

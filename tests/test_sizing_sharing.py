@@ -97,9 +97,13 @@ def test_members_prefill_only_their_suffix():
     prof = hand_profile()
     p = predict(prof, 1024, S, PROMPT, rworkers=8, depth=1, shared_prefix=SHARED, prefix_group=64)
     assert p.prefill_s == pytest.approx(144 * 32 / 512_000)
-    # and only those tokens' K, V cross the link: depth 1, out = 10 us + (1024·24576 + 144·KVB) / 10 GB/s
+    # and only those tokens' K, V cross the link: over 1 GB/s they take longer than the compute,
+    # 10 us + 32 layers · 144·KVB / 1 GB/s against 10 us + 32 · 1152·KVB / 1 GB/s unshared
+    prof.link = LinkProfile(10e-6, 1e9)
+    p = predict(prof, 1024, S, PROMPT, rworkers=8, depth=1, shared_prefix=SHARED, prefix_group=64)
     plain = predict(prof, 1024, S, PROMPT, rworkers=8, depth=1)
-    assert p.link_layer_s - plain.link_layer_s == pytest.approx((144 - 1152) * KVB / 10e9)
+    assert p.prefill_s == pytest.approx(10e-6 + 32 * 144 * KVB / 1e9)
+    assert plain.prefill_s == pytest.approx(10e-6 + 32 * 1152 * KVB / 1e9)
 
 
 def test_sharing_lowers_the_r_workers_needed():

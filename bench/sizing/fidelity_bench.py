@@ -88,6 +88,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile-once", action="store_true",
                     help="profile each R-worker count once up front instead of right before each run")
     ap.add_argument("--token-span", type=int, default=5000, help="prompt token ids lie in 100..100+span")
+    ap.add_argument("--profile-args", default="", help="more flags for the profiles alone (e.g. a smaller "
+                                                         "--prompt-lens grid, --link-sizes)")
     ap.add_argument("--prefill-chunk", type=int, default=8192,
                     help="--max-prefill-tokens of the runs and the profiles alike (a prompt token's cost "
                          "depends on the chunk it is prefilled in)")
@@ -103,7 +105,7 @@ def profile(job, result: dict, r: int, key: str) -> tuple[str, float]:
     r_bytes = ["--r-bytes", args.r_bytes] if args.r_bytes else []
     run(fastdecode_cmd(job.launcher, r + 1, ["profile", "-m", args.model, "-o", path, "--batches", job.grid,
                                              "--max-prefill-tokens", str(args.prefill_chunk)]
-                       + r_bytes + job.engine), args.timeout)
+                       + r_bytes + shlex.split(args.profile_args) + job.engine), args.timeout)
     print(f"profiled R={r} in {time.perf_counter() - t:.0f} s", flush=True)
     with open(path) as f:
         result["profiles"][key] = json.load(f)

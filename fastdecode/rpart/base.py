@@ -83,9 +83,11 @@ class RBackend:
 
     def free(self, seq_ids_by_worker: list[list[int]]) -> None: ...
 
-    # profiling (`fastdecode profile`): each worker's kernel cost, and one-way link times
+    # profiling (`fastdecode profile`): each worker's kernel cost, and one-way link times to each
+    # worker alone and to all at once
     def profile_workers(self, seqs: int, target_bytes: int) -> list[dict]: ...
-    def ping(self, sizes: list[int], repeats: int) -> list[list[float]]: ...
+    def ping(self, sizes: list[int], repeats: int) -> list[list[float]]: ...        # [workers, sizes]
+    def ping_all(self, sizes: list[int], repeats: int) -> list[float]: ...         # [sizes], all workers at once
     def close(self) -> None: ...
 
     @property

@@ -117,6 +117,9 @@ class LocalBackend(RBackend):
     def ping(self, sizes: list[int], repeats: int) -> list[list[float]]:
         return [[0.0] * len(sizes)]      # in-process: the R-part reads the S-part's arrays directly
 
+    def ping_all(self, sizes: list[int], repeats: int) -> list[float]:
+        return [0.0] * len(sizes)
+
     def close(self):
         if self._pool:
             self._pool.shutdown()

@@ -311,6 +311,26 @@ class MPIBackend(RBackend):
             result.append(times)
         return result
 
+    def ping_all(self, sizes: list[int], repeats: int) -> list[float]:
+        """One-way time per message size to every R-worker at once (half the median round trip
+        of one echo from each, all in flight together): what the S-worker's own path carries when
+        a step's messages go to all R-workers. The workers echo as for ping."""
+        for w in range(len(self.ranks)):
+            self._send_control(w, P.control(P.PING, self.step, repeats, body=[sizes]))
+        times = []
+        for size in sizes:
+            out = [np.ones(size, dtype=np.uint8) for _ in self.ranks]          # [workers][size]
+            back = [np.empty(size, dtype=np.uint8) for _ in self.ranks]
+            rtts = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                reqs = [self.comm.Irecv([b, MPI.BYTE], source=r, tag=P.TAG_PING) for b, r in zip(back, self.ranks)]
+                reqs += [self.comm.Isend([o, MPI.BYTE], dest=r, tag=P.TAG_PING) for o, r in zip(out, self.ranks)]
+                MPI.Request.Waitall(reqs)
+                rtts.append(time.perf_counter() - t)
+            times.append(float(np.median(rtts)) / 2)
+        return times
+
     # ------------------------------------------------------------------ lifecycle
 
     def free(self, seq_ids_by_worker):

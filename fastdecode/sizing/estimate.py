@@ -111,6 +111,8 @@ def estimate(engine: LLMEngine, settings: ProfileSettings) -> tuple[dict[str, fl
         r_part += 2 * target * len(workers) / TORCH_RNG_BYTES_PER_S
         r_part += 8 * (IN_STEP_STEPS + 1) * (c.step(rows) * part + 1.5 * target / ATTEND_BYTES_PER_S)
         link = len(workers) * sum(st.link_sizes) * 2 * max(st.repeats, 5) / LINK_BYTES_PER_S
+        if len(workers) > 1:                                 # the two largest to all workers at once
+            link += len(workers) * sum(sorted(st.link_sizes)[-2:]) * 2 * max(st.repeats, 5) / LINK_BYTES_PER_S
         link += (2 + 6 * IN_STEP_STEPS) * c.step(len(workers)) * part
     return {"S-part": s_part, "prefill": prefill, "R-workers": r_part, "link": link}, c
 

@@ -13,7 +13,8 @@ holds. Prompt length: with the stabilized schedule a running sequence's age is u
     capacity  B·(prompt + S/2) <= C·P            (the admission controller's W_lim adds B·F/2)
 Prompts also cost the S-worker a prefill: in steady state B/S sequences start per step, so
 B·prompt/S prompt tokens per step run the dense layers (at the best E, chunks being large) and
-their K, V cross the link with the step's Q, K, V. A measured profile gives the prefill cost per
+their K, V cross the link as each layer of the prefill computes them: the step's prefill takes the
+longer of its compute and that transfer (prompt_kv_link). A measured profile gives the prefill cost per
 prompt token (prompt attention and staging included) by prompt length; from stated hardware the
 attention over the prompt is left out (2·prompt·heads·head_dim FLOPs per token against
 ~12·hidden² for the dense part: 2% at Llama-7B, prompt 1024). The balance count above ignores prefill (it errs towards more R-workers).
@@ -42,6 +43,7 @@ import numpy as np
 
 from fastdecode.sched.admission import memory_batch
 from fastdecode.sched.placement import RESERVE_POLICIES, grow_overhead_tokens
+from fastdecode.sizing.link import mini_batch_link
 from fastdecode.sizing.schema import Profile, RWorkerProfile
 
 
@@ -187,13 +189,15 @@ def _prefill_tokens(batch: float, gen_len: int, prompt_len: float) -> float:
 def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int,
                 depth: int, shared_prefix: int = 0, prefix_group: int | None = None) -> dict:
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
-    r (R-part), link (Q,K,V out + O back). Each resource serves every mini-batch once per layer
+    r (R-part), link (Q,K,V out + O back: over the slowest R-worker's link or the S-worker's path
+    to all of them, sizing/link.py, which the result names as link_by; in the chain out then
+    back, as a load the busier direction). Each resource serves every mini-batch once per layer
     (its load, depth * x), and one mini-batch's chain s -> link -> r -> link must also fit in the
     cycle: layer = max(depth*s, depth*r, depth*link, s + r + link + hop). Depth 1 gives s + r +
     link + hop; depth 2 with balanced sides gives max(S, R, link) of the whole batch, unless the
     chain cannot hide behind the other mini-batch (a slow link, or small mini-batches whose work
-    is shorter than the chain's hand-offs, `hop`). The step's prompt K, V travel with the Q, K, V;
-    on a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain.
+    is shorter than the chain's hand-offs, `hop`). The step's prompt K, V cross during its
+    prefill (prompt_kv_link); on a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain.
     A shared prefix (groups of prefix_group sequences, default the batch) is priced by _r_tokens on
     the R-part and _own_prompt on the prefill's K, V."""
     m = profile.model
@@ -203,16 +207,30 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     s = profile.s_worker.layer_time(mini)
     r = _r_time(profile, workers, _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers), depth),
                 m.read_fraction(_avg_kv_len(gen_len, prompt_len)))
-    own = _own_prompt(prompt_len, shared_prefix, group)
-    prompt_kv = _prefill_tokens(mini, gen_len, own) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
-    out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token() + prompt_kv, mini * m.from_rworker_bytes_per_token()
-    link = (profile.link.time(out_bytes) + profile.link.time(back_bytes)
-            + profile.link.device_time(out_bytes, back_bytes))
-    parts = {"S": s, "R": r, "link": link}
-    chain = s + r + link + profile.link.hop_s
+    out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token(), mini * m.from_rworker_bytes_per_token()
+    path = mini_batch_link(profile.link, workers, out_bytes, back_bytes)
+    device = profile.link.device_time(out_bytes, back_bytes)
+    parts = {"S": s, "R": r, "link": path["load"] + device}
+    chain = s + r + path["s"] + device + profile.link.hop_s
     layer = max(depth * max(parts.values()), chain)
-    return {"s": depth * s, "r": depth * r, "link": depth * link, "layer": layer,
-            "bound": max(parts, key=parts.get)}
+    return {"s": depth * s, "r": depth * r, "link": depth * parts["link"], "layer": layer,
+            "bound": max(parts, key=parts.get), "link_by": path["by"], "link_bytes": depth * path["bytes"],
+            "link_latency_s": depth * (path["latency_s"] + device)}
+
+
+def prompt_kv_link(profile: Profile, batch: int, gen_len: int, own_prompt: float,
+                   workers: list[RWorkerProfile]) -> float:
+    """Seconds per step the link takes to carry the step's prompt K, V (batch/gen_len sequences
+    start per step, `own_prompt` tokens each), every layer's as it is computed: the prefill
+    overlaps its own K, V's transfer, so a step's prefill takes the longer of the two. The layers'
+    messages follow each other: their latencies overlap, one is paid."""
+    m = profile.model
+    per_layer = _prefill_tokens(batch, gen_len, own_prompt) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    if per_layer <= 0:
+        return 0.0
+    path = mini_batch_link(profile.link, workers, per_layer, 0.0)
+    # the layers' messages follow each other on a busy direction: one latency, N times the bytes
+    return path["latency_s"] + m.num_layers * (path["load"] - path["latency_s"] + profile.link.device_time(per_layer, 0.0))
 
 
 def kv_tokens_capacity(profile: Profile, rworkers: int) -> float:
@@ -299,7 +317,8 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     per_token = sw.prefill_time_per_token(prompt_len, prefill_chunk)
     if per_token is None:      # stated hardware: dense layers at the best efficiency, attention left out
         per_token = n / grid_best
-    prefill = _prefill_tokens(batch_run, gen_len, own) * per_token
+    prefill = max(_prefill_tokens(batch_run, gen_len, own) * per_token,
+                  prompt_kv_link(profile, batch_run, gen_len, own, workers))
     step = n * t["layer"] + sw.head_time(batch_run) + prefill
     return Prediction(**common, batch_run=batch_run, s_layer_s=t["s"], r_layer_s=t["r"],
                       link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,

@@ -14,6 +14,7 @@ import sys
 
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
 from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
+from fastdecode.sizing.link_report import link_line, link_report
 from fastdecode.sizing.model import predict
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
 from rworker.protocol.kvformat import kv_elem_bytes
@@ -156,9 +157,10 @@ def build_profile(args) -> Profile:
         if args.shared_cost_ratio is not None:
             w.shared_cost_ratio = args.shared_cost_ratio
             w.shared_seconds_per_kv_byte = 0.0     # the stated ratio replaces the measured cost
-    if args.link_bw is not None or args.link_latency is not None:    # the measured table no longer holds
-        prof.link = dataclasses.replace(
-            prof.link, message_bytes=[], message_time_s=[],
+    if args.link_bw is not None or args.link_latency is not None:    # the measured tables no longer hold:
+        prof.link = dataclasses.replace(                                # one stated path for every worker
+            prof.link, message_bytes=[], message_time_s=[], worker_names=[], worker_message_time_s=[],
+            worker_latency_s=[], worker_bandwidth_Bps=[], concurrent_Bps=0.0,
             bandwidth_Bps=prof.link.bandwidth_Bps if args.link_bw is None else args.link_bw * 1e9,
             latency_s=prof.link.latency_s if args.link_latency is None else args.link_latency * 1e-6)
     if args.kv_dtype:
@@ -206,6 +208,9 @@ def _row(prof: Profile, batch: int, args) -> dict:
     flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk, args.kv_reserve,
                    **share)
     row = {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s, "tokens_per_s_depth1": flat.tokens_per_s}
+    if pred.batch_run >= 1:
+        row.update(link_report(prof, pred.batch_run, args.context, args.prompt_len, pred.rworkers,
+                               args.pipeline_depth, **share))
     if args.kv_reserve == "full" and pred.bound == "capacity":      # what the other policy would hold
         row["batch_run_if_grow"] = predict(prof, batch, args.context, args.prompt_len, pred.rworkers,
                                            args.pipeline_depth, args.prefill_chunk, "grow", **share).batch_run
@@ -222,7 +227,10 @@ def _header(prof: Profile, knee: int, depth: int) -> list[str]:
              f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "
              f"{w.call_overhead_s * 1e6:.0f} us/call"
              + (f" (+{len(prof.r_workers) - 1} more profiled)" if len(prof.r_workers) > 1 else ""),
-             f"link: {link.bandwidth_Bps / 1e9:.1f} GB/s, {link.latency_s * 1e6:.0f} us"
+             f"link: {link.bandwidth_Bps / 1e9:.3g} GB/s, {link.latency_s * 1e6:.0f} us"
+             + (f" (the slowest of {len(link.worker_names)} R-workers' links, {link.worker_name(link.slowest_worker())}'s)"
+                if len(link.worker_names) > 1 else "")
+             + (f"; to all at once {link.concurrent_Bps / 1e9:.3g} GB/s" if link.concurrent_Bps else "")
              + (f", {link.hop_s * 1e6:.0f} us of hand-offs per layer in a mini-batch's chain" if link.hop_s else "")]
     mem = prof.s_worker.mem_bytes
     if mem and m.weight_bytes() > mem:
@@ -282,6 +290,8 @@ def run(args) -> int:
             print(f"  (with --kv-reserve grow, sequences reserve as they grow: memory holds {r['batch_run_if_grow']})")
         print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms, R {r['r_layer_s'] * 1e3:.3f} ms, "
               f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
+        if "link_bound_by" in r and (r["bound"] == "link" or not r["link_hidden"]):
+            print(link_line(r))
         if r["prefill_s"]:
             own = r["prompt_len"] - r["shared_prefix"] + r["shared_prefix"] / r["prefix_group"]
             print(f"prefill of {r['batch_run'] * own / args.context:,.0f} prompt tokens per step: "

@@ -11,8 +11,9 @@
   kernel alone kept for reference (every rank under mpirun), and what the kernel pays per
   member-token of a shared prefix against a streamed token (shared_cost_ratio; 1 where the store
   cannot share);
-- the S<->R link: one-way time by message size (echo round trip / 2), and on a GPU the pinned
-  device<->host copy bandwidth each way (PCIe), which every row crosses twice.
+- the S<->R link: one-way time by message size (echo round trip / 2) to each R-worker, the
+  bandwidth to all of them at once, and on a GPU the pinned device<->host copy bandwidth each
+  way (PCIe), which every row crosses twice.
 The result is a `fastdecode-profile/1` JSON that `fastdecode plan --profile` reads.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from fastdecode.engine.llm_engine import LLMEngine
+from fastdecode.sizing.link import fit_link
 from fastdecode.sizing.measure import (
     MIN_TIMED_S,
     S_PART_MAX_STEPS,
@@ -43,7 +45,9 @@ from rworker.protocol.kvformat import kv_elem_bytes
 
 CPU_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GPU_GRID = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
-LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 22, 16 << 20, 64 << 20]
+# one-way message sizes: up to a layer's Q, K, V for a mini-batch of thousands of sequences of a
+# 70B-class model (20 KiB per row), tens of MB; the bandwidth is fitted over the large ones
+LINK_SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 @dataclass
@@ -152,19 +156,39 @@ def profile_r_workers(engine: LLMEngine, r_seqs: int, r_target_bytes: int, log) 
 
 
 def profile_link(engine: LLMEngine, sizes: list[int], repeats: int, log) -> LinkProfile:
-    """One-way message times S <-> R by size (the median over R-workers), and on a GPU the device's
-    copy bandwidth each way. In local mode there is no link: nothing is tabulated."""
-    one_way = np.array(engine.backend.ping(sizes, repeats=max(repeats, 5)))     # [workers, sizes]
-    times = np.median(one_way, axis=0)
-    latency = float(times[0])
-    span = times[-1] - times[0]
-    bandwidth = (sizes[-1] - sizes[0]) / span if span > 0 else 1e15
-    log(f"link: {latency * 1e6:.1f} us latency, {bandwidth / 1e9:.2f} GB/s")
-    measured = span > 0
+    """One-way message times S <-> R by size to each R-worker alone (every worker's table kept:
+    links can differ per node), the headline figures the slowest worker's (at the largest size),
+    and with several R-workers the bandwidth to all of them at once over the two largest sizes
+    (what the S-worker's own path carries); on a GPU the device's copy bandwidth each way. In
+    local mode there is no link: nothing is tabulated."""
+    sizes = sorted(sizes)
+    rounds = max(repeats, 5)
+    one_way = np.array(engine.backend.ping(sizes, repeats=rounds))     # [workers, sizes]
+    measured = bool(len(one_way)) and float(one_way[:, -1].max()) > float(one_way[:, 0].min())
     d2h, h2d = pcie_bandwidth(engine.device)
     if d2h:
         log(f"device<->host copies: {d2h / 1e9:.1f} GB/s to the host, {h2d / 1e9:.1f} GB/s to the device")
-    return LinkProfile(latency_s=latency, bandwidth_Bps=float(bandwidth),
-                       message_bytes=list(sizes) if measured else [],
-                       message_time_s=[float(t) for t in times] if measured else [],
-                       device_d2h_Bps=d2h, device_h2d_Bps=h2d)
+    if not measured:
+        log("link: none (the R-part runs in this process)")
+        return LinkProfile(latency_s=float(one_way[0, 0]) if len(one_way) else 0.0, bandwidth_Bps=1e15,
+                           device_d2h_Bps=d2h, device_h2d_Bps=h2d)
+    names = [f"rank{w.rank}@{w.host}" for w in engine.backend.workers]
+    fits = [fit_link(sizes, list(row)) for row in one_way]          # [workers] (latency, bandwidth)
+    for name, (lat, bw), row in zip(names, fits, one_way):
+        log(f"link to {name}: {lat * 1e6:.1f} us latency, {bw / 1e9:.3f} GB/s; "
+            f"{sizes[-1] / 2**20:.0f} MiB one way in {row[-1] * 1e3:.2f} ms")
+    slowest = int(np.argmax(one_way[:, -1]))        # LinkProfile.slowest_worker
+    concurrent = 0.0
+    if len(names) > 1:
+        top = sizes[-2:]
+        together = engine.backend.ping_all(top, repeats=rounds)     # [2] one-way, all workers at once
+        span = together[-1] - together[0]
+        concurrent = len(names) * (top[-1] - top[0]) / span if span > 0 else 1e15
+        log(f"link to all {len(names)} R-workers at once: {concurrent / 1e9:.3f} GB/s in all "
+            f"({sum(bw for _, bw in fits) / 1e9:.3f} GB/s the links alone add up to)")
+    log(f"link: the slowest is {names[slowest]}'s")
+    return LinkProfile(latency_s=fits[slowest][0], bandwidth_Bps=fits[slowest][1], message_bytes=list(sizes),
+                       message_time_s=[float(t) for t in one_way[slowest]], device_d2h_Bps=d2h, device_h2d_Bps=h2d,
+                       worker_names=names, worker_message_time_s=[[float(t) for t in row] for row in one_way],
+                       worker_latency_s=[f[0] for f in fits], worker_bandwidth_Bps=[f[1] for f in fits],
+                       concurrent_Bps=float(concurrent))

@@ -10,9 +10,10 @@ import sys
 import time
 
 FULL_HELP = {"batches": "1..512 on CPU, 1..16384 on CUDA", "prompt_lens": "16,128,256,512,768,1024,1536,2048",
-             "repeats": "3", "r_seqs": "64", "r_bytes": "3x the largest CPU cache, >= 256M, so it streams from memory"}
+             "repeats": "3", "r_seqs": "64", "r_bytes": "3x the largest CPU cache, >= 256M, so it streams from memory",
+             "link_sizes": "64,1K,16K,256K,1M,4M,16M,64M"}
 QUICK_HELP = {"batches": "1,16,64 on CPU, 1,256,4096 on CUDA", "prompt_lens": "16,128", "repeats": "1",
-              "r_seqs": "8", "r_bytes": "the largest CPU cache, >= 64M"}
+              "r_seqs": "8", "r_bytes": "the largest CPU cache, >= 64M", "link_sizes": "64,16K,1M,16M"}
 
 
 def _default(name: str) -> str:
@@ -24,6 +25,12 @@ def add_parser(sub, add_engine_options) -> argparse.ArgumentParser:
 
     def int_list(text: str) -> list[int]:
         return [positive_int(x) for x in text.split(",")]
+
+    def size_list(text: str) -> list[int]:
+        sizes = sorted(bytes_arg(x) for x in text.split(","))
+        if len(sizes) < 2 or sizes[0] < 1:
+            raise argparse.ArgumentTypeError(f"need two or more sizes of at least 1 byte, got {text!r}")
+        return sizes
 
     pr = sub.add_parser("profile", help="measure T_S(B), R-worker attention cost and the S<->R link",
                         description="Measure what `fastdecode plan` needs. Under mpirun every R-worker is measured. "
@@ -44,6 +51,10 @@ def add_parser(sub, add_engine_options) -> argparse.ArgumentParser:
                     help=f"timed repetitions, the median kept {_default('repeats')}")
     pr.add_argument("--prompt-lens", type=int_list, default=None,
                     help=f"comma-separated prompt lengths for the prefill cost {_default('prompt_lens')}")
+    pr.add_argument("--link-sizes", type=size_list, default=None,
+                    help="comma-separated one-way message sizes for the S<->R link, bytes or with K/M/G; "
+                         "the bandwidth is fitted over those of 256K and more, so give two such "
+                         f"{_default('link_sizes')}")
     return pr
 
 
@@ -51,7 +62,7 @@ def settings_of(args, cuda: bool):
     """The full profile's settings or --quick's, with every option given explicitly on top."""
     from fastdecode.sizing.profile import ProfileSettings, quick_settings
     st = quick_settings(cuda) if args.quick else ProfileSettings()
-    for name in ("batches", "prompt_lens", "repeats", "r_seqs", "r_bytes"):
+    for name in ("batches", "prompt_lens", "repeats", "r_seqs", "r_bytes", "link_sizes"):
         if getattr(args, name) is not None:
             setattr(st, name, getattr(args, name))
     return st

@@ -204,6 +204,9 @@ class RWorkerProfile:
 
 @dataclass(slots=True)
 class LinkProfile:
+    """The S<->R link. The headline figures and table are the slowest R-worker's (the one whose
+    messages bound a step); a measured profile keeps every R-worker's own table beside them, and
+    what the S-worker's path carries to all R-workers at once."""
     latency_s: float
     bandwidth_Bps: float
     message_bytes: list[int] = field(default_factory=list)    # measured sizes, ascending
@@ -214,19 +217,58 @@ class LinkProfile:
     # per layer, what one mini-batch's chain S -> link -> R -> link takes beyond its parts:
     # waiting ranks waking up, progress threads polling, the device event -> MPI hand-off
     hop_s: float = 0.0
+    # each R-worker alone, in the profile's worker order: its name and one-way time per message
+    # size ([workers, sizes], sizes as message_bytes) with its own latency and bandwidth fit
+    worker_names: list[str] = field(default_factory=list)
+    worker_message_time_s: list[list[float]] = field(default_factory=list)
+    worker_latency_s: list[float] = field(default_factory=list)
+    worker_bandwidth_Bps: list[float] = field(default_factory=list)
+    # bytes/s the S-worker moves to all the profiled R-workers at once (their messages in flight
+    # together); 0 = not measured: the R-workers' messages share one path (stated hardware, one NIC)
+    concurrent_Bps: float = 0.0
 
     def device_time(self, to_host_bytes: float, to_device_bytes: float) -> float:
         t = to_host_bytes / self.device_d2h_Bps if self.device_d2h_Bps > 0 else 0.0
         return t + (to_device_bytes / self.device_h2d_Bps if self.device_h2d_Bps > 0 else 0.0)
 
     def time(self, nbytes: float) -> float:
-        """One-way time of a message: measured table where given (linear between points),
-        latency + size / bandwidth elsewhere."""
-        if nbytes <= 0:
-            return 0.0
-        if self.message_bytes and self.message_bytes[0] <= nbytes <= self.message_bytes[-1]:
-            return float(np.interp(nbytes, self.message_bytes, self.message_time_s))
-        return self.latency_s + nbytes / self.bandwidth_Bps
+        """One-way time of a message on the slowest R-worker's link."""
+        return message_time(nbytes, self.message_bytes, self.message_time_s, self.latency_s, self.bandwidth_Bps)
+
+    def per_worker(self) -> bool:
+        return len(self.worker_message_time_s) > 0
+
+    def worker_time(self, worker: int, nbytes: float) -> float:
+        """One-way time of a message to R-worker `worker` (its own table; the profiled workers
+        repeat in order past their count, as Profile.workers does)."""
+        if not self.per_worker():
+            return self.time(nbytes)
+        w = worker % len(self.worker_message_time_s)
+        return message_time(nbytes, self.message_bytes, self.worker_message_time_s[w],
+                            self.worker_latency_s[w], self.worker_bandwidth_Bps[w])
+
+    def slowest_worker(self) -> int:
+        """The R-worker whose largest message takes longest (0 without per-worker tables)."""
+        if not self.per_worker():
+            return 0
+        return int(np.argmax([t[-1] for t in self.worker_message_time_s]))
+
+    def worker_name(self, worker: int) -> str:
+        return self.worker_names[worker % len(self.worker_names)] if self.worker_names else "the link"
+
+
+def message_time(nbytes: float, sizes: list[int], times: list[float], latency_s: float, bandwidth_Bps: float) -> float:
+    """One-way time of an `nbytes` message: the measured table where it covers the size (linear
+    between points); past its largest size that point's time plus the rest at the bandwidth
+    (a big message over TCP is bandwidth, its latency already in the point); latency + size /
+    bandwidth without a table or below it."""
+    if nbytes <= 0:
+        return 0.0
+    if sizes and sizes[0] <= nbytes <= sizes[-1]:
+        return float(np.interp(nbytes, sizes, times))
+    if sizes and nbytes > sizes[-1]:
+        return times[-1] + (nbytes - sizes[-1]) / bandwidth_Bps
+    return latency_s + nbytes / bandwidth_Bps
 
 
 @dataclass(slots=True)
@@ -275,6 +317,12 @@ class Profile:
         link = from_known_keys(LinkProfile, d["link"])
         if link.bandwidth_Bps <= 0 or len(link.message_bytes) != len(link.message_time_s):
             raise ValueError("link: bandwidth must be > 0, message_bytes and message_time_s equal length")
+        per = (link.worker_names, link.worker_latency_s, link.worker_bandwidth_Bps)
+        if link.worker_message_time_s and (any(len(x) != len(link.worker_message_time_s) for x in per)
+                                           or any(len(t) != len(link.message_bytes) for t in link.worker_message_time_s)
+                                           or min(link.worker_bandwidth_Bps) <= 0):
+            raise ValueError("link: every R-worker needs a name, a latency, a bandwidth > 0 and a time per "
+                             "message size")
         return cls(model=from_known_keys(ModelDims, d["model"]), s_worker=s, r_workers=workers, link=link,
                    kv_dtype_bytes=d.get("kv_dtype_bytes", 2), source=d.get("source", "measured"),
                    notes=d.get("notes", ""))
