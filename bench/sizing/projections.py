@@ -30,6 +30,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 import sizing_paper as paper  # noqa: E402
+
 from fastdecode.sim.core import SimConfig, simulate  # noqa: E402
 from fastdecode.sim.costs import costs_of  # noqa: E402
 from fastdecode.sim.report import summary  # noqa: E402
@@ -63,6 +64,11 @@ WORKLOADS = {
 }
 
 
+def load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def run_sim(profile, trace: Trace, rworkers: int, max_batch: int, depth: int = 2, schedule: str = "stabilized",
             prefill_tokens: int = 32768) -> dict:
     cfg = SimConfig(rworkers=rworkers, depth=depth, schedule=schedule, max_batch=max_batch,
@@ -77,7 +83,7 @@ def paper_setting() -> list[dict]:
     """Efficiency(P) = tokens/s(P) / (P x tokens/s(1)), per point the published figure, the
     analytic model's (sizing_paper.json, bandwidth + per-call cost fitted) and the simulator's
     with the same stated hardware; the fitted values are read from sizing_paper.json."""
-    fitted = json.load(open(os.path.join(RESULTS, "sizing_paper.json")))["fit_bandwidth_and_overhead"]["gen=L"]
+    fitted = load_json(os.path.join(RESULTS, "sizing_paper.json"))["fit_bandwidth_and_overhead"]["gen=L"]
     analytic = {(c["model"], c["L"]): c["efficiency"] for c in fitted["cases"]}
     rows = []
     for (model, L), points in paper.PAPER.items():
@@ -219,13 +225,13 @@ def main(argv=None) -> None:
     t0 = time.time()
     path = os.path.join(args.out_dir, "projections.json")
     if args.peers:
-        doc = json.load(open(path))
+        doc = load_json(path)
         add_peers(doc)
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
         plot(doc, os.path.join(args.out_dir, "projections.png"))
         return
-    gpu_only = json.load(open(os.path.join(REPO, "bench", "gpu", "results", "gpu_only_h100-box.json")))
+    gpu_only = load_json(os.path.join(REPO, "bench", "gpu", "results", "gpu_only_h100-box.json"))
     doc = {"date": time.strftime("%Y-%m-%d"),
            "stated": {"gpu": "h100 preset", "socket_read_GBps": SOCKET_READ_GBPS, "kernel_eff": KERNEL_EFF,
                       "socket_mem_GB": SOCKET_MEM_GB, "link_GBps": LINK_GBPS, "link_latency_us": LINK_US,
@@ -235,7 +241,7 @@ def main(argv=None) -> None:
            "h100": h100_cluster(args.requests, args.only),
            "hf_generate_measured": [r for r in gpu_only["runs"] if r.get("cache") == "dynamic"]}
     if args.only:       # keep what was not rerun
-        old = json.load(open(path))
+        old = load_json(path)
         doc["paper_setting"] = old["paper_setting"]
         doc["h100"] = {**old["h100"], **doc["h100"]}
     add_peers(doc)
