@@ -23,6 +23,8 @@ Writes bench/sizing/results/fidelity_<label>.json and .png.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -35,6 +37,7 @@ from types import SimpleNamespace
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))          # profile, generate and plan run from here
 RESULTS = os.path.join(HERE, "results")
+LOCK = "/tmp/fastdecode-bench.lock"     # timed groups of several benches take turns on a shared machine
 # (batch, R-workers (0 = local mode), prompt tokens, generated tokens)
 DEFAULT_CONFIGS = [(16, 1, 64, 48), (64, 1, 64, 48), (64, 2, 256, 48), (128, 2, 32, 32),
                    (32, 1, 512, 32), (64, 0, 128, 48)]
@@ -232,12 +235,30 @@ def main(argv=None) -> None:
     print(f"wrote {base}.json; max |error| {max(errs):.1%}, {result['within_15_percent']}/{len(errs)} within 15%")
 
 
-def plot(result: dict, path: str) -> None:
+@contextlib.contextmanager
+def bench_lock():
+    with open(LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None without matplotlib (the JSON is written anyway)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(result: dict, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     runs = result["runs"]
     meas = [r["measured_step_latency_s"] * 1e3 for r in runs]

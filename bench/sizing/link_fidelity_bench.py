@@ -15,8 +15,6 @@ bench/sizing/results/link_fidelity_<label>.json and .png.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import shlex
@@ -32,7 +30,6 @@ import fidelity_bench as fb  # noqa: E402
 
 from fastdecode.launch import netns, netns_links  # noqa: E402
 
-LOCK = "/tmp/fastdecode-bench.lock"
 SMOLLM = "smollm2-135m"
 KV_HEAVY = "random:smollm2-135m:layers=12:hidden=256:heads=16:kv_heads=16:intermediate=512:vocab=4096"
 # name, link (a profile name or --rate), model, R-workers, configurations (B, prompt, gen), depths
@@ -48,16 +45,6 @@ GROUPS = [
 # the prompt grid spans the runs' prompts (a grid of the short ones alone leaves the chunk-size
 # table measured at a prompt too short to price a chunk: 0.05 ms per prompt token against 6 ms run)
 PROFILE_ARGS = "--repeats 2 --r-seqs 16 --link-sizes 64,16K,256K,1M,4M --prompt-lens 32,64,512"
-
-
-@contextlib.contextmanager
-def bench_lock():
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def measured_link(profile: dict) -> dict:
@@ -77,7 +64,7 @@ def run_group(args, group, result: dict) -> None:
     label, link_flags, model, r, configs, depths = group
     link = netns_links.link_from(link_flags.get("profile"), link_flags.get("rate"), None, None)
     name = args.cluster
-    with netns.cluster(name, r + 1, link) as rec, bench_lock():
+    with netns.cluster(name, r + 1, link) as rec, fb.bench_lock():
         launcher = [sys.executable, os.path.join(fb.REPO, "scripts", "emulated_nodes.py"), "mpiexec", "--name", name]
         fargs = fb.parse_args(["--label", args.label, "--model", model, "--profile-args", PROFILE_ARGS,
                                "--token-span", "3000",                # inside the KV-heavy model's 4,096
@@ -195,11 +182,8 @@ def main(argv=None) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = fb.pyplot()
+    if plt is None:
         return
     runs = result["runs"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 5))

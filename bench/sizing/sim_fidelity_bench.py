@@ -21,7 +21,6 @@ Writes bench/sizing/results/sim_fidelity_<label>.json and .png.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import subprocess
@@ -32,9 +31,8 @@ from contextlib import contextmanager
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fidelity_bench import REPO, RESULTS, fastdecode_cmd, gemm_probe, request_file, run  # noqa: E402
+from fidelity_bench import REPO, RESULTS, bench_lock, fastdecode_cmd, gemm_probe, pyplot, request_file, run  # noqa: E402
 
-LOCK = "/tmp/fastdecode-bench.lock"
 NODES = os.path.join(REPO, "scripts", "emulated_nodes.py")
 # ranks = 1 + R-workers; link: None (shared memory) or an emulated_nodes.py profile; prompt: tokens of a
 # token-id prompt (EOS ignored, every request runs to gen) or "chat" (real prompts, sampled, EOS ends them)
@@ -68,16 +66,6 @@ def chat_file(path: str, n: int, max_tokens: int) -> None:
             body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0.8}
             f.write(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": body}) + "\n")
-
-
-@contextmanager
-def bench_lock():
-    with open(LOCK, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @contextmanager
@@ -210,11 +198,8 @@ def summarize(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     runs = result["runs"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
