@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup families gpuonly tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup families gpuonly linkfid tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so a session runs a few of them, newest need first.
 # The queue, newest need first:
-#   (empty: every stage has run on a box. Rerun any of them after the code they measure changes.)
+#   call 0: linkfid (~8 min, issue 34, never run on a box): `plan` over emulated nodes with a core
+#           per rank: whether depth 2 hides a link where plan says it does (the 2-core dev box
+#           could not show it), and the delay profiles where the box's kernel has netem. Needs
+#           root and MPICH's Hydra: the image has Open MPI only, so carry the mpich wheel and an
+#           mpi4py wheel (`pip download --no-deps --only-binary=:all: --python-version 3.12
+#           --platform manylinux_2_17_x86_64 mpich mpi4py`) and run it as
+#           `python3 -m pip install -q --target /tmp/mpich .whl/mpich-*.whl .whl/mpi4py-*.whl &&
+#           PATH=/tmp/mpich/bin:$PATH PYTHONPATH=/tmp/mpich:$PYTHONPATH bench/gpu_box.sh setup linkfid`.
 # Measured 2026-11-26 on the H100 box (results labelled h100-box): gpuonly (with soverhead8b), families.
 # Measured 2026-11-26 on the H200 box (results labelled h200-box): int8, tests, soverhead, fidelity,
 # e2e8b, amx, roofline, prefix, prefill, prefillmix, e2e7b, kernel, pageruns, vtile (docs/results.md):
@@ -100,6 +107,8 @@ gpuonly)     # issue 34: GPU-only serving, the peer of the cluster projections (
     # the S-part of a full Llama-3-8B step and the PCIe copies (the projections' S side)
     stage soverhead8b 120 $PY bench/gpu/s_overhead_bench.py --label $BOX-llama-3-8b \
         --model random:llama-3-8b:layers=8 --batches 1024 4096 16384 --depths 1 2 ;;
+linkfid)     # issue 34: plan over emulated nodes' shaped links, a core per rank (see the queue above)
+    stage linkfid 480 $PY bench/sizing/link_fidelity_bench.py --label $BOX-16core ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs
