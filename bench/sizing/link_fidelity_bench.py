@@ -41,6 +41,9 @@ GROUPS = [
     ("50mbit-r1", dict(rate="50mbit"), SMOLLM, 1, [(32, 32, 24)], [1, 2]),
     ("100mbit-r2", dict(rate="100mbit"), SMOLLM, 2, [(32, 32, 24)], [2]),
     ("10gbe-r1-kvheavy", dict(profile="10gbe"), KV_HEAVY, 1, [(32, 512, 16)], [2]),
+    # held out: settings the model was not revised on (--label ...-holdout --groups ho-*)
+    ("ho-200mbit-r1", dict(rate="200mbit"), SMOLLM, 1, [(48, 48, 24)], [2]),
+    ("ho-300mbit-r2", dict(rate="300mbit"), SMOLLM, 2, [(48, 96, 16)], [2]),
 ]
 # the prompt grid spans the runs' prompts (a grid of the short ones alone leaves the chunk-size
 # table measured at a prompt too short to price a chunk: 0.05 ms per prompt token against 6 ms run)
