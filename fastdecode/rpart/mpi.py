@@ -294,38 +294,29 @@ class MPIBackend(RBackend):
         return [self._recv_json(r, None) for r in self.ranks]
 
     def ping(self, sizes: list[int], repeats: int) -> list[list[float]]:
-        """One-way time per message size to each R-worker: half the median echo round trip."""
-        result = []
-        for w, r in enumerate(self.ranks):
-            self._send_control(w, P.control(P.PING, self.step, repeats, body=[sizes]))
-            times = []
-            for size in sizes:
-                buf = np.ones(size, dtype=np.uint8)
-                rtts = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    self.comm.Send([buf, MPI.BYTE], dest=r, tag=P.TAG_PING)
-                    self.comm.Recv([buf, MPI.BYTE], source=r, tag=P.TAG_PING)
-                    rtts.append(time.perf_counter() - t)
-                times.append(float(np.median(rtts)) / 2)
-            result.append(times)
-        return result
+        """One-way time per message size to each R-worker alone: half the median echo round trip."""
+        return [self._echo_times([w], sizes, repeats) for w in range(len(self.ranks))]
 
     def ping_all(self, sizes: list[int], repeats: int) -> list[float]:
-        """One-way time per message size to every R-worker at once (half the median round trip
-        of one echo from each, all in flight together): what the S-worker's own path carries when
-        a step's messages go to all R-workers. The workers echo as for ping."""
-        for w in range(len(self.ranks)):
+        """One-way time per message size to every R-worker at once (one echo from each, all in
+        flight together): what the S-worker's own path carries when a step's messages go to all."""
+        return self._echo_times(list(range(len(self.ranks))), sizes, repeats)
+
+    def _echo_times(self, workers: list[int], sizes: list[int], repeats: int) -> list[float]:
+        """[sizes] half the median round trip of one echo from each of `workers` (the workers echo
+        every message of the PING's sizes, `repeats` times each)."""
+        for w in workers:
             self._send_control(w, P.control(P.PING, self.step, repeats, body=[sizes]))
+        ranks = [self.ranks[w] for w in workers]
         times = []
         for size in sizes:
-            out = [np.ones(size, dtype=np.uint8) for _ in self.ranks]          # [workers][size]
-            back = [np.empty(size, dtype=np.uint8) for _ in self.ranks]
+            out = [np.ones(size, dtype=np.uint8) for _ in ranks]          # [workers][size]
+            back = [np.empty(size, dtype=np.uint8) for _ in ranks]
             rtts = []
             for _ in range(repeats):
                 t = time.perf_counter()
-                reqs = [self.comm.Irecv([b, MPI.BYTE], source=r, tag=P.TAG_PING) for b, r in zip(back, self.ranks)]
-                reqs += [self.comm.Isend([o, MPI.BYTE], dest=r, tag=P.TAG_PING) for o, r in zip(out, self.ranks)]
+                reqs = [self.comm.Irecv([b, MPI.BYTE], source=r, tag=P.TAG_PING) for b, r in zip(back, ranks)]
+                reqs += [self.comm.Isend([o, MPI.BYTE], dest=r, tag=P.TAG_PING) for o, r in zip(out, ranks)]
                 MPI.Request.Waitall(reqs)
                 rtts.append(time.perf_counter() - t)
             times.append(float(np.median(rtts)) / 2)
