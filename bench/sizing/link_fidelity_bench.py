@@ -175,13 +175,20 @@ def main(argv=None) -> None:
         for group in GROUPS:
             if not args.groups or group[0] in args.groups:
                 run_group(args, group, result)
+                write(result, base)          # after every group: a run cut by its time limit keeps what it finished
+    errs = write(result, base)
+    plot(result, base + ".png")
+    print(f"wrote {base}.json; max |error| {max(errs):.1%}, {result['within_15_percent']}/{len(errs)} within 15%")
+
+
+def write(result: dict, base: str) -> list:
+    """Summarize the runs so far into base.json; returns the step-latency errors."""
     errs = fb.summarize(result)
     result["tokens_per_s_within_15_percent"] = sum(abs(r["tokens_per_s_error"]) <= 0.15 for r in result["runs"])
     result["depth_pairs"] = depth_pairs(result)
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    plot(result, base + ".png")
-    print(f"wrote {base}.json; max |error| {max(errs):.1%}, {result['within_15_percent']}/{len(errs)} within 15%")
+    return errs
 
 
 def plot(result: dict, path: str) -> None:
