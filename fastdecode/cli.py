@@ -57,6 +57,20 @@ def bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _size_or_auto(text: str) -> int | None:
+    return None if text.strip().lower() == "auto" else bytes_arg(text)
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return v
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine options every command that builds an engine uses (generate, profile)."""
     p.add_argument("-m", "--model", default="smollm2-135m",
@@ -85,6 +99,18 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="kernel threads per R-worker (default: the physical cores it may use)")
     p.add_argument("--rworker-mem", type=bytes_arg, default=None,
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
+    p.add_argument("--device-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="the S-worker keeps some sequences' KV in its own memory and attends to them itself "
+                        "(its GPU's, or on a CPU S-worker beside R-workers its in-process store), the R-workers "
+                        "the rest; each sequence goes where its step ends earliest, from the tiers' measured "
+                        "speeds (default); --no-device-kv puts all KV on the R-workers")
+    p.add_argument("--device-kv-memory", type=_size_or_auto, default=None,
+                   help="bytes of the S-worker's own KV tier, e.g. 40G (default auto: on a GPU what is free "
+                        "after the weights and the activations' reserve, under --gpu-memory-utilization; on a "
+                        "CPU S-worker an equal share of its node's memory with the R-workers there)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                   help="GPU S-worker: the fraction of the card's memory the job may fill, weights, "
+                        "activations and its KV tier together (vLLM's; default 0.9)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a rank may stay silent before the job aborts naming it (default: 900 until "
                         "a step was timed, then 50x the slowest step, at least 300)")

@@ -98,7 +98,8 @@ class RWorker:
         cpus = rworker_cpus(self.r_index, r_here, h.s_cores if self.s_worker_here else 0)
         bind(cpus)
         threads = self.threads_arg or h.threads or len(physical_cpus(cpus))
-        capacity = self.capacity_arg or h.capacity_bytes or default_capacity_bytes(share=max(r_here, 1))
+        capacity = self.capacity_arg or h.capacity_bytes or default_capacity_bytes(
+            share=max(r_here, 1), taken=h.s_kv_bytes if self.s_worker_here else 0)
         # the V layout and prefetch that stream fastest on these cores (a few seconds; rworker.tune)
         self.store, kernel = open_tuned_store(h.num_layers, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_dtype,
                                               threads, capacity, scale=h.scale, bf16_probs=h.bf16_probs,

@@ -106,7 +106,7 @@ def test_rworker_holds_what_placement_reserves(tmp_path, ranks, kv_reserve):
     assert len(live) >= max_tokens - 2
     for s in live:
         held = pages(prompt + max_tokens) if kv_reserve == "full" else pages(s["kv_tokens"][0])
-        assert s["kv_bytes"] == [held], s
+        assert [b for b in s["kv_bytes"] if b] == [held], s        # on whichever worker holds it
     assert pages(prompt + max_tokens) > pages(prompt + 1)     # the case tells the two apart
 
 

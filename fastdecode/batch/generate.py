@@ -197,7 +197,8 @@ def run_summary(runner: BatchRunner, wall: float) -> dict:
                requests=runner.num_requests, errors=runner.num_errors,
                requests_per_s=round(runner.num_requests / wall, 4) if wall else None,
                preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens,
-               kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token, **eng.prefix_summary())
+               kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token, **eng.prefix_summary(),
+               **eng.tier_summary())
     return out
 
 

@@ -83,7 +83,7 @@ def rworker_load(workers, recorder) -> list[dict]:
     total_attend = sum(w["attend_s"] for w in load)
     out = []
     for info, w in zip(workers, load):
-        out.append({"rank": info.rank, "host": info.host, "threads": info.threads, "isa": info.isa,
+        out.append({"rank": info.rank, "host": info.host, "tier": info.tier, "threads": info.threads, "isa": info.isa,
                     "kernel": info.kernel, "kv_capacity_bytes": info.capacity_bytes, **w,
                     "kv_peak_fraction": round(w["kv_bytes_peak"] / info.capacity_bytes, 6)
                     if info.capacity_bytes else None,

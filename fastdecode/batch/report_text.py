@@ -62,6 +62,16 @@ def prefix_line(run: dict) -> str | None:
             f"prompt tokens neither prefilled nor stored again ({run['prefix_kv_bytes_saved'] / 2**20:.1f} MiB of KV)")
 
 
+def tiers_line(run: dict) -> str | None:
+    """Where the KV lived, when the S-worker kept some itself: sequences and peak bytes per tier."""
+    tiers = run.get("kv_tiers") or []
+    if len(tiers) < 2:
+        return None
+    return "KV tiers: " + "; ".join(
+        f"{t['tier']} {t['sequences']} sequence(s), peak {t['kv_bytes_peak'] / 2**30:.2f} of "
+        f"{t['kv_capacity_bytes'] / 2**30:.1f} GiB" for t in tiers)
+
+
 def text_lines(run: dict, report: dict | None = None) -> list[str]:
     """run: a run's summary (--stats-json's `summary`, a report's `this_run`); report: the run
     report, for the output file's requests. The Throughput line comes last."""
@@ -75,7 +85,7 @@ def text_lines(run: dict, report: dict | None = None) -> list[str]:
                    f"retries those lines)")
     out.append(f"tokens: {run['prompt_tokens']} prompt, {run['output_tokens']} generated")
     out.append(f"time: {run['wall_s']:.1f} s, {run['steps']} steps ({run['decode_steps']} decoding)")
-    for line in (prefill_line(run), prefix_line(run)):
+    for line in (prefill_line(run), prefix_line(run), tiers_line(run)):
         if line:
             out.append(line)
     bound = bound_line(run)

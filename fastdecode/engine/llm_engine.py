@@ -10,6 +10,14 @@ import numpy as np
 import torch
 
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
+from fastdecode.engine.kv_tiers import (
+    TierChoice,
+    activation_reserve_bytes,
+    choose_tier,
+    device_tier_bytes,
+    gib,
+    measured_speeds,
+)
 from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
 from fastdecode.engine.runner import ModelRunner
@@ -24,6 +32,7 @@ from fastdecode.model.source import ModelSource, read_config, resolve_model
 from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
 from fastdecode.model.weights import load_weights, source_digest
 from fastdecode.rpart.base import RBackend
+from fastdecode.rpart.tiered import TieredBackend
 from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
 from fastdecode.sched.placement import Placement
 from fastdecode.sched.scheduler import Scheduler
@@ -47,6 +56,9 @@ class LLMEngine:
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         self.tokenizer = Tokenizer(self.source, digest) if self.source.kind != "random" \
             else TokenIdsOnly(self.config.vocab_size)
+        world = comm.Get_size() if comm is not None else 1
+        self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, world,
+                                self.layout[0] if self.layout else 1)
         weights = load_weights(self.source, self.config, self.dtype, self.device)
         self.model = LlamaSPart(self.config, weights, self.device, self.dtype, max_model_len=self.max_model_len)
         del weights
@@ -58,6 +70,15 @@ class LLMEngine:
             self._log_roster()
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve,
                                    windows=self.variants.windows)
+        self.tier_index = self.backend.tier_index if isinstance(self.backend, TieredBackend) else None
+        if self.tier_index is not None:          # where a sequence ends its step earliest: measured speeds
+            probe = (512 << 20) if self.device.type == "cuda" else (64 << 20)
+            self.placement.set_speeds(measured_speeds(self.backend, self.kv_bytes_per_token, probe))
+            # a CPU S-worker's own store shares its cores with the S-part: until a decode step has
+            # timed the S-part, it takes only what the R-workers have no room for
+            self.placement.overflow_only[self.tier_index] = self.tier.kind == "local"
+        if not args.quiet:
+            self._log_tiers()
         self.prefix = self._make_prefix_cache()
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix)
@@ -127,6 +148,19 @@ class LLMEngine:
             return {"prefix_sharing": False, "prefix_hits": 0, "prefix_shared_tokens": 0, "prefix_kv_bytes_saved": 0}
         return {"prefix_sharing": True, **self.prefix.summary(self.kv_bytes_per_token)}
 
+    def tier_summary(self) -> dict:
+        """The run summary's KV tiers: sequences placed and peak KV bytes, the S-worker's own tier
+        apart from the R-workers (one entry without a tier)."""
+        workers, peaks, placed = self.backend.workers, self.recorder.kv_bytes_peak, self.placement.placed
+        groups = []
+        for own in (True, False):
+            idx = [i for i, w in enumerate(workers) if bool(w.tier) == own]
+            if idx:
+                groups.append({"tier": workers[idx[0]].tier if own else "R-workers" if self.layout else "host store",
+                               "sequences": sum(placed[i] for i in idx), "kv_bytes_peak": sum(peaks[i] for i in idx),
+                               "kv_capacity_bytes": sum(workers[i].capacity_bytes for i in idx)})
+        return {"kv_tiers": groups}
+
     def _make_admission(self):
         a = self.args
         if a.schedule == "fifo":
@@ -138,24 +172,61 @@ class LLMEngine:
         raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {a.schedule!r}")
 
     def _make_backend(self, comm) -> RBackend:
+        """The R-part: local mode's in-process store, or the R-workers over MPI; beside either,
+        the S-worker's own KV tier where the job has one (engine/kv_tiers.py)."""
+        from fastdecode.rpart.local import LocalBackend
         from fastdecode.rpart.variants import AttentionVariants
         variants = self.variants = AttentionVariants.of(self.config, self.model)
+        bf16_probs = self.args.attn_probs == "bf16"
         if comm is None or comm.Get_size() == 1:
-            from fastdecode.rpart.local import LocalBackend
             from rworker.host.threads import physical_cpus
             cores = len(physical_cpus())
             r_threads = self.args.r_threads or (max(1, cores - self.s_cores) if self.args.pipeline_depth > 1
                                                 else cores)
-            return LocalBackend(self.config, self.kv_dtype, r_threads, self.args.rworker_mem,
-                                asynchronous=self.args.pipeline_depth > 1, bf16_probs=self.args.attn_probs == "bf16",
-                                variants=variants)
-        from fastdecode.rpart.mpi import MPIBackend
-        from rworker.host.wait import choose_policy
-        ranks_here = self.layout[0]
-        policy = choose_policy(ranks_here, ranks_here)
-        return MPIBackend(comm, self.config, self.kv_dtype, variants, self.args.r_threads,
-                          self.args.rworker_mem, policy, self.args.timeout, self.device, self.dtype,
-                          s_cores=self.s_cores, bf16_probs=self.args.attn_probs == "bf16")
+            others = LocalBackend(self.config, self.kv_dtype, r_threads, self.args.rworker_mem,
+                                  asynchronous=self.args.pipeline_depth > 1, bf16_probs=bf16_probs, variants=variants)
+        else:
+            from fastdecode.rpart.mpi import MPIBackend
+            from rworker.host.wait import choose_policy
+            ranks_here = self.layout[0]
+            policy = choose_policy(ranks_here, ranks_here)
+            local_kv = self.tier.capacity_bytes if self.tier.kind == "local" else 0
+            others = MPIBackend(comm, self.config, self.kv_dtype, variants, self.args.r_threads,
+                                self.args.rworker_mem, policy, self.args.timeout, self.device, self.dtype,
+                                s_cores=self.s_cores, bf16_probs=bf16_probs, s_kv_bytes=local_kv)
+        if self.tier.kind == "device":
+            from fastdecode.rpart.device_kv import DeviceKVTier, page_bytes
+            reserve = activation_reserve_bytes(self.config, self.dtype, self.args.max_prefill_tokens,
+                                               self.args.max_batch)
+            size = device_tier_bytes(self.tier.capacity_bytes, self.args.gpu_memory_utilization, self.device,
+                                     reserve)
+            page = others.workers[0].page_tokens
+            if size < 2 * page_bytes(self.config, self.kv_dtype, page):
+                self.tier = TierChoice("", 0, f"{gib(size)} free on {self.device}: too little for a KV tier")
+                return others
+            tier = DeviceKVTier(self.config, self.kv_dtype, size, self.device, variants, page_tokens=page)
+        elif self.tier.kind == "local":
+            tier = LocalBackend(self.config, self.kv_dtype, self.args.s_threads or self.s_cores,
+                                self.tier.capacity_bytes, asynchronous=True, bf16_probs=bf16_probs, variants=variants)
+            tier.workers[0].tier = "local (in-process store)"
+        else:
+            return others
+        return TieredBackend(others, tier)
+
+    def _log_tiers(self) -> None:
+        """One line naming where KV lives: the S-worker's own tier and the R-workers, with capacities."""
+        workers = self.backend.workers
+        others = [w for w in workers if not w.tier]
+        kind = "R-workers" if self.layout is not None else "host store"
+        parts = [f"{len(others)} {kind if len(others) != 1 else kind.rstrip('s')} {gib(sum(w.capacity_bytes for w in others))}"]
+        if self.tier_index is not None:
+            t = workers[self.tier_index]
+            parts.insert(0, f"S-worker's own tier, {t.tier}, {gib(t.capacity_bytes)}")
+        else:
+            parts.append(f"no S-worker tier ({self.tier.why_off})")
+        speeds = ", ".join(f"{w.attend_gbps:.0f}" for w in workers if w.attend_gbps)
+        print(f"fastdecode: KV tiers: {'; '.join(parts)} of {self.kv_dtype} KV"
+              + (f"; attention measured at {speeds} GB/s" if speeds else ""), file=sys.stderr, flush=True)
 
     def describe_model(self) -> str:
         """One line for the job's start: the architecture and the attention variants it runs."""
@@ -169,8 +240,9 @@ class LLMEngine:
     def _log_roster(self) -> None:
         """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""
         for w in self.backend.workers:
-            kv = (f"{w.capacity_bytes / 2**30:.1f} GiB" if w.capacity_bytes >= 2**30
-                  else f"{w.capacity_bytes / 2**20:.0f} MiB")
+            if w.tier:
+                continue                     # the S-worker's own tier: _log_tiers names it
+            kv = gib(w.capacity_bytes)
             print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
                   f"{kv} {self.kv_dtype} KV ({self.kv_bytes_per_token / 1024:.1f} KiB/token)"
                   + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
@@ -301,10 +373,23 @@ class LLMEngine:
                   prefill, finished: list[Request]) -> list[Request]:
         """Free what finished, record the step (--stats-json, the summary), return the finished requests."""
         self.free_kv(self.scheduler.drop_finished())
+        if self.tier_index is not None and stats is not None and not (prefill is not None and prefill.mixed):
+            self._learn_tier_base(stats)
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
                              t_prefill, time.perf_counter() - t0, decode=bool(running),
                              tokens=self.num_output_tokens - tokens_before, prefill=prefill)
         return finished
+
+    def _learn_tier_base(self, stats, weight: float = 0.3) -> None:
+        """What a decode step's S-part takes besides the tier's attention (an exponential average):
+        the time a sequence on the S-worker's own tier waits for before its attention counts."""
+        s_part = self.runner.last_s_time
+        if self.tier.kind == "device":          # its attention ran on the S-part's own stream
+            s_part -= stats.attend_s[self.tier_index]
+        base, t = self.placement.base_s, self.tier_index
+        base[t] = max(s_part, 0.0) if self.placement.overflow_only[t] or base[t] == 0 \
+            else (1 - weight) * base[t] + weight * max(s_part, 0.0)
+        self.placement.overflow_only[t] = False
 
     def _prefill(self, new: list[Sequence], finished: list[Request]):
         self._count_recomputed(new)

@@ -60,6 +60,13 @@ def collect() -> dict:
         info["cuda_available"] = torch.cuda.is_available()
         if torch.cuda.is_available():
             info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            free, total = torch.cuda.mem_get_info(0)
+            info["device_kv_tier"] = (f"cuda:0, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free: a GPU S-worker keeps "
+                                      "KV there beside the R-workers (--device-kv-memory, default what the weights "
+                                      "and activations leave under --gpu-memory-utilization)")
+        else:
+            info["device_kv_tier"] = ("a CPU S-worker beside R-workers keeps KV in its in-process store, a share of "
+                                      "its node's memory, used where it pays (--device-kv-memory, --no-device-kv)")
     except ImportError:
         info["torch"] = "not installed (R-worker-only node)"
     return info

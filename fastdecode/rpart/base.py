@@ -24,6 +24,10 @@ class WorkerInfo:
     pid: int = 0
     kernel: str = ""          # the attention kernel's V layout and prefetch, and how they were chosen
     forks: bool = False       # its store can start a sequence sharing another's prefix pages (prefix sharing)
+    tier: str = ""            # "": an R-worker (or local mode's store); else the S-worker's own KV tier
+                              # ("device (cuda:0)", "local"), which runs its attention in-process
+    frees_windows: bool = True    # a sliding-window layer's pages leave once outside the window
+    attend_gbps: float = 0.0  # its attention kernel's KV read rate, GB/s (0: not measured)
 
 
 @dataclass(slots=True)

@@ -48,7 +48,8 @@ class MPIBackend(RBackend):
     def __init__(self, comm: MPI.Comm, config: ModelConfig, kv_dtype: str, variants: AttentionVariants | float,
                  r_threads: int | None = None, rworker_mem: int | None = None, policy: str = "adaptive",
                  timeout: float | None = None, device: torch.device | None = None,
-                 act_dtype: torch.dtype = torch.float32, s_cores: int = 0, bf16_probs: bool = False):
+                 act_dtype: torch.dtype = torch.float32, s_cores: int = 0, bf16_probs: bool = False,
+                 s_kv_bytes: int = 0):
         if not isinstance(variants, AttentionVariants):      # a bare softmax scale
             variants = AttentionVariants(float(variants))
         self.comm = comm
@@ -63,7 +64,8 @@ class MPIBackend(RBackend):
         self.progress = Progressor()
         hello = P.hello_message(P.Hello(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, kv_dtype,
                                         variants.scale, r_threads or 0, rworker_mem or 0, s_cores, bf16_probs,
-                                        windows=variants.windows, softcap=variants.softcap, sinks=variants.sinks))
+                                        windows=variants.windows, softcap=variants.softcap, sinks=variants.sinks,
+                                        s_kv_bytes=s_kv_bytes))
         for r in self.ranks:
             comm.Send([hello, MPI.INT64_T], dest=r, tag=P.TAG_CTRL)
         self.workers = [self._recv_info(r) for r in self.ranks]

@@ -11,6 +11,11 @@ never past that worker's capacity. Two reservation policies (`--kv-reserve`):
   worker has no page left for a growing sequence, the scheduler preempts the youngest sequences
   there (vLLM's recompute preemption); the oldest always progresses, so every sequence finishes.
 
+With the S-worker's own KV tier beside the R-workers (rpart/tiered.py) the workers' speeds are
+measured and a sequence goes where the step would end earliest: the tier's attention adds to the
+S-part's time (`base_s`), the R-workers' runs beside it. The tier keeps a windowed layer's pages
+(`frees_windows` False), so it is charged their full length.
+
 Shared prefixes (engine/prefix_cache.py): a sequence placed with `shared_tokens` starts from that
 many tokens (whole pages) of another sequence's pages on the same worker, so it reserves and
 loads only the rest; the shared pages count once, with the sequence that filled them. When that
@@ -33,6 +38,7 @@ if TYPE_CHECKING:        # annotations only: `fastdecode plan` and `report` star
     from fastdecode.rpart.base import WorkerInfo
 
 RESERVE_POLICIES = ("full", "grow")     # generate's --kv-reserve
+OVERFLOW_S = 1e9                        # added to an overflow-only worker's cost: any worker with room comes first
 
 
 def grow_overhead_tokens(page_tokens: int) -> float:
@@ -48,13 +54,21 @@ class Placement:
             raise ValueError(f"kv reservation policy must be one of {RESERVE_POLICIES}, got {policy!r}")
         self.policy = policy
         self.windows = tuple(int(w) for w in windows) if any(windows) else ()
+        self.frees_windows = [w.frees_windows for w in workers]     # else a windowed layer is charged in full
         self.page = [max(w.page_tokens, 1) for w in workers]
         self.capacity_tokens = [w.capacity_bytes // kv_bytes_per_token for w in workers]
-        # relative speed of each worker; measured bytes/s when known, else equal
+        # each worker's speed, KV tokens (all layers) read per second when measured, else equal; and
+        # what its step carries besides its own attention, seconds: the S-part, for the S-worker's
+        # own KV tier, whose attention runs on the S-worker's critical path (0 for the R-workers,
+        # whose attention runs beside the S-part in the pipeline)
         self.bandwidth = bandwidth or [1.0] * len(workers)
+        self.base_s = [0.0] * len(workers)
+        self.overflow_only = [False] * len(workers)   # a worker taken only when no other has room
+                                                      # (a tier whose S-part time is not measured yet)
         self.reserved = [0] * len(workers)        # tokens reserved by resident sequences (whole pages)
         self.resident = [0] * len(workers)        # sequences resident on each worker
         self.load = [0.0] * len(workers)          # projected tokens: prompt + half the generation
+        self.placed = [0] * len(workers)          # sequences placed on each worker so far (the report's)
         self._held: dict[int, int] = {}           # seq_id -> tokens it reserves now (its own pages)
         self._shared: dict[int, int] = {}         # seq_id -> tokens it reads from another's pages
         self._lent: dict[object, tuple[int, int]] = {}   # key -> (worker, tokens) of an ended
@@ -68,7 +82,7 @@ class Placement:
         """Capacity (tokens of all layers) a sequence of `tokens` positions takes on worker w:
         whole pages per layer, a windowed layer at most the pages its window keeps live."""
         pages = math.ceil(tokens / self.page[w])
-        if not self.windows:
+        if not self.windows or not self.frees_windows[w]:
             return pages * self.page[w]
         live = [pages if win == 0 else min(pages, math.ceil(win / self.page[w]) + 1) for win in self.windows]
         return math.ceil(sum(live) * self.page[w] / len(live))
@@ -96,8 +110,16 @@ class Placement:
         return any(self._charge(w, self._bound(w, seq)) <= cap for w, cap in enumerate(self.capacity_tokens))
 
     def cost(self, w: int, seq: Sequence, shared_tokens: int = 0) -> float:
-        """Worker w's projected load relative to its bandwidth with seq on it (the lower, the better)."""
-        return (self.load[w] + self._live(w, seq.prompt_len + seq.max_tokens / 2) - shared_tokens) / self.bandwidth[w]
+        """When worker w's part of a step would end with seq on it: what else its step carries,
+        then its projected load at its bandwidth (the lower, the better: the step ends earliest)."""
+        load = self.load[w] + self._live(w, seq.prompt_len + seq.max_tokens / 2) - shared_tokens
+        return self.base_s[w] + load / self.bandwidth[w]
+
+    def set_speeds(self, tokens_per_s: list[float]) -> None:
+        """Measured speeds (KV tokens of all layers read per second), one per worker."""
+        if len(tokens_per_s) != len(self.bandwidth) or not all(b > 0 for b in tokens_per_s):
+            raise ValueError(f"placement: one positive speed per worker, got {tokens_per_s}")
+        self.bandwidth = [float(b) for b in tokens_per_s]
 
     def best(self, seq: Sequence, workers=None, shared_tokens: int = 0) -> int | None:
         """The worker (of `workers`, default all) with room for seq and the lowest cost; None: none has room."""
@@ -111,7 +133,7 @@ class Placement:
                 need += self.resident[w] * self.page[w]
             if self.reserved[w] + need > cap:
                 continue
-            cost = self.cost(w, seq, shared_tokens)
+            cost = self.cost(w, seq, shared_tokens) + (OVERFLOW_S if self.overflow_only[w] else 0.0)
             if cost < best_cost:
                 best, best_cost = w, cost
         return best
@@ -127,6 +149,7 @@ class Placement:
         self._shared[seq.seq_id] = shared_tokens
         self.reserved[best] += self._charge(best, held)
         self.resident[best] += 1
+        self.placed[best] += 1
         self.load[best] += self._projected(seq, best)
         seq.worker = best
         return best

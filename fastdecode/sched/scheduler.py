@@ -17,7 +17,7 @@ holds on an R-worker is placed there and prefills only the rest; admission count
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from itertools import islice
 
 from typing import TYPE_CHECKING
@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.preempted_on: Counter[int] = Counter()      # worker -> preemptions there
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -140,6 +141,7 @@ class Scheduler:
             while not self.placement.grow(seq):
                 victim = max((s for s in self.running if s.worker == seq.worker and s.status is Status.RUNNING),
                              key=lambda s: s.seq_id)
+                self.preempted_on[victim.worker] += 1
                 self._release(victim)
                 victim.status = Status.WAITING
                 preempted.append(victim)

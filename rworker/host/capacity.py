@@ -7,11 +7,12 @@ RESERVE_FRACTION = 0.10      # leave room for the OS, MPI buffers and the S-work
 RESERVE_MIN_BYTES = 1 << 30
 
 
-def default_capacity_bytes(share: int = 1) -> int:
-    """Available memory less a reserve, split among `share` R-workers on this node."""
+def default_capacity_bytes(share: int = 1, taken: int = 0) -> int:
+    """Available memory less a reserve and what the S-worker's own KV tier `taken` on this node,
+    split among `share` KV holders on this node."""
     vm = psutil.virtual_memory()
     reserve = max(int(vm.total * RESERVE_FRACTION), RESERVE_MIN_BYTES)
-    return max(vm.available - reserve, 0) // max(share, 1)
+    return max(vm.available - reserve - taken, 0) // max(share, 1)
 
 
 def parse_bytes(text: str) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
 
 MAGIC = 0x46444543          # "FDEC"
-VERSION = 5                 # bump on any change to a message's layout or meaning
+VERSION = 6                 # bump on any change to a message's layout or meaning
 MAX_SEQ_ID = (1 << 53) - 1  # sequence ids are 0..MAX_SEQ_ID (the engine's stay far below)
 
 # What an R-worker reports after each DECODE step, float64 each: kernel seconds, seconds not
@@ -116,13 +116,15 @@ class Hello:
     windows: tuple[int, ...] = ()   # [num_layers] keys each layer's query attends (0: all); (): all full
     softcap: float = 0.0        # attention logit soft-cap (0: none)
     sinks: tuple[float, ...] = ()   # [num_layers * num_heads] learned sink logits; (): none
+    s_kv_bytes: int = 0         # host memory the S-worker's own KV tier takes on its node (R-workers
+                                # sharing that node split what is left)
 
 
 # a=num_layers b=num_kv_heads c=head_dim d=kv dtype code e=num_heads;
 # body: [scale as float64 bits, threads, capacity_bytes, s_cores, bf16_probs, softcap as float64 bits,
-#        windows given (0/1), sinks given (0/1)], then num_layers windows if given, then
+#        windows given (0/1), sinks given (0/1), s_kv_bytes], then num_layers windows if given, then
 #        num_layers * num_heads sink logits as float64 bits if given
-HELLO_BODY_WORDS = 8
+HELLO_BODY_WORDS = 9
 
 
 def _bits(x: float) -> int:
@@ -139,7 +141,7 @@ def hello_message(h: Hello) -> np.ndarray:
     if h.sinks and len(h.sinks) != h.num_layers * h.num_heads:
         raise ValueError(f"HELLO: {len(h.sinks)} sink logits for {h.num_layers} layers x {h.num_heads} heads")
     body = [_bits(h.scale), h.threads, h.capacity_bytes, h.s_cores, int(h.bf16_probs), _bits(h.softcap),
-            int(bool(h.windows)), int(bool(h.sinks))]
+            int(bool(h.windows)), int(bool(h.sinks)), h.s_kv_bytes]
     return control(HELLO, 0, h.num_layers, h.num_kv_heads, h.head_dim, KV_CODES[h.kv_dtype], h.num_heads,
                    body=[body, [int(w) for w in h.windows], [_bits(x) for x in h.sinks]])
 
@@ -155,7 +157,7 @@ def parse_hello(hdr: np.ndarray, body: np.ndarray) -> Hello:
     return Hello(num_layers, num_heads, num_kv_heads, head_dim, KV_DTYPES[kv_code], _float(body[0]),
                  threads=int(body[1]), capacity_bytes=int(body[2]), s_cores=int(body[3]), bf16_probs=bool(body[4]),
                  softcap=_float(body[5]), windows=tuple(int(w) for w in rest[:nwin]),
-                 sinks=tuple(_float(b) for b in rest[nwin:]))
+                 sinks=tuple(_float(b) for b in rest[nwin:]), s_kv_bytes=int(body[8]))
 
 # ---------------------------------------------------------------- PREFILL
 # a=rows b=act dtype code c=layers in this step (0: all) d=reservations e=continued sequences;

@@ -19,7 +19,10 @@ prompts = [r["prompt_ids"] if r.get("prompt_ids") is not None
            for r in requests]
 params = [SamplingParams(**r["params"]) for r in requests]
 outs = llm.generate(prompts, params, use_tqdm=False)
-result = {"workers": len(llm.engine.backend.workers),
+workers = llm.engine.backend.workers
+result = {"workers": sum(1 for w in workers if not w.tier), "tiers": [w.tier for w in workers if w.tier],
+          "placed": llm.engine.placement.placed,
+          "preempted_on": {str(w): n for w, n in llm.engine.scheduler.preempted_on.items()},
           "outputs": [[c.token_ids for c in o.outputs] for o in outs],
           "texts": [[c.text for c in o.outputs] for o in outs],
           "finish": [[c.finish_reason for c in o.outputs] for o in outs],

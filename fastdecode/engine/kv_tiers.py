@@ -1,0 +1,98 @@
+"""The S-worker's own KV tier: whether a job has one, what holds it, and how large it is.
+
+- GPU S-worker: pages in the card's memory (rpart/device_kv.py), by default what is free once the
+  weights are in, less the activations' reserve, under `--gpu-memory-utilization` of the card
+  (vLLM's habit); in local mode (`-n 1`) the host's own store sits beside it for what the card
+  cannot hold.
+- CPU S-worker beside R-workers: the in-process AVX-512 store (rpart/local.py), by default an equal
+  share of its node's memory with the R-workers there. In local mode (`-n 1`) that store already
+  is the whole R-part.
+Placement (sched/placement.py) then sends each sequence where the step ends earliest, from the
+tiers' measured speeds: a tier that does not pay on a machine holds nothing.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fastdecode.model.config import ConfigError, ModelConfig
+from fastdecode.rpart.base import RBackend
+from rworker.host.capacity import default_capacity_bytes
+
+TIER_KV_DTYPES = ("fp32", "bf16", "fp16")       # the device tier's pages; int8 stays on the R-workers
+TORCH_TIER_ENV = "FASTDECODE_DEVICE_TIER"       # "torch": the GPU's tier (torch pages) on any device, for tests
+CPU_TORCH_TIER_BYTES = 1 << 30
+SPEED_PROBE_SEQS = 16
+
+
+@dataclass(slots=True)
+class TierChoice:
+    kind: str                      # "": none; "device": pages on the S-worker's GPU; "local": the in-process store
+    capacity_bytes: int | None     # None: from the device's free memory once the weights are in
+    why_off: str = ""              # why there is none (said on the start-up line)
+
+
+def gib(n: float) -> str:
+    """A memory size for people: GiB from 1 GiB on, else MiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def choose_tier(enabled: bool, asked: int | None, device: torch.device, kv_dtype: str, world: int,
+                ranks_here: int) -> TierChoice:
+    """The tier of a job: `enabled` False is --no-device-kv; `asked` --device-kv-memory (None: auto);
+    `ranks_here` the ranks on the S-worker's node (itself included). Raises ConfigError where an
+    asked size cannot be met (checked again against free memory once the weights are in)."""
+    if not enabled:
+        return TierChoice("", 0, "--no-device-kv")
+    if device.type == "cuda" or os.environ.get(TORCH_TIER_ENV, "").strip() == "torch":
+        if kv_dtype not in TIER_KV_DTYPES:
+            return TierChoice("", 0, f"{kv_dtype} KV lives on the R-workers only")
+        if device.type != "cuda":         # the GPU's code on a CPU, for tests: a small tier unless asked
+            return TierChoice("device", asked if asked is not None else
+                              min(CPU_TORCH_TIER_BYTES, default_capacity_bytes(share=max(ranks_here, 1))))
+        free, _ = torch.cuda.mem_get_info(device)
+        if asked is not None and asked > free:
+            raise ConfigError(f"--device-kv-memory {gib(asked)} is more than the {gib(free)} free on {device} "
+                              f"(before the weights load): ask for less, or --no-device-kv")
+        return TierChoice("device", asked)
+    if world <= 1:
+        return TierChoice("", 0, "local mode: the in-process store is the whole R-part")
+    return TierChoice("local", asked if asked is not None else default_capacity_bytes(share=max(ranks_here, 1)))
+
+
+def activation_reserve_bytes(config: ModelConfig, dtype: torch.dtype, max_prefill_tokens: int,
+                             max_batch: int) -> int:
+    """Device memory the S-part's activations may need at once: a prefill chunk's (about
+    hidden*6 + intermediate*3 values a token, as resolve_batch_limits counts them), and a decode
+    step's rows with their fp32 logits twice (sampling's copies)."""
+    per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
+    return max_prefill_tokens * per_token + max_batch * (per_token + 8 * config.vocab_size)
+
+
+def device_tier_bytes(asked: int | None, utilization: float, device: torch.device, reserve: int) -> int:
+    """The device tier's size once the weights are in: `asked`, or what is free under
+    utilization x the card's memory, less the activations' reserve."""
+    if not 0 < utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    if device.type != "cuda":                 # the torch tier on a CPU (FASTDECODE_DEVICE_TIER=torch)
+        return asked
+    free, total = torch.cuda.mem_get_info(device)
+    room = max(min(free - reserve, free - int(total * (1 - utilization))), 0)
+    if asked is None:
+        return room
+    if asked > room:
+        raise ConfigError(f"--device-kv-memory {gib(asked)} does not fit on {device}: {gib(free)} free with the "
+                          f"weights in, {gib(reserve)} of it kept for activations: at most {gib(room)}")
+    return asked
+
+
+def measured_speeds(backend: RBackend, kv_bytes_per_token: int, probe_bytes: int) -> list[float]:
+    """Each worker's attention speed in KV tokens (all layers) per second, timed now on its own
+    kernel and memory (rpart's profile_workers: a short and a long context per worker)."""
+    results = backend.profile_workers(SPEED_PROBE_SEQS, probe_bytes)
+    speeds = [r["bandwidth_GBps"] * 1e9 / kv_bytes_per_token for r in results]
+    for w, gbps in zip(backend.workers, (r["bandwidth_GBps"] for r in results)):
+        w.attend_gbps = float(gbps)
+    return speeds

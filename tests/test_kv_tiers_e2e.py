@@ -1,0 +1,74 @@
+"""The S-worker's own KV tier through the whole engine, greedy against HF transformers (fp32):
+the GPU's tier (torch pages; FASTDECODE_DEVICE_TIER=torch runs its code on this CPU) beside local
+mode's store and beside 2 R-workers under mpiexec -n 3, and a CPU S-worker's in-process store
+beside 2 R-workers. The R-side memory is kept small so that both tiers hold sequences (each run
+checks it did), and one run under --kv-reserve grow preempts in both tiers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import MPIEXEC, REPO
+from test_hf_parity import ENGINE, GREEDY, SAMPLED, hf_reference  # noqa: F401  (the fixture)
+
+SEQ_BYTES = 64 * 45 * 1024          # a sequence of these prompts + 40-48 tokens: 2 pages of 32, 45 KiB a token
+
+
+def run(tmp_path, name, ranks, engine, torch_tier):
+    req, out = tmp_path / f"{name}.req.json", tmp_path / f"{name}.out.json"
+    req.write_text(json.dumps(GREEDY + SAMPLED))
+    cmd = [sys.executable, os.path.join(REPO, "tests", "mpi_scripts", "generate_ids.py"), str(req), str(out),
+           json.dumps({**ENGINE, **engine})]
+    if ranks:
+        cmd = [MPIEXEC, "-n", str(ranks)] + cmd
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FASTDECODE_DEVICE_TIER", None)
+    if torch_tier:
+        env["FASTDECODE_DEVICE_TIER"] = "torch"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+CASES = {
+    # name: (ranks, engine kwargs, torch tier)
+    "local+gpu-tier": (None, {"rworker_mem": 3 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, True),
+    "n3+gpu-tier": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, True),
+    "n3+cpu-tier": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, False),
+    "n3+tiers-grow": (3, {"rworker_mem": SEQ_BYTES + (1 << 20), "device_kv_memory": 2 * SEQ_BYTES,
+                          "kv_reserve": "grow"}, True),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiers")
+    return {name: run(tmp, name, *case) for name, case in CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_identical_to_hf_with_both_tiers_holding_sequences(runs, hf_reference, name):  # noqa: F811
+    got = runs[name]
+    ranks = CASES[name][0]
+    assert got["workers"] == (ranks - 1 if ranks else 1) and len(got["tiers"]) == 1
+    placed = got["placed"]
+    assert placed[-1] > 0 and sum(placed[:-1]) > 0, f"both tiers should hold sequences: {placed}"
+    for i, ref in enumerate(hf_reference):
+        assert got["outputs"][i][0] == ref, f"{name}: prompt {i} differs from HF"
+
+
+def test_sampling_the_same_whatever_the_tier(runs):
+    n = len(GREEDY)
+    first = runs["local+gpu-tier"]["outputs"][n:]
+    for name in CASES:
+        assert runs[name]["outputs"][n:] == first, name
+
+
+def test_grow_preempts_in_both_tiers(runs):
+    got = runs["n3+tiers-grow"]
+    tier = str(len(got["placed"]) - 1)
+    assert got["preempted_on"].get(tier, 0) > 0, got["preempted_on"]
+    assert sum(n for w, n in got["preempted_on"].items() if w != tier) > 0, got["preempted_on"]
