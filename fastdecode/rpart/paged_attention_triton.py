@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: kernels read only those globals
 MAX_HEAD_DIM = 256                  # a [BLOCK_T, D] tile per load; wider heads take the torch path
 MAX_SPLITS = 64                     # the merge kernel holds [splits, D] partial sums in registers
 PROGRAMS_PER_SM = 4                 # split until rows x KV heads x splits reaches this many per SM
@@ -29,9 +29,17 @@ TILE_BYTES = 16384                  # one K (or V) tile per loop iteration: 64 b
 @triton.jit
 def _tanh(x):
     # odd and overflow-free: e = e^(-2|x|) in (0, 1]
-    e = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _mma(a, b, IEEE: tl.constexpr):
+    # float32 tiles as exact products (not TF32); bf16/fp16 tiles the MMA's own way
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit
@@ -42,7 +50,7 @@ def _paged_decode_kernel(
         stride_btn, stride_on, stride_oh,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
         DOT_FP32: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -80,7 +88,7 @@ def _paged_decode_kernel(
                     mask=tile_ok, other=0.0)                   # [BLOCK_T, D_PAD]
         if DOT_FP32:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale   # [G_PAD, BLOCK_T]
+        s = _mma(q, tl.trans(k), IEEE) * scale   # [G_PAD, BLOCK_T]
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         s = tl.where(live[None, :], s * LOG2E, float("-inf"))
@@ -95,7 +103,7 @@ def _paged_decode_kernel(
         if DOT_FP32:
             pv = pv.to(tl.float32)
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _mma(pv, v, IEEE)
         m_i = m_new
 
     if not SPLIT:
@@ -204,7 +212,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # the interpreter's tl.dot multiplies bf16/fp16 tiles' raw bits (Triton 3.9): on the CPU the
     # tiles go to float32 first, after the same roundings (results then equal within the MMA's sums)
     dot_fp32 = q.device.type != "cuda"
-    precision = "ieee" if k_cache.dtype == torch.float32 or dot_fp32 else "tf32"   # fp32: exact products
+    ieee = k_cache.dtype == torch.float32 or dot_fp32
     sinks_arg = sinks if sinks is not None else q
     if splits > 1:
         pacc = torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -219,7 +227,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=page, BLOCK_T=block_t, SPLIT=splits > 1,
-        HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None, DOT_PRECISION=precision, DOT_FP32=dot_fp32,
+        HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None, IEEE=ieee, DOT_FP32=dot_fp32,
         num_warps=warps, num_stages=3)
     if splits > 1:
         _merge_splits_kernel[(n, hq)](pacc, pm, pl, sinks_arg, out, splits, out.stride(0), out.stride(1),
