@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from fastdecode.rpart import paged_attention as pa  # noqa: E402
+from fastdecode.rpart import paged_attention_triton as pat  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 HQ, HKV, D, PAGE = 32, 8, 128, 16                          # Llama-3-8B's attention, the tier's page
@@ -58,17 +59,23 @@ def timed_ms(fn, rounds: int, min_ms: float = 5.0) -> float:
     return statistics.median(times)
 
 
-def card_limits(rounds: int) -> dict:
-    """The device-to-device copy (2 GiB) and a read-only reduction (2 GiB): GB/s (1e9 bytes)."""
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+def copy_ms(rounds: int) -> float:
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()     # 2 GiB
     dst = torch.empty_like(src)
-    copy_ms = timed_ms(lambda: dst.copy_(src), rounds)
-    del src, dst
-    buf = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    read_ms = timed_ms(lambda: buf.sum(dtype=torch.float32), rounds)
-    del buf
+    return timed_ms(lambda: dst.copy_(src), rounds)
+
+
+def read_ms(rounds: int) -> float:
+    buf = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()     # 2 GiB
+    return timed_ms(lambda: buf.sum(dtype=torch.float32), rounds)
+
+
+def card_limits(rounds: int) -> dict:
+    """The device-to-device copy and a read-only reduction, 2 GiB each: GB/s (1e9 bytes)."""
+    limits = {"copy_gbps": round(2 * (2 << 30) / copy_ms(rounds) / 1e6, 1),
+              "read_gbps": round((2 << 30) / read_ms(rounds) / 1e6, 1)}
     torch.cuda.empty_cache()
-    return {"copy_gbps": round(2 * (2 << 30) / copy_ms / 1e6, 1), "read_gbps": round((2 << 30) / read_ms / 1e6, 1)}
+    return limits
 
 
 def build(batch: int, context: int, seed: int = 0):
@@ -94,7 +101,6 @@ def run_shape(batch: int, context: int, args, limit_gbps: float) -> dict:
 
     def kernel(splits=None):
         return pa.paged_decode_attention(q, k, v, bt, lens, scale, out=out, num_splits=splits)
-    from fastdecode.rpart import paged_attention_triton as pat
     block_t = pat.block_tokens(PAGE, D, 2)
     splits, _ = pat.plan_splits(batch, HKV, bt.shape[1] * PAGE, block_t, pat.program_slots(q.device))
     ms = timed_ms(kernel, args.rounds)
@@ -119,8 +125,6 @@ def run_shape(batch: int, context: int, args, limit_gbps: float) -> dict:
             row["torch"] = "out of memory"
     else:
         row["torch"] = f"skipped: its copies ({3 * row['kv_gb']:.0f} GB) over --torch-max-gb"
-    del q, k, v, bt, lens, out
-    torch.cuda.empty_cache()
     return row
 
 
@@ -183,6 +187,7 @@ def main():
                 result["skipped"].append({"batch": batch, "context": context, "kv_gb": round(kv_gb, 1)})
                 continue
             row = run_shape(batch, context, args, limits["limit_gbps"])
+            torch.cuda.empty_cache()                               # the shape's cache is gone with run_shape
             print(row, flush=True)
             result["rows"].append(row)
             result["seconds"] = round(time.time() - t0, 1)

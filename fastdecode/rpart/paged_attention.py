@@ -25,7 +25,7 @@ BACKENDS = ("auto", "torch", "triton")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_path():
     try:
         from fastdecode.rpart import paged_attention_triton

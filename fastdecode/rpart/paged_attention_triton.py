@@ -154,7 +154,7 @@ def _merge_splits_kernel(pacc_ptr, pm_ptr, pl_ptr, sinks_ptr, out_ptr, splits, s
     tl.store(out_ptr + row * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
