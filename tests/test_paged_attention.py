@@ -151,6 +151,7 @@ CASES = {
     "g4-d64-p16-fp32-window-over-context": (4, 1, 64, 16, torch.float32, None, 1000, 0.0, False),
     "g4-d96-p16-fp16-window": (4, 1, 96, 16, torch.float16, None, 37, 0.0, False),
     "g1-d128-p32-bf16q-fp32cache-all": (2, 2, 128, 32, torch.bfloat16, torch.float32, 40, 3.0, True),
+    "g2-d64-p128-fp32-window": (4, 2, 64, 128, torch.float32, None, 150, 0.0, False),   # blocks inside a page
 }
 
 
@@ -188,7 +189,7 @@ def count_merges(monkeypatch) -> list:
 def test_split_kv_equals_one_split(name, monkeypatch):
     """Forced splits (with one page per loop iteration, so that a split holds several) against one
     split: both within the reference's bound, and equal to each other within float32's sums."""
-    monkeypatch.setattr(pat, "TILE_BYTES", 1)              # BLOCK_T = max(page, 16): many blocks
+    monkeypatch.setattr(pat, "TILE_BYTES", 1)              # BLOCK_T = 16 tokens: many blocks per split
     merges = count_merges(monkeypatch)
     one, args, variants = run_case(name, "triton", monkeypatch, num_splits=1)
     assert merges == []
@@ -227,8 +228,8 @@ def test_plan_splits_by_hand():
     assert pat.plan_splits(1, 8, 8192, 64, slots) == (64, 128)
     # 64 programs want ceil(528 / 64) = 9: ceil(4096 / 9) = 456 -> 512 tokens (8 blocks), 8 splits
     assert pat.plan_splits(8, 8, 4096, 64, slots) == (8, 512)
-    assert pat.block_tokens(16, 128, 2) == 64 and pat.block_tokens(16, 128, 4) == 32
-    assert pat.block_tokens(128, 64, 2) == 128 and pat.block_tokens(16, 256, 4) == 16
+    assert pat.block_tokens(128, 2) == 64 and pat.block_tokens(128, 4) == 32
+    assert pat.block_tokens(64, 2) == 128 and pat.block_tokens(256, 4) == 16 and pat.block_tokens(8, 4) == 256
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -101,8 +101,8 @@ def run_shape(batch: int, context: int, args, limit_gbps: float) -> dict:
 
     def kernel(splits=None):
         return pa.paged_decode_attention(q, k, v, bt, lens, scale, out=out, num_splits=splits)
-    block_t = pat.block_tokens(PAGE, D, 2)
-    splits, _ = pat.plan_splits(batch, HKV, bt.shape[1] * PAGE, block_t, pat.program_slots(q.device))
+    unit = max(pat.block_tokens(D, 2), PAGE)
+    splits, _ = pat.plan_splits(batch, HKV, bt.shape[1] * PAGE, unit, pat.program_slots(q.device))
     ms = timed_ms(kernel, args.rounds)
     row = {"batch": batch, "context": context, "kv_gb": round(2 * k.numel() * 2 / 1e9, 2), "splits": splits,
            "kernel_ms": round(ms, 4), "kernel_gbps": round(read_bytes / ms / 1e6, 1),

@@ -1,10 +1,11 @@
 """Paged decode attention as Triton kernels: the device KV tier's attention on a CUDA S-worker.
 
-One program per (row, KV head, KV split) reads the split's tokens of that head once, whole pages
-at a time through the block table, and serves the G query heads that share the head together
-(GQA): the scores and the weighted sum are two `tl.dot`s over a [G_PAD, D] query tile, G padded
-to 16 rows (the smallest MMA tile), so the work per byte read is a few MMA instructions and the
-kernel streams at the card's read bandwidth. Softmax is online (running max and sum, base 2)
+One program per (row, KV head, KV split) reads the split's tokens of that head once, in tiles of
+TILE_BYTES (four pages of 16 tokens at D = 128 in bf16, or part of a bigger page: each token finds
+its page through the block table), pipelined into shared memory, and serves the G query heads
+that share the head together (GQA): the scores and the weighted sum are two `tl.dot`s over a
+[G_PAD, D] query tile, G padded to 16 rows (the smallest MMA tile), so the work per byte read is
+a few MMA instructions and the kernel streams at the card's read bandwidth. Softmax is online (running max and sum, base 2)
 with float32 accumulation. Where the rows x KV heads alone cannot fill the card (few long
 sequences) the tokens split into chunks (flash-decoding): each writes its unnormalized sum,
 max and denominator, and a second small kernel merges them per (row, query head).
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: kernels read only those globals
-MAX_HEAD_DIM = 256                  # a [BLOCK_T, D] tile per load; wider heads take the torch path
+MAX_HEAD_DIM = 256                  # a [16, D] tile at the least; wider heads take the torch path
 MAX_SPLITS = 64                     # the merge kernel holds [splits, D] partial sums in registers
 PROGRAMS_PER_SM = 4                 # split until rows x KV heads x splits reaches this many per SM
 TILE_BYTES = 16384                  # one K (or V) tile per loop iteration: 64 bf16 tokens at D = 128
@@ -60,7 +61,7 @@ def _paged_decode_kernel(
     # keys [lo, hi): the window's, never past what the block table holds
     hi = tl.minimum(tl.load(lens_ptr + row), max_pages * PAGE)
     lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
-    start = (lo // BLOCK_T) * BLOCK_T + split * chunk         # whole pages from the window's page on
+    start = (lo // BLOCK_T) * BLOCK_T + split * chunk         # from the block of the window's first key
     end = tl.minimum(start + chunk, hi)
 
     g = tl.arange(0, G_PAD)
@@ -167,21 +168,23 @@ def program_slots(device: torch.device) -> int:
     return PROGRAMS_PER_SM * 4
 
 
-def block_tokens(page_tokens: int, head_dim: int, elem_bytes: int) -> int:
-    """Tokens per loop iteration: a TILE_BYTES tile of K, whole pages, at least 16 (the MMA's N)."""
+def block_tokens(head_dim: int, elem_bytes: int) -> int:
+    """Tokens per loop iteration: a TILE_BYTES tile of K (several pages of 16, or part of a big
+    page: each token finds its page itself), at least 16 (the MMA's N)."""
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    return max(page_tokens, 16, TILE_BYTES // (d_pad * elem_bytes))
+    return max(16, TILE_BYTES // (d_pad * elem_bytes))
 
 
-def plan_splits(n: int, kv_heads: int, span: int, block_t: int, slots: int) -> tuple[int, int]:
+def plan_splits(n: int, kv_heads: int, span: int, unit: int, slots: int) -> tuple[int, int]:
     """(splits, tokens per split) for rows whose keys span at most `span` tokens from their first
-    page: one split while n * kv_heads fills `slots`, else enough to, each at least 2 blocks."""
+    block: one split while n * kv_heads fills `slots`, else enough to, each a multiple of `unit`
+    (whole blocks and whole pages) and at least 2 units."""
     span = max(span, 1)
     programs = n * kv_heads
-    if programs >= slots or span <= 2 * block_t:
-        return 1, triton.cdiv(span, block_t) * block_t
-    want = min(MAX_SPLITS, triton.cdiv(slots, programs), triton.cdiv(span, 2 * block_t))
-    chunk = triton.cdiv(triton.cdiv(span, want), block_t) * block_t
+    if programs >= slots or span <= 2 * unit:
+        return 1, triton.cdiv(span, unit) * unit
+    want = min(MAX_SPLITS, triton.cdiv(slots, programs), triton.cdiv(span, 2 * unit))
+    chunk = triton.cdiv(triton.cdiv(span, want), unit) * unit
     return triton.cdiv(span, chunk), chunk
 
 
@@ -198,14 +201,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     max_pages = block_tables.shape[1]
     if n == 0:
         return out
-    block_t = block_tokens(page, d, k_cache.element_size())
+    block_t = block_tokens(d, k_cache.element_size())
+    unit = max(block_t, page)                                  # both powers of two: a multiple of each
     longest = min(max_pages * page, max_seq_len if max_seq_len is not None else max_pages * page)
     # keys from the window's first block on: at most the window plus the block it starts inside
     span = min(longest, window + block_t) if window > 0 else longest
     if num_splits is None:
-        splits, chunk = plan_splits(n, hkv, span, block_t, program_slots(q.device))
+        splits, chunk = plan_splits(n, hkv, span, unit, program_slots(q.device))
     else:
-        chunk = triton.cdiv(triton.cdiv(max(span, 1), max(1, min(num_splits, MAX_SPLITS))), block_t) * block_t
+        chunk = triton.cdiv(triton.cdiv(max(span, 1), max(1, min(num_splits, MAX_SPLITS))), unit) * unit
         splits = triton.cdiv(max(span, 1), chunk)
     d_pad = max(16, triton.next_power_of_2(d))
     g_pad = max(16, triton.next_power_of_2(g))
@@ -220,7 +224,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         pl = torch.empty(n, hq, splits, dtype=torch.float32, device=q.device)
     else:
         pacc = pm = pl = out                                   # unused
-    warps = 4 if d_pad * block_t * k_cache.element_size() <= TILE_BYTES else 8
     _paged_decode_kernel[(n, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, sinks_arg, out, pacc, pm, pl,
         float(scale), float(softcap), int(window), max_pages, chunk, splits,
@@ -228,7 +231,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=page, BLOCK_T=block_t, SPLIT=splits > 1,
         HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None, IEEE=ieee, DOT_FP32=dot_fp32,
-        num_warps=warps, num_stages=3)
+        num_warps=4, num_stages=3)
     if splits > 1:
         _merge_splits_kernel[(n, hq)](pacc, pm, pl, sinks_arg, out, splits, out.stride(0), out.stride(1),
                                       S_PAD=triton.next_power_of_2(splits), D=d, D_PAD=d_pad,
