@@ -36,6 +36,7 @@ from fastdecode.rpart import paged_attention_triton as pat  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 HQ, HKV, D, PAGE = 32, 8, 128, 16                          # Llama-3-8B's attention, the tier's page
+DEVICE = "cuda"
 
 
 def timed_ms(fn, rounds: int, min_ms: float = 5.0) -> float:
@@ -60,13 +61,13 @@ def timed_ms(fn, rounds: int, min_ms: float = 5.0) -> float:
 
 
 def copy_ms(rounds: int) -> float:
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()     # 2 GiB
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device=DEVICE).normal_()     # 2 GiB
     dst = torch.empty_like(src)
     return timed_ms(lambda: dst.copy_(src), rounds)
 
 
 def read_ms(rounds: int) -> float:
-    buf = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()     # 2 GiB
+    buf = torch.empty(1 << 30, dtype=torch.bfloat16, device=DEVICE).normal_()     # 2 GiB
     return timed_ms(lambda: buf.sum(dtype=torch.float32), rounds)
 
 
@@ -82,13 +83,13 @@ def build(batch: int, context: int, seed: int = 0):
     """q [B, Hq, D]; caches [pages, PAGE, Hkv, D] bf16 with every row's pages in shuffled order."""
     pages_per_row = -(-context // PAGE)
     num_pages = batch * pages_per_row
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    k = torch.empty(num_pages, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda").normal_(generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    k = torch.empty(num_pages, PAGE, HKV, D, dtype=torch.bfloat16, device=DEVICE).normal_(generator=g)
     v = torch.empty_like(k).normal_(generator=g)
-    order = torch.randperm(num_pages, device="cuda", generator=g)
+    order = torch.randperm(num_pages, device=DEVICE, generator=g)
     block_tables = order.reshape(batch, pages_per_row).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.empty(batch, HQ, D, dtype=torch.bfloat16, device="cuda").normal_(generator=g)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    q = torch.empty(batch, HQ, D, dtype=torch.bfloat16, device=DEVICE).normal_(generator=g)
     return q, k, v, block_tables, seq_lens
 
 
