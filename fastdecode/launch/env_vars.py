@@ -67,6 +67,7 @@ CHECKS: dict[str, Callable[[str], str | None]] = {
     "FASTDECODE_EXTENT_PAGES": integer(1),
     "FASTDECODE_RESERVE_PAGES": ON_OFF,
     "FASTDECODE_FUSED": one_of("auto", "0", "1"),
+    "FASTDECODE_PAGED_ATTN": one_of("auto", "torch", "triton", fold=True),
     "FASTDECODE_NO_SUPERVISOR": ON_OFF,
     "FASTDECODE_INJECT_FAULT": fault_spec,
 }

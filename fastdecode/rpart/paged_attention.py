@@ -25,7 +25,7 @@ BACKENDS = ("auto", "torch", "triton")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_path():
     try:
         from fastdecode.rpart import paged_attention_triton
@@ -105,7 +105,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_pages * page_tokens (the Triton path clamps to that instead of checking: no sync).
     scale: the softmax scale; window: keys per query (0: all); softcap: the logit cap (0: none);
     sinks: [Hq] natural-log sink logits or None; out: [n, Hq, D] in q's dtype to write, or None.
-    max_seq_len: an upper bound of seq_lens the caller knows (default: the block table's width);
+    max_seq_len: a bound the caller knows, at least every seq_len (default: the block table's width);
     num_splits: force the KV splits of the Triton path (default: from the device and the bound).
     Returns out [n, Hq, D] in q's dtype; a row with no keys gives zeros.
     """
@@ -115,7 +115,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if sinks is not None:
         sinks = sinks.to(dtype=torch.float32).contiguous()
     if backend_for(q, q.shape[2]) == "triton":
-        return _triton_path().paged_decode(q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
+        def unit_last(t):                                   # strided rows are fine; the last dim is read as one run
+            return t if t.stride(-1) == 1 else t.contiguous()
+        return _triton_path().paged_decode(unit_last(q), k_cache, v_cache, unit_last(block_tables),
                                            seq_lens.contiguous(), scale, window, softcap, sinks, out,
                                            max_seq_len=max_seq_len, num_splits=num_splits)
     out.copy_(paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks))
@@ -149,6 +151,10 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     pos = torch.arange(pages * page, device=q.device)[None, :]
     lo = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)
     live = (pos >= lo[:, None]) & (pos < lens[:, None])                     # [n, T]
+    # slots outside [lo, len) hold whatever the pages last held (NaN bits included): zeroed, as
+    # a masked score's weight of 0 times NaN would still be NaN
+    k.masked_fill_(~live[:, None, :, None], 0.0)                             # in place: the gathers are copies
+    v.masked_fill_(~live[:, None, :, None], 0.0)
     qg = q.reshape(n, hkv, g, d)                                            # the G heads of a KV head as rows
     if softcap == 0 and sinks is None:
         o = F.scaled_dot_product_attention(qg.to(k.dtype), k, v, attn_mask=live[:, None, None, :], scale=scale)

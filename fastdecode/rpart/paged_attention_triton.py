@@ -1,10 +1,11 @@
 """Paged decode attention as Triton kernels: the device KV tier's attention on a CUDA S-worker.
 
-One program per (row, KV head, KV split) reads the split's tokens of that head once, whole pages
-at a time through the block table, and serves the G query heads that share the head together
-(GQA): the scores and the weighted sum are two `tl.dot`s over a [G_PAD, D] query tile, G padded
-to 16 rows (the smallest MMA tile), so the work per byte read is a few MMA instructions and the
-kernel streams at the card's read bandwidth. Softmax is online (running max and sum, base 2)
+One program per (row, KV head, KV split) reads the split's tokens of that head once, in tiles of
+TILE_BYTES (four pages of 16 tokens at D = 128 in bf16, or part of a bigger page: each token finds
+its page through the block table), pipelined into shared memory, and serves the G query heads
+that share the head together (GQA): the scores and the weighted sum are two `tl.dot`s over a
+[G_PAD, D] query tile, G padded to 16 rows (the smallest MMA tile), so the work per byte read is
+a few MMA instructions and the kernel streams at the card's read bandwidth. Softmax is online (running max and sum, base 2)
 with float32 accumulation. Where the rows x KV heads alone cannot fill the card (few long
 sequences) the tokens split into chunks (flash-decoding): each writes its unnormalized sum,
 max and denominator, and a second small kernel merges them per (row, query head).
@@ -19,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 256                  # a [BLOCK_T, D] tile per load; wider heads take the torch path
+LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: kernels read only those globals
+MAX_HEAD_DIM = 256                  # a [16, D] tile at the least; wider heads take the torch path
 MAX_SPLITS = 64                     # the merge kernel holds [splits, D] partial sums in registers
 PROGRAMS_PER_SM = 4                 # split until rows x KV heads x splits reaches this many per SM
 TILE_BYTES = 16384                  # one K (or V) tile per loop iteration: 64 bf16 tokens at D = 128
@@ -29,9 +30,17 @@ TILE_BYTES = 16384                  # one K (or V) tile per loop iteration: 64 b
 @triton.jit
 def _tanh(x):
     # odd and overflow-free: e = e^(-2|x|) in (0, 1]
-    e = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _mma(a, b, IEEE: tl.constexpr):
+    # float32 tiles as exact products (not TF32); bf16/fp16 tiles the MMA's own way
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit
@@ -42,7 +51,8 @@ def _paged_decode_kernel(
         stride_btn, stride_on, stride_oh,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+        DOT_FP32: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -51,7 +61,7 @@ def _paged_decode_kernel(
     # keys [lo, hi): the window's, never past what the block table holds
     hi = tl.minimum(tl.load(lens_ptr + row), max_pages * PAGE)
     lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
-    start = (lo // BLOCK_T) * BLOCK_T + split * chunk         # whole pages from the window's page on
+    start = (lo // BLOCK_T) * BLOCK_T + split * chunk         # from the block of the window's first key
     end = tl.minimum(start + chunk, hi)
 
     g = tl.arange(0, G_PAD)
@@ -62,6 +72,8 @@ def _paged_decode_kernel(
     heads = kvh * G + g                                        # [G_PAD] query heads of this KV head
     q = tl.load(q_ptr + row * stride_qn + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(k_ptr.dtype.element_ty)   # [G_PAD, D_PAD]
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)         # running max of the scores (log2 units)
     l_i = tl.zeros([G_PAD], tl.float32)                        # running sum of 2^(s - m)
@@ -75,7 +87,9 @@ def _paged_decode_kernel(
         tile_ok = live[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (page * stride_kp + slot * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
                     mask=tile_ok, other=0.0)                   # [BLOCK_T, D_PAD]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale   # [G_PAD, BLOCK_T]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = _mma(q, tl.trans(k), IEEE) * scale   # [G_PAD, BLOCK_T]
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         s = tl.where(live[None, :], s * LOG2E, float("-inf"))
@@ -86,7 +100,11 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (page * stride_vp + slot * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=tile_ok, other=0.0)                   # [BLOCK_T, D_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        pv = p.to(v.dtype)                                     # the weights rounded as the MMA takes them
+        if DOT_FP32:
+            pv = pv.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + _mma(pv, v, IEEE)
         m_i = m_new
 
     if not SPLIT:
@@ -137,7 +155,7 @@ def _merge_splits_kernel(pacc_ptr, pm_ptr, pl_ptr, sinks_ptr, out_ptr, splits, s
     tl.store(out_ptr + row * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -150,21 +168,23 @@ def program_slots(device: torch.device) -> int:
     return PROGRAMS_PER_SM * 4
 
 
-def block_tokens(page_tokens: int, head_dim: int, elem_bytes: int) -> int:
-    """Tokens per loop iteration: a TILE_BYTES tile of K, whole pages, at least 16 (the MMA's N)."""
+def block_tokens(head_dim: int, elem_bytes: int) -> int:
+    """Tokens per loop iteration: a TILE_BYTES tile of K (several pages of 16, or part of a big
+    page: each token finds its page itself), at least 16 (the MMA's N)."""
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    return max(page_tokens, 16, TILE_BYTES // (d_pad * elem_bytes))
+    return max(16, TILE_BYTES // (d_pad * elem_bytes))
 
 
-def plan_splits(n: int, kv_heads: int, span: int, block_t: int, slots: int) -> tuple[int, int]:
+def plan_splits(n: int, kv_heads: int, span: int, unit: int, slots: int) -> tuple[int, int]:
     """(splits, tokens per split) for rows whose keys span at most `span` tokens from their first
-    page: one split while n * kv_heads fills `slots`, else enough to, each at least 2 blocks."""
+    block: one split while n * kv_heads fills `slots`, else enough to, each a multiple of `unit`
+    (whole blocks and whole pages) and at least 2 units."""
     span = max(span, 1)
     programs = n * kv_heads
-    if programs >= slots or span <= 2 * block_t:
-        return 1, triton.cdiv(span, block_t) * block_t
-    want = min(MAX_SPLITS, triton.cdiv(slots, programs), triton.cdiv(span, 2 * block_t))
-    chunk = triton.cdiv(triton.cdiv(span, want), block_t) * block_t
+    if programs >= slots or span <= 2 * unit:
+        return 1, triton.cdiv(span, unit) * unit
+    want = min(MAX_SPLITS, triton.cdiv(slots, programs), triton.cdiv(span, 2 * unit))
+    chunk = triton.cdiv(triton.cdiv(span, want), unit) * unit
     return triton.cdiv(span, chunk), chunk
 
 
@@ -181,18 +201,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     max_pages = block_tables.shape[1]
     if n == 0:
         return out
-    block_t = block_tokens(page, d, k_cache.element_size())
+    block_t = block_tokens(d, k_cache.element_size())
+    unit = max(block_t, page)                                  # both powers of two: a multiple of each
     longest = min(max_pages * page, max_seq_len if max_seq_len is not None else max_pages * page)
     # keys from the window's first block on: at most the window plus the block it starts inside
     span = min(longest, window + block_t) if window > 0 else longest
     if num_splits is None:
-        splits, chunk = plan_splits(n, hkv, span, block_t, program_slots(q.device))
+        splits, chunk = plan_splits(n, hkv, span, unit, program_slots(q.device))
     else:
-        chunk = triton.cdiv(triton.cdiv(max(span, 1), max(1, min(num_splits, MAX_SPLITS))), block_t) * block_t
+        chunk = triton.cdiv(triton.cdiv(max(span, 1), max(1, min(num_splits, MAX_SPLITS))), unit) * unit
         splits = triton.cdiv(max(span, 1), chunk)
     d_pad = max(16, triton.next_power_of_2(d))
     g_pad = max(16, triton.next_power_of_2(g))
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"    # fp32 caches: exact products
+    # the interpreter's tl.dot multiplies bf16/fp16 tiles' raw bits (Triton 3.9): on the CPU the
+    # tiles go to float32 first, after the same roundings (results then equal within the MMA's sums)
+    dot_fp32 = q.device.type != "cuda"
+    ieee = k_cache.dtype == torch.float32 or dot_fp32
     sinks_arg = sinks if sinks is not None else q
     if splits > 1:
         pacc = torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -200,15 +224,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         pl = torch.empty(n, hq, splits, dtype=torch.float32, device=q.device)
     else:
         pacc = pm = pl = out                                   # unused
-    warps = 4 if d_pad * block_t * k_cache.element_size() <= TILE_BYTES else 8
     _paged_decode_kernel[(n, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, sinks_arg, out, pacc, pm, pl,
         float(scale), float(softcap), int(window), max_pages, chunk, splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=page, BLOCK_T=block_t, SPLIT=splits > 1,
-        HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None, DOT_PRECISION=precision,
-        num_warps=warps, num_stages=3)
+        HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None, IEEE=ieee, DOT_FP32=dot_fp32,
+        num_warps=4, num_stages=3)
     if splits > 1:
         _merge_splits_kernel[(n, hq)](pacc, pm, pl, sinks_arg, out, splits, out.stride(0), out.stride(1),
                                       S_PAD=triton.next_power_of_2(splits), D=d, D_PAD=d_pad,
