@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup pagedattn tiertests tiers tiers8k families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so a session runs a few of them, newest need first.
 # The queue, newest need first:
-#   call 0: linkfid2 (~9 min, issue 34): the five link-fidelity groups the first box run had no
+#   call 0: pagedattn tiertests (~7 min, issue 42, never run on a card): the device tier's Triton kernel
+#           and the tier under local mode and mpirun on CUDA (the box has Triton 3.6.0: the kernels keep
+#           to its matrix-unit sizes); then the paged kernel's read bandwidth against the card's copy.
+#   call 1: tiers (~9 min, issue 42): full-depth Llama-3-8B, 512 and 4,096-token prompts, 256 new
+#           tokens: the card alone and with 14 R-workers against HF generate (target >= 1.5x HF).
+#   call 2: tiers8k prefill (~9 min, issue 42): the 8,192-token prompts; prefill through the tier
+#           against the S-part alone (target >= 0.5; 0.02-0.31 before the tier).
+#   call 3: linkfid2 (~9 min, issue 34): the five link-fidelity groups the first box run had no
 #           time for (50 Mbit/s, 100 Mbit/s with 2 R-workers, 10 GbE KV-heavy, the two held out),
 #           appended to link_fidelity_h100-box-16core.json. Needs root, iproute2 and MPICH's Hydra:
 #           the image has Open MPI and no `ip`/`tc`, so carry `.whl` (the mpich and mpi4py wheels:
@@ -128,6 +135,21 @@ pagedattn)   # issue 42: the device tier's paged decode attention: its tests on 
              # passes and torch's gather + SDPA, Llama-3-8B heads, bf16 (bench/gpu/NOTES.md)
     stage pagedattntests 150 $PY -m pytest -q -p no:cacheprovider tests/test_paged_attention.py
     stage pagedattn 200 $PY bench/gpu/paged_attention_bench.py --label $BOX ;;
+tiertests)   # issue 42: the device tier on a real card: local mode (card + host store) and mpirun -n 3 equal
+             # to HF and to the CPU runs (test_cuda.py), the tier's unit tests (torch path on the GPU)
+    stage tiertests 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kv_tiers.py ;;
+tiers)       # issue 42: full-depth Llama-3-8B (random bf16, 32 layers), the card alone (-n 1) and the card
+             # with 14 R-workers (-n 15) against HF generate at its largest batch, same run, 256 new tokens
+    stage tiers512 280 $PY bench/e2e/tiers_bench.py --label $BOX-512 --model random:llama-3-8b --device cuda \
+        --configs card=1: card+14=15: --prompts 512 --prompt-len 512 --gen 256 --max-batch 512 \
+        --extra "--dtype bfloat16 --kv-dtype bf16" --launcher "$LAUNCHER" --vocab 128000 --hf --timeout 250
+    stage tiers4k 280 $PY bench/e2e/tiers_bench.py --label $BOX-4k --model random:llama-3-8b --device cuda \
+        --configs card=1: card+14=15: --prompts 128 --prompt-len 4096 --gen 256 --max-batch 128 \
+        --extra "--dtype bfloat16 --kv-dtype bf16" --launcher "$LAUNCHER" --vocab 128000 --hf --timeout 250 ;;
+tiers8k)     # issue 42: the same at 8,192-token prompts
+    stage tiers8k 280 $PY bench/e2e/tiers_bench.py --label $BOX-8k --model random:llama-3-8b --device cuda \
+        --configs card=1: card+14=15: --prompts 64 --prompt-len 8192 --gen 256 --max-batch 64 \
+        --extra "--dtype bfloat16 --kv-dtype bf16" --launcher "$LAUNCHER" --vocab 128000 --hf --timeout 250 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

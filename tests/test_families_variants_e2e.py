@@ -102,3 +102,47 @@ def test_two_rworkers_match_hf(models, tmp_path, case):
     res = json.loads(out.read_text())
     assert res["workers"] == 2
     check(case, [o[0] for o in res["outputs"]], [lp[0] for lp in res["logprobs"]], refs)
+
+
+# ----------------------------------------------------------------------------- the S-worker's own tier
+# The GPU's tier (torch pages and the paged kernel; FASTDECODE_DEVICE_TIER=torch runs its code here)
+# holding every sequence: the host store or the R-workers get 1 byte, so placement has nowhere else
+
+TIER_ENGINE = {**ENGINE, "rworker_mem": 1, "device_kv_memory": 64 << 20}
+TIER_MPI_CASES = ["gemma2", "qwen3_moe", "phi3-long"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_local_mode_with_the_device_tier_matches_hf(models, case, monkeypatch):
+    from fastdecode import LLM, SamplingParams
+    monkeypatch.setenv("FASTDECODE_DEVICE_TIER", "torch")
+    path, ids, refs = models[case]
+    llm = LLM(path, **TIER_ENGINE)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                            SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=TOP),
+                            use_tqdm=False)
+        assert llm.engine.placement.placed[-1] == len(ids) and llm.engine.backend.workers[-1].tier
+    finally:
+        llm.close()
+    check(case, [o.outputs[0].token_ids for o in outs],
+          [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs], refs)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+@pytest.mark.parametrize("case", TIER_MPI_CASES)
+def test_device_tier_beside_two_rworkers_matches_hf(models, tmp_path, case):
+    path, ids, refs = models[case]
+    req, out = tmp_path / "req.json", tmp_path / "out.json"
+    params = {"max_tokens": STEPS, "temperature": 0, "ignore_eos": True, "logprobs": TOP}
+    req.write_text(json.dumps([{"prompt_ids": p, "params": params} for p in ids]))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               FASTDECODE_DEVICE_TIER="torch")
+    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, os.path.join(REPO, "tests", "mpi_scripts",
+                                                                           "generate_ids.py"),
+                           str(req), str(out), json.dumps({"model": path, **TIER_ENGINE})],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["workers"] == 2 and res["placed"] == [0, 0, len(ids)]
+    check(case, [o[0] for o in res["outputs"]], [lp[0] for lp in res["logprobs"]], refs)

@@ -38,8 +38,10 @@ CASES = {
     "local+gpu-tier": (None, {"rworker_mem": 3 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, True),
     "n3+gpu-tier": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, True),
     "n3+cpu-tier": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, False),
-    "n3+tiers-grow": (3, {"rworker_mem": SEQ_BYTES + (1 << 20), "device_kv_memory": 2 * SEQ_BYTES,
-                          "kv_reserve": "grow"}, True),
+    # 4 pages a side: two sequences start on each (a page each, a page of headroom), then grow to
+    # 2-3 pages each (prompt + 24..48 tokens): the youngest are preempted on every side
+    "n3+tiers-grow": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 2 * SEQ_BYTES, "kv_reserve": "grow"},
+                      True),
 }
 
 
@@ -72,3 +74,24 @@ def test_grow_preempts_in_both_tiers(runs):
     tier = str(len(got["placed"]) - 1)
     assert got["preempted_on"].get(tier, 0) > 0, got["preempted_on"]
     assert sum(n for w, n in got["preempted_on"].items() if w != tier) > 0, got["preempted_on"]
+
+
+@pytest.mark.parametrize("ranks", [None, 2], ids=["local+gpu-tier", "mpiexec-n2"])
+def test_out_of_memory_mid_job_keeps_rows_and_resumes(tmp_path, ranks):
+    """An allocation failing in step 8 (as a GPU's does: FASTDECODE_INJECT_FAULT's oom): one line
+    saying where and what to lower, exit 1, the rows finished before it kept, and the rerun
+    answers the rest."""
+    from conftest import batch_line, read_output, run_fastdecode
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(batch_line(f"r{i}", {"prompt": f"Count to {i}:", "max_tokens": 2 if i < 3 else 30,
+                                                "temperature": 0, "ignore_eos": True}) + "\n" for i in range(6)))
+    args = ["generate", "-i", str(inp), "-o", str(out), "--quiet", "--kv-dtype", "bf16"]
+    env = {"FASTDECODE_DEVICE_TIER": "torch", "FASTDECODE_INJECT_FAULT": "0:step:oom:8"}
+    proc = run_fastdecode(args, ranks=ranks, env=env, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "ran out of memory in step 8" in proc.stderr and "rerun to resume" in proc.stderr
+    kept = [r["custom_id"] for r in read_output(str(out))]
+    assert sorted(kept) == ["r0", "r1", "r2"]                 # the short ones finished before step 8
+    proc = run_fastdecode(args, ranks=ranks, env={"FASTDECODE_DEVICE_TIER": "torch"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(r["custom_id"] for r in read_output(str(out))) == [f"r{i}" for i in range(6)]

@@ -269,7 +269,7 @@ def test_shared_prefixes_under_mpiexec_give_the_unshared_tokens(tmp_path, unshar
     assert got["workers"] == ranks - 1 and got["outputs"] == unshared[0]
     sharing = len(QUESTIONS) + 2 + 3
     assert got["prefix"]["prefix_hits"] == sharing - (ranks - 1)           # one donor per worker
-    assert all(b > 0 for b in got["kv_saved_bytes_peak"])                 # as each R-worker reports
+    assert all(b > 0 for b in got["kv_saved_bytes_peak"][:ranks - 1])     # as each R-worker reports
 
 
 def write_input(path, questions) -> None:

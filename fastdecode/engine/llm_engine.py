@@ -40,6 +40,10 @@ from rworker.host import faults
 from rworker.host.wait import node_layout
 
 
+class OutOfMemory(RuntimeError):
+    """A step's allocation failed: the message says where and which limits to lower."""
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, comm=None):
         self.args = args
@@ -321,11 +325,28 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[Request]:
-        """Admit and prefill, decode one token for every running sequence, return finished requests."""
+        """Admit and prefill, decode one token for every running sequence, return finished requests.
+        Out of memory (the GPU's, or the host's) ends the job with one line saying what to lower;
+        the rows already written stay and a rerun resumes."""
         self.step_no += 1
-        faults.check(0, "step")
-        if self.scheduler.max_num_batched_tokens is not None:
-            return self._mixed_step()
+        try:
+            faults.check(0, "step")
+            if self.scheduler.max_num_batched_tokens is not None:
+                return self._mixed_step()
+            return self._step()
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise OutOfMemory(self._oom_advice(e)) from e
+
+    def _oom_advice(self, e: BaseException) -> str:
+        where = f"the GPU ({self.device})" if self.device.type == "cuda" else "the S-worker's host"
+        tier = (f", its KV tier {gib(self.backend.workers[self.tier_index].capacity_bytes)}"
+                if self.tier_index is not None else "")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (f"{where} ran out of memory in step {self.step_no} ({len(self.scheduler.running)} sequences "
+                f"running{tier}): {first[:200]}. Finished rows are in the output; rerun to resume with less "
+                f"memory asked: --device-kv-memory, --gpu-memory-utilization, --max-batch or --max-prefill-tokens")
+
+    def _step(self) -> list[Request]:
         t0 = time.perf_counter()
         tokens_before = self.num_output_tokens
         finished: list[Request] = []

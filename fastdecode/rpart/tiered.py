@@ -39,10 +39,20 @@ class TieredBackend(RBackend):
         self._mb_rows: list[tuple[int, int]] = []      # per mini-batch: (R-workers' rows, tier's rows)
         self._elems = 0                                # q|k|v elements of one row
         self._pf_rows = (0, 0)
+        self.tier_decode_rows = 0                      # rows the tier attended / prefilled: they never
+        self.tier_prefill_rows = 0                     # crossed a link (the byte counters leave them out)
 
     @property
     def tier_index(self) -> int:
         return self.num_others
+
+    @property
+    def bytes_sent(self) -> int:            # activation payload on the link (the tier puts none there)
+        return getattr(self.others, "bytes_sent", 0)
+
+    @property
+    def bytes_received(self) -> int:
+        return getattr(self.others, "bytes_received", 0)
 
     # ------------------------------------------------------------------ prefill
 
@@ -50,6 +60,7 @@ class TieredBackend(RBackend):
         r = self.num_others
         n_head = int(sum(counts[:r]))
         self._pf_rows = (n_head, int(sum(counts[r:])))
+        self.tier_prefill_rows += self._pf_rows[1]
         res_head, res_tail = _split_grouped(reserve, r)
         fork_head, fork_tail = _split_grouped(forks, r)
         if n_head:
@@ -81,6 +92,7 @@ class TieredBackend(RBackend):
     def decode_begin(self, minibatches, layers=0, mixed=None):
         r = self.num_others
         self._mb_rows = [(int(sum(c[:r])), int(sum(c[r:]))) for _, c in minibatches]
+        self.tier_decode_rows += sum(t for _, t in self._mb_rows)
         self.others.decode_begin([(ids[:h], list(c[:r])) for (ids, c), (h, _) in zip(minibatches, self._mb_rows)],
                                  layers, None if mixed is None else list(mixed[:r]))
         self.tier.decode_begin([(ids[h:], list(c[r:])) for (ids, c), (h, _) in zip(minibatches, self._mb_rows)],

@@ -6,7 +6,7 @@ engine step), rewrite (rank 0's final rewrite of the output, before it replaces 
 nth: fire on the nth time the point is reached (default the first).
 How: raise (default) an exception; exit: die at once without MPI's help (a crash, exit code 17);
 kill: SIGKILL itself (the OOM killer, `kill -9`); hang: stop answering (a stuck node); enospc: an
-OSError "No space left on device".
+OSError "No space left on device"; oom: a MemoryError (an allocation that failed, as a GPU's does).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import os
 import signal
 import time
 
-HOWS = ("raise", "exit", "kill", "hang", "enospc")
+HOWS = ("raise", "exit", "kill", "hang", "enospc", "oom")
 
 
 class InjectedFault(RuntimeError):
@@ -43,6 +43,8 @@ def check(rank: int, point: str) -> None:
     if how == "hang":
         while True:
             time.sleep(3600)
+    if how == "oom":
+        raise MemoryError(f"out of memory (FASTDECODE_INJECT_FAULT={spec})")
     if how == "enospc":
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (FASTDECODE_INJECT_FAULT={spec})")
     raise InjectedFault(f"injected fault at {point} (FASTDECODE_INJECT_FAULT={spec})")
