@@ -11,15 +11,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MPIEXEC, REPO
+from conftest import MPIEXEC, REPO, hf_greedy
 from test_hf_parity import ENGINE, GREEDY, SAMPLED, hf_reference  # noqa: F401  (the fixture)
 
 SEQ_BYTES = 64 * 45 * 1024          # a sequence of these prompts + 40-48 tokens: 2 pages of 32, 45 KiB a token
 
 
-def run(tmp_path, name, ranks, engine, torch_tier):
+def run(tmp_path, name, ranks, engine, torch_tier, requests=GREEDY + SAMPLED):
     req, out = tmp_path / f"{name}.req.json", tmp_path / f"{name}.out.json"
-    req.write_text(json.dumps(GREEDY + SAMPLED))
+    req.write_text(json.dumps(requests))
     cmd = [sys.executable, os.path.join(REPO, "tests", "mpi_scripts", "generate_ids.py"), str(req), str(out),
            json.dumps({**ENGINE, **engine})]
     if ranks:
@@ -38,10 +38,6 @@ CASES = {
     "local+gpu-tier": (None, {"rworker_mem": 3 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, True),
     "n3+gpu-tier": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, True),
     "n3+cpu-tier": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 16 * SEQ_BYTES}, False),
-    # 4 pages a side: two sequences start on each (a page each, a page of headroom), then grow to
-    # 2-3 pages each (prompt + 24..48 tokens): the youngest are preempted on every side
-    "n3+tiers-grow": (3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 2 * SEQ_BYTES, "kv_reserve": "grow"},
-                      True),
 }
 
 
@@ -69,11 +65,24 @@ def test_sampling_the_same_whatever_the_tier(runs):
         assert runs[name]["outputs"][n:] == first, name
 
 
-def test_grow_preempts_in_both_tiers(runs):
-    got = runs["n3+tiers-grow"]
+def test_grow_preempts_in_both_tiers_and_matches_hf(tmp_path, hf_smollm):
+    """--kv-reserve grow with 4 pages on each of 2 R-workers and the tier: each side starts two
+    sequences (a page each, a page of headroom per resident), both grow to 3 pages (a prompt of
+    about 20 tokens + 60), so every side preempts its youngest, and the recomputed sequences still
+    give HF's greedy tokens."""
+    tok, model = hf_smollm
+    prompts = [f"Write the number {i} in words, then count down from {i + 5}:" for i in range(8)]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    assert all(15 <= len(i) <= 30 for i in ids)
+    reqs = [{"prompt_ids": i, "params": {"max_tokens": 60, "temperature": 0, "ignore_eos": True}} for i in ids]
+    got = run(tmp_path, "grow", 3, {"rworker_mem": 2 * SEQ_BYTES, "device_kv_memory": 2 * SEQ_BYTES,
+                                    "kv_reserve": "grow"}, True, reqs)
     tier = str(len(got["placed"]) - 1)
     assert got["preempted_on"].get(tier, 0) > 0, got["preempted_on"]
-    assert sum(n for w, n in got["preempted_on"].items() if w != tier) > 0, got["preempted_on"]
+    assert all(got["preempted_on"].get(str(w), 0) > 0 for w in range(got["workers"])), got["preempted_on"]
+    for i, p in enumerate(ids):
+        never = [model.config.vocab_size + 1]                  # an EOS it never emits: all 60 tokens
+        assert got["outputs"][i][0] == hf_greedy(model, p, 60, never), f"prompt {i} differs from HF"
 
 
 @pytest.mark.parametrize("ranks", [None, 2], ids=["local+gpu-tier", "mpiexec-n2"])
