@@ -151,7 +151,7 @@ def test_scratch_indexes_left_by_killed_jobs_are_reclaimed(tmp_path):
         import os, signal
         from fastdecode.batch.resume import ResumeIndex
         ResumeIndex({str(tmp_path)!r}, model="m")
-        os.kill(os.getpid(), signal.SIGKILL)""")], cwd=REPO, env=ENV, timeout=120)
+        os.kill(os.getpid(), signal.SIGKILL)""")], cwd=REPO, env=ENV, timeout=120, check=False)
     assert killed.returncode == -9
     (left,) = tmp_path.glob("fastdecode-index-*.sqlite")          # what a killed job leaves
     held, fresh, other = (tmp_path / f"fastdecode-index-{n}.sqlite" for n in ("held", "fresh", "x"))
@@ -216,14 +216,14 @@ FULL_DISK = textwrap.dedent("""
 
 
 def test_a_full_disk_mid_run_ends_with_a_failed_report(tmp_path):
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True, check=False).returncode:
         pytest.skip("needs unshare -rm (a user and mount namespace) for a small tmpfs")
     inp, d = tmp_path / "in.jsonl", tmp_path / "disk"
     d.mkdir()
     inp.write_text("".join(batch_line(f"r{i}", {"prompt": f"Count to {i}:", "max_tokens": 16, "logprobs": 5,
                                                 "temperature": 0, "ignore_eos": True}) + "\n" for i in range(6)))
     proc = subprocess.run(["unshare", "-rm", sys.executable, "-c", FULL_DISK, str(d), str(inp)], capture_output=True,
-                          text=True, cwd=REPO, env=ENV, timeout=900)
+                          text=True, cwd=REPO, env=ENV, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     rep = result["report"]

@@ -142,7 +142,7 @@ def test_rows_without_ids_are_never_matched_by_position_across_a_limit_change(ll
     first = read_output(out)
     assert first[0]["custom_id"] == "long" and first[1]["error"]["code"] == "invalid_request"
     _, rep, code = generate(llm.engine, ["-i", str(inp), "-o", str(out), "--max-line-bytes", "200"])
-    assert code == 0
+    assert code == 0 and rep["output_file"]["moved_by_cause"] == {"unmatched": 1}
     rows = read_output(out)
     assert rows[0]["custom_id"] is None and rows[0]["error"]["code"] == "request_too_large"
     assert "line 1:" in rows[0]["error"]["message"]
