@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------- validation (no MPI, no torch)
 
 def validate_generate(args) -> None:
-    from fastdecode.batch.paths import check_paths
+    from fastdecode.batch.paths import check_paths, hold_outputs
     from fastdecode.batch.progress import interval_from
     try:
         check_paths(args)
@@ -229,6 +229,10 @@ def validate_generate(args) -> None:
     if bad:
         raise UsageError(f"--served-model-name: a name must be non-empty, got {bad[0]!r}")
     check_model(args)
+    try:
+        hold_outputs(args)            # last: the job owns its output from here to its end
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_model(args) -> None:
@@ -319,7 +323,8 @@ def engine_args(args):
 
 def run_s_worker(args, comm) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
-    flight, save, shut the R-workers down and exit 75 (the SLURM scripts requeue on it)."""
+    flight, save (rows done, generation in flight), shut the R-workers down and exit 75 (the SLURM
+    scripts requeue on it)."""
     from fastdecode.batch.generate import print_report, run_generate
     from fastdecode.batch.interrupt import STOP
 
@@ -335,12 +340,10 @@ def run_s_worker(args, comm) -> int:
 
     # the output is read before the model loads: a rerun that finds every line answered makes no
     # engine, and the R-workers end before their start-up (and kernel tune)
-    summary, rep, interrupted = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
+    summary, rep, code = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
     if summary is not None:
-        if args.stats_json:
-            engines[0].recorder.write(args.stats_json, summary)
         print_report(summary, rep)
-    return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
+    return code                          # the report's exit_code: its state says the same
 
 
 def validate_model(args) -> None:

@@ -154,3 +154,26 @@ def run_fastdecode(args: list[str], ranks: int | None = None, timeout: float = 6
     full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def write_bound_rows(inp, out, rows, model: str = "smollm2-135m") -> None:
+    """Write `rows` to the output `out` of input `inp` as a job serving `model` would: each
+    (line number, row dict) with the record binding it to that input line; (None, text) as a line
+    of its own without a record (a row edited by hand, another program's, not a row at all)."""
+    from fastdecode.batch.jsonl import read_lines
+    from fastdecode.batch.output import OutputWriter
+    from fastdecode.batch.resume import ResumeIndex
+    index = ResumeIndex(model=model)
+    try:
+        keys = {line.line_no: index.claim(line.line_no, line.custom_id, line.digest).key for line in read_lines(str(inp))}
+    finally:
+        index.close()
+    writer = OutputWriter(str(out), str(inp))
+    try:
+        for line_no, row in rows:
+            if line_no is None:
+                writer.f.write(row.encode() + b"\n")
+            else:
+                writer.write(row, keys[line_no])
+    finally:
+        writer.close()

@@ -148,7 +148,7 @@ def test_quiet_then_a_rerun_that_finds_every_line_answered(tmp_path):
 def test_a_rerun_whose_output_has_enough_rows_but_not_every_line_serves_the_rest(tmp_path):
     """Rows of another input make the output as long as the input while one line is unanswered:
     the early check reads the lines, finds it, and the run serves that line once (no line is
-    taken as a duplicate of itself), dropping the foreign rows."""
+    taken as a duplicate of itself), moving the foreign rows (no record binds them) aside."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
 
     def lines(ids):
@@ -166,7 +166,7 @@ def test_a_rerun_whose_output_has_enough_rows_but_not_every_line_serves_the_rest
     assert all(r["response"]["status_code"] == 200 for r in final)
     report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert report["requests"]["served_this_run"] == 1 and report["requests"]["skipped_done_by_earlier_runs"] == 2
-    assert report["output_file"]["rows_dropped"] == 2
+    assert report["output_file"]["rows_moved"] == 2 and report["output_file"]["moved_by_cause"] == {"unbound": 2}
 
 
 def test_each_message_has_one_prefix(tmp_path):

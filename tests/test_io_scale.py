@@ -8,8 +8,9 @@ from collections import Counter
 
 from conftest import batch_line, read_output, run_fastdecode
 
-from fastdecode.batch.output import OutputWriter, repair_tail
-from fastdecode.batch.resume import DONE, DUP, NEW, ResumeIndex
+from fastdecode.batch.fingerprint import raw_digest, row_digest
+from fastdecode.batch.output import repair_tail
+from fastdecode.batch.resume import DUP, NEW, ResumeIndex
 
 
 def malformed(i: int) -> tuple[str, str]:
@@ -54,14 +55,15 @@ def test_1000_lines_10_percent_malformed(tmp_path):
 
 def test_index_python_memory_does_not_grow_with_lines(tmp_path):
     """200k custom_ids claimed and recorded: the Python heap stays small (the ids live in SQLite)."""
-    index = ResumeIndex(str(tmp_path))
+    index = ResumeIndex(str(tmp_path), model="m")
     try:
         tracemalloc.start()
         for n in range(1, 200_001):
             cid = f"request-{n:09d}" if n % 1000 else "request-000000001"    # some duplicates
-            state, _ = index.claim(n, cid)
+            digest = raw_digest(cid.encode())
+            state, _, key = index.claim(n, cid, digest)
             assert state == (DUP if n % 1000 == 0 else NEW)
-            index.record(n, n * 100, 100, None)
+            index.record(n, n * 100, 100, None, row_digest(digest), key)
             if n == 20_000:
                 early = tracemalloc.get_traced_memory()[0]
         late, peak = tracemalloc.get_traced_memory()
@@ -69,27 +71,6 @@ def test_index_python_memory_does_not_grow_with_lines(tmp_path):
         assert late - early < 1 << 20 and peak < 4 << 20, (early, late, peak)
         assert index.answered() == 200_000
     finally:
-        index.close()
-
-
-def test_index_matches_earlier_rows_by_kind(tmp_path):
-    out = tmp_path / "out.jsonl"
-    rows = [{"custom_id": None, "response": {"status_code": 400}, "error": {"code": "invalid_request"}},
-            {"custom_id": "a", "response": {"status_code": 400}, "error": {"code": "duplicate_custom_id"}},
-            {"custom_id": "b", "response": {"status_code": 400}, "error": {"code": "kv_capacity_exceeded"}},
-            {"custom_id": "a", "response": {"status_code": 200}, "error": None}]
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"custom_id": "c", "resp')
-    writer = OutputWriter(str(out))
-    index = ResumeIndex(str(tmp_path))
-    try:
-        assert writer.repaired == len('{"custom_id": "c", "resp')
-        index.load(str(out), writer.start_size)
-        got = [index.claim(1, "a"), index.claim(2, None), index.claim(3, "a"), index.claim(4, "a"),
-               index.claim(5, "b"), index.claim(6, None), index.claim(7, "c")]
-        assert got == [(DONE, None), (DONE, None), (DONE, None), (DUP, 1), (NEW, None), (NEW, None), (NEW, None)]
-        assert index.skipped == 3 and index.retried == 1 and index.dropped() == 1
-    finally:
-        writer.close()
         index.close()
 
 
@@ -104,11 +85,11 @@ def test_repair_tail_without_any_newline(tmp_path):
 def test_stop_while_indexing_earlier_rows_claims_nothing(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"custom_id": "a", "response": {"status_code": 200}, "error": None}) + "\n")
-    index = ResumeIndex(str(tmp_path))
+    index = ResumeIndex(str(tmp_path), model="m")
     try:
         assert index.load(str(out), out.stat().st_size, stop=lambda: True) is False
         try:
-            index.claim(1, "a")
+            index.claim(1, "a", raw_digest(b"a"))
         except RuntimeError as e:
             assert "incomplete" in str(e)
         else:

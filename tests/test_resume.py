@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import MPIEXEC, REPO, batch_line, read_output, run_fastdecode
+from conftest import MPIEXEC, REPO, batch_line, read_output, run_fastdecode, write_bound_rows
 
 N_REQ = 40
 
@@ -109,7 +109,7 @@ def test_three_interruptions_then_resume_equal_uninterrupted(job_input, referenc
         before_last = len(rows)
     proc = run_fastdecode(args, ranks=ranks, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"fastdecode: resuming: {before_last} of {len(lines)} requests already in {out}" in proc.stderr
+    assert f"fastdecode: resuming: {out} holds {before_last} row(s) of earlier runs" in proc.stderr
     rows = read_output(out)
     assert [stable(r) for r in rows] == reference          # same lines, each once, in input order
     report = json.loads((tmp / f"interrupted-{ranks}.jsonl.summary.json").read_text())
@@ -131,6 +131,7 @@ def test_partial_last_line_is_repaired(job_input, reference):
     full = (tmp / "reference.jsonl").read_bytes()
     cut = full.rstrip(b"\n").rfind(b"\n", 0, len(full) // 2) + 1 + 40      # 40 bytes into a line
     out.write_bytes(full[:cut])
+    (tmp / "partial.jsonl.fingerprints").write_bytes((tmp / "reference.jsonl.fingerprints").read_bytes())
     proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet", "--max-batch", "8"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "removed a partial last line (40 bytes)" in proc.stderr
@@ -154,12 +155,12 @@ def test_overwrite_starts_over(job_input, reference):
     assert report["this_run"]["requests"] == N_REQ
 
 
-def row(custom_id, rid: str, code: str | None = None) -> str:
+def row(custom_id, rid: str, code: str | None = None) -> dict:
     if code is None:
         resp = {"status_code": 200, "request_id": rid, "body": {"choices": [{"index": 0, "text": "kept"}]}}
-        return json.dumps({"id": rid, "custom_id": custom_id, "response": resp, "error": None})
-    return json.dumps({"id": rid, "custom_id": custom_id, "response": {"status_code": 400, "request_id": rid},
-                       "error": {"code": code, "message": "earlier run"}})
+        return {"id": rid, "custom_id": custom_id, "response": resp, "error": None}
+    return {"id": rid, "custom_id": custom_id, "response": {"status_code": 400, "request_id": rid},
+            "error": {"code": code, "message": "earlier run"}}
 
 
 def test_earlier_rows_match_their_lines_and_retryable_errors_are_redone(tmp_path):
@@ -168,13 +169,13 @@ def test_earlier_rows_match_their_lines_and_retryable_errors_are_redone(tmp_path
     inp.write_text("\n".join([batch_line("A", good), "{bad 1", batch_line("A", good), batch_line("B", good),
                               batch_line("C", good), "{bad 2", batch_line("A", good)]) + "\n")
     out = tmp_path / "out.jsonl"
-    out.write_text("\n".join([
-        row(None, "keep-noid-1", "invalid_request"),
-        row("A", "keep-dup-1", "duplicate_custom_id"),
-        row("C", "drop-retryable", "kv_capacity_exceeded"),   # depends on --rworker-mem: retried
-        "garbage that is not a row",
-        row("A", "keep-A"),
-    ]) + "\n")
+    write_bound_rows(inp, out, [
+        (2, row(None, "keep-noid-1", "invalid_request")),
+        (3, row("A", "keep-dup-1", "duplicate_custom_id")),
+        (5, row("C", "drop-retryable", "kv_capacity_exceeded")),   # depends on --rworker-mem: retried
+        (None, "garbage that is not a row"),
+        (1, row("A", "keep-A")),
+    ])
     proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_output(out)
@@ -184,17 +185,20 @@ def test_earlier_rows_match_their_lines_and_retryable_errors_are_redone(tmp_path
     assert rows[4]["response"]["status_code"] == 200 and rows[3]["response"]["status_code"] == 200
     assert rows[5]["error"]["code"] == "invalid_request" and rows[6]["error"]["code"] == "duplicate_custom_id"
     report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
-    assert report["output_file"]["rows_dropped"] == 2
+    assert report["output_file"]["rows_moved"] == 2
+    assert report["output_file"]["moved_by_cause"] == {"superseded": 1, "junk": 1}
+    moved = (tmp_path / "out.jsonl.unmatched.jsonl").read_text().splitlines()
+    assert [json.loads(m)["id"] for m in moved[:1]] == ["drop-retryable"] and moved[1] == "garbage that is not a row"
     assert report["this_run"]["skipped_done"] == 3 and report["this_run"]["retried"] == 1
     assert report["this_run"]["requests"] == 2
 
 
-def test_no_sort_output_keeps_completion_order_but_drops_superseded(tmp_path):
+def test_no_sort_output_keeps_completion_order_but_moves_superseded(tmp_path):
     good = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(batch_line(c, good) for c in "ABC") + "\n")
     out = tmp_path / "out.jsonl"
-    out.write_text(row("C", "keep-C") + "\n" + row("A", "drop-A", "kv_capacity_exceeded") + "\n")
+    write_bound_rows(inp, out, [(3, row("C", "keep-C")), (1, row("A", "drop-A", "kv_capacity_exceeded"))])
     proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet", "--no-sort-output"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_output(out)

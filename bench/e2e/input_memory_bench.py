@@ -78,10 +78,11 @@ class StubEngine:
         self.pinned_bytes = 0              # nothing is held per request: the index and the reader are measured
         self.on_step = on_step
 
-    def add_request(self, index, request_id, prompt, ids, params):
+    def add_request(self, index, request_id, prompt, ids, params, resume=None):
         if not ids:
             raise RequestError("the prompt is empty (no tokens)")
-        req = SimpleNamespace(index=index, request_id=request_id, prompt=prompt, prompt_ids=list(ids), params=params)
+        req = SimpleNamespace(index=index, request_id=request_id, prompt=prompt, prompt_ids=list(ids), params=params,
+                              finished=False, sequences=[], meta={})       # nothing generated before a step
         self.scheduler.waiting.append(req)
         return req
 

@@ -1,10 +1,12 @@
 """`fastdecode generate`: a JSONL batch file in, a JSONL file of completions out, resumable.
 
 Requests are read lazily (a bounded look-ahead beyond what the engine runs), outputs appended
-and flushed as requests finish. A rerun of the same command skips the input lines the output
-already answers (resume.py); a stop request (interrupt.py) ends the loop after the step in
-flight. Only a run that got through the whole input rewrites the file at the end: in input
-order (--sort-output), or in file order less the rows that answer no line.
+and flushed as requests finish, each with the record of the request it answers (binding.py). A
+rerun of the same command skips the input lines the output already answers (resume.py); a stop
+request (interrupt.py) ends the loop after the step in flight and saves the generation in flight
+(inflight.py), which the rerun continues. Only a run that got through the whole input rewrites
+the file at the end: in input order (--sort-output), or in file order, less the rows that answer
+no line, which go to OUTPUT.unmatched.jsonl.
 """
 from __future__ import annotations
 
@@ -15,16 +17,18 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from fastdecode.batch import report
+from fastdecode.batch import binding, inflight, report
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
 from fastdecode.batch.line_requests import PendingLine, check_prompts, encode_prompts, request_id
-from fastdecode.batch.output import OutputWriter, rewrite
+from fastdecode.batch.output import OutputWriter, append_rows, rewrite
 from fastdecode.batch.progress import Progress, Snapshot, engine_snapshot
 from fastdecode.batch.report_text import text_lines
 from fastdecode.batch.responses import Answer, error_line, success_line
-from fastdecode.batch.resume import DONE, DUP, ResumeIndex
+from fastdecode.batch.resume import DONE, DUP, MOVED_CAUSES, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
+from fastdecode.batch.sidefiles import inflight_path, real, unmatched_path
+from fastdecode.engine.continuation import capture
 from fastdecode.engine.request_checks import RequestError
 
 if TYPE_CHECKING:                 # the engine (torch) loads only when a line needs serving
@@ -40,9 +44,12 @@ class BatchRunner:
     """Feeds input lines to the engine and writes one output row per line."""
 
     def __init__(self, engine: LLMEngine, input_path: str, writer: OutputWriter, index: ResumeIndex,
-                 stop: StopRequest | None = None, lookahead: int | None = None, limits: Limits = Limits()):
+                 stop: StopRequest | None = None, lookahead: int | None = None, limits: Limits = Limits(),
+                 saved: inflight.Saved | None = None):
         self.engine = engine
-        self.writer, self.index, self.stop = writer, index, stop
+        self.writer, self.index, self.stop, self.saved = writer, index, stop, saved
+        if index.model is None:
+            index.model = engine.served.reported
         self.lookahead = lookahead or max(2 * engine.args.max_batch, 64)
         self.inflight_mem = limits.max_inflight_mem
         self.lines = read_lines(input_path, limits, engine.served)
@@ -62,43 +69,56 @@ class BatchRunner:
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.requested
 
-    def _write(self, line_no: int, obj: dict, code: str | None) -> None:
-        off, length = self.writer.write(obj)
-        self.index.record(line_no, off, length, code)
+    def _write(self, line_no: int, obj: dict, code: str | None, key: bytes) -> None:
+        off, length, digest = self.writer.write(obj, key)
+        self.index.record(line_no, off, length, code, digest, key)
+        if self.saved is not None:
+            self.saved.written(key)
 
-    def _error(self, line: BatchLine, code: str, message: str, status: int = 400) -> None:
-        self._write(line.line_no, error_line(line.custom_id, code, message, status), code)
+    def _error(self, line: BatchLine, key: bytes, code: str, message: str, status: int = 400) -> None:
+        self._write(line.line_no, error_line(line.custom_id, code, message, status), code, key)
         self.errors[code] += 1
 
     def _submit(self, line: BatchLine) -> None:
-        state, first = self.index.claim(line.line_no, line.custom_id)
+        state, first, key = self.index.claim(line.line_no, line.custom_id, line.digest)
+        saved = self.saved.take(key) if self.saved is not None and state != DONE else None
         if state == DONE:
             return
         if state == DUP:     # every later line with a used custom_id is this error (resume.py relies on it)
             also = f"; the line also has this problem: {line.error}" if line.error is not None else ""
-            self._error(line, "duplicate_custom_id",
+            self._error(line, key, "duplicate_custom_id",
                         f"line {line.line_no}: custom_id {line.custom_id!r} was used on line {first}{also}")
             return
         if line.error is not None:
-            self._error(line, line.error.code, str(line.error), line.error.status)
+            self._error(line, key, line.error.code, str(line.error), line.error.status)
             return
         try:
             prompts = encode_prompts(self.engine.tokenizer, line)
         except Exception as e:  # a chat template may raise on odd role orders, etc.
-            self._error(line, "invalid_prompt", f"cannot tokenize: {type(e).__name__}: {e}")
+            self._error(line, key, "invalid_prompt", f"cannot tokenize: {type(e).__name__}: {e}")
             return
+        if saved is not None and len(saved) != len(prompts):
+            self.saved.note_used(saved, [f"{len(saved)} prompts saved, the line has {len(prompts)}"] * len(saved),
+                                 line.line_no)
+            saved = None
         try:
             if len(prompts) > 1:            # all of a line or none: checked before any is queued
                 check_prompts(self.engine, prompts, line.params)
             reqs = [self.engine.add_request(self._next_index + k, request_id(line, k, len(prompts)), text, ids,
-                                            line.params) for k, (text, ids) in enumerate(prompts)]
+                                            line.params, resume=saved[k] if saved is not None else None)
+                    for k, (text, ids) in enumerate(prompts)]
         except RequestError as e:
-            self._error(line, e.code, str(e))
+            self._error(line, key, e.code, str(e))
             return
         self._next_index += len(reqs)
-        pending = PendingLine(line, [None] * len(reqs))
+        pending = PendingLine(line, [None] * len(reqs), key, reqs)
         for k, req in enumerate(reqs):
             self.pending[req.index] = (pending, k)
+        if saved is not None:
+            self.saved.note_used(saved, [r.meta.get("resume_refused") for r in reqs], line.line_no)
+        for req in reqs:
+            if req.finished:                # every sample had finished before the stop
+                self._finished(req)
 
     def _refill(self) -> None:
         sched = self.engine.scheduler
@@ -128,8 +148,17 @@ class BatchRunner:
         line = pending.line
         row = success_line(line.custom_id, line.is_chat, self.engine.served.reported, pending.answers,
                            line.params.logprobs or 0, line.echo_only)
-        self._write(line.line_no, row, None)
+        self._write(line.line_no, row, None, pending.key)
         self.num_requests += 1
+
+    def in_flight(self) -> dict[bytes, inflight.Entry]:
+        """Every line whose row is not written: its requests' generation so far (those with any)."""
+        out: dict[bytes, inflight.Entry] = {}
+        for pending in {id(p): p for p, _ in self.pending.values()}.values():
+            states = [capture(req) for req in pending.requests]
+            if any(st is not None for st in states):
+                out[pending.key] = (pending.line.custom_id, states)
+        return out
 
     def done_lines(self) -> int:
         return self.index.skipped + self.num_requests + self.num_errors
@@ -142,7 +171,7 @@ class BatchRunner:
         new_lines = self.lines_read - index.skipped
         more, expected = 0.0, self.engine.expected_output_tokens()
         if total is not None and not self.exhausted:
-            answered_before = max(index.prior_rows - index.junk - index.skipped, 0)
+            answered_before = max(index.prior_rows - index.junk - index.unbound - index.skipped, 0)
             unread = max(total - self.lines_read - answered_before, 0)
             if unread:
                 more = expected / new_lines * unread if new_lines else None
@@ -170,14 +199,23 @@ class BatchRunner:
         return self.interrupted
 
 
-def finalize_output(writer: OutputWriter, index: ResumeIndex, sort: bool) -> int:
-    """After a complete run: rewrite the file if it has rows that answer no input line, or (sort)
-    is out of input order. Returns the rows dropped."""
+def finalize_output(writer: OutputWriter, index: ResumeIndex, sort: bool) -> Counter[str]:
+    """After a complete run: rewrite the file if it has rows that answer no input line (moved to
+    OUTPUT.unmatched.jsonl first) or (sort) is out of input order. -> the rows moved, by cause."""
     writer.close()
-    dropped = index.dropped()
-    if dropped or (sort and not index.in_input_order()):
-        rewrite(writer.path, index.ranges(sort))
-    return dropped
+    moved: Counter[str] = Counter()
+    if not index.unanswering() and not (sort and not index.in_input_order()):
+        return moved
+
+    def moved_rows():
+        for off, length, cause in index.moved():
+            moved[cause] += 1
+            yield off, length
+    if index.unanswering():
+        append_rows(writer.path, moved_rows(), unmatched_path(writer.path))
+    rewrite(writer.path, index.ranges(sort))
+    binding.compact(writer.path, index.kept_records())
+    return moved
 
 
 def print_report(summary: dict, rep: dict | None) -> None:
@@ -206,18 +244,27 @@ class BatchJob:
     """One run of `generate`: open (resume), run, close the engine, finish (rewrite, report)."""
 
     def __init__(self, input_path: str, output_path: str, overwrite: bool = False, index_dir: str | None = None,
-                 stop: StopRequest | None = None, limits: Limits = Limits()):
+                 stop: StopRequest | None = None, limits: Limits = Limits(), model: str | None = None):
+        """model: the served model's name (the engine's, when it is made: then only a run can
+        find every line answered)."""
         self.input_path, self.output_path = input_path, output_path
-        self.limits, self.index_dir = limits, index_dir
+        self.limits, self.index_dir, self.model = limits, index_dir, model
         self.stop = stop
-        self.writer = OutputWriter(output_path, overwrite=overwrite)
+        self.writer = OutputWriter(output_path, input_path, overwrite=overwrite)
+        self.inflight_path = inflight_path(output_path)
+        if overwrite:
+            inflight.discard(self.inflight_path)
         self.index = self._load_index()
         self.total_lines = count_lines(input_path)      # streamed; for the progress total and messages
         if self.index.prior_rows:
-            rows = self.index.prior_rows - self.index.junk
-            print(f"fastdecode: resuming: {rows} of {self.total_lines} requests already in {output_path}",
+            print(f"fastdecode: resuming: {output_path} holds {self.index.prior_rows} row(s) of earlier runs; "
+                  f"the lines of {input_path} ({self.total_lines}) whose requests they answer are skipped",
                   file=sys.stderr, flush=True)
         self.runner: BatchRunner | None = None
+        self.saved: inflight.Saved | None = None
+        self.saved_seqs = self.saved_tokens = 0          # what this run's stop saved in flight
+        self.moved_by_cause: Counter[str] = Counter()
+        self.moved_to = unmatched_path(output_path)
         # earlier rows that answer a line for good (counted once: progress_now, for the stop-watch thread)
         self.prior_done = self.index.done_prior() if self.index.complete and self.index.prior_rows else 0
         self.wall = 0.0
@@ -228,7 +275,7 @@ class BatchJob:
         return self.stop is not None and self.stop.requested
 
     def _load_index(self) -> ResumeIndex:
-        index = ResumeIndex(self.index_dir)
+        index = ResumeIndex(self.index_dir, self.model)
         try:      # a stop during a long scan leaves the index incomplete: run() then serves nothing
             index.load(self.output_path, self.writer.start_size, stop=self._stopping)
         except BaseException:
@@ -242,12 +289,12 @@ class BatchJob:
         the earlier rows could (one done row per line at least) are the lines read and matched, as
         a run would; if one needs serving, the index is loaded afresh for the run."""
         index = self.index
-        if not index.complete or not index.prior_rows or self.prior_done < self.total_lines:
+        if index.model is None or not index.complete or not index.prior_rows or self.prior_done < self.total_lines:
             return False
         for i, line in enumerate(read_lines(self.input_path, self.limits)):
             if i % 10_000 == 0 and self._stopping():
                 return False              # no run follows: the index counts the lines done as it is
-            if index.claim(line.line_no, line.custom_id)[0] != DONE:
+            if index.claim(line.line_no, line.custom_id, line.digest).state != DONE:
                 index.close()
                 self.index = self._load_index()
                 return False
@@ -264,9 +311,15 @@ class BatchJob:
         """Error rows this run wrote, by code."""
         return self.runner.errors if self.runner is not None else Counter()
 
+    def identity(self, engine: LLMEngine) -> dict:
+        """What an in-flight save is for: this output, this input, this model."""
+        return {"output": real(self.output_path), "input": real(self.input_path), "model": engine.served.reported}
+
     def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None) -> bool:
         total = self.total_lines
-        self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop, limits=self.limits)
+        self.saved = inflight.Saved(self.inflight_path, self.identity(engine))
+        self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop, limits=self.limits,
+                                  saved=self.saved)
         self.runner.total_lines = total
         start = time.perf_counter()
         with Progress(self.runner.snapshot, enabled=show_progress, interval=progress_interval) as progress:
@@ -277,9 +330,32 @@ class BatchJob:
         self.completed = not interrupted
         if interrupted:
             report.stopping(self.stop.name)     # the rows of the step in flight too, before the shutdown
+            self.save_in_flight(engine)
             print(f"fastdecode: interrupted by {self.stop.name}: {self.done_lines()} of {total} requests done; "
                   f"rerun the same command to resume", file=sys.stderr, flush=True)
         return interrupted
+
+    def save_in_flight(self, engine: LLMEngine) -> None:
+        """A stop: the generation of the lines in flight (and a save's lines not reached) to
+        OUTPUT.inflight, for the rerun to continue. A failed save loses no row: they start over."""
+        entries = {**self.saved.carried(), **self.runner.in_flight()}
+        try:
+            self.saved_seqs, self.saved_tokens = inflight.save(self.inflight_path, self.writer.path,
+                                                               self.identity(engine), entries)
+        except OSError as e:
+            print(f"fastdecode: {self.inflight_path}: could not save the sequences in flight ({e}); they start over "
+                  f"in the rerun", file=sys.stderr, flush=True)
+            return
+        if self.saved_seqs:
+            print(f"fastdecode: saved {self.saved_seqs} sequence(s) in flight ({self.saved_tokens} generated tokens) "
+                  f"to {self.inflight_path}; the rerun continues them", file=sys.stderr, flush=True)
+
+    def inflight_summary(self) -> dict:
+        """This run's continued and saved generation (the report's this_run)."""
+        saved = self.saved
+        return {"continued_sequences": saved.continued_seqs if saved else 0,
+                "continued_tokens": saved.continued_tokens if saved else 0,
+                "saved_in_flight_sequences": self.saved_seqs, "saved_in_flight_tokens": self.saved_tokens}
 
     def progress_now(self) -> dict:
         """Input lines answered so far and this run's rows, from counters that any thread may read
@@ -288,7 +364,7 @@ class BatchJob:
         out = {"requests": runner.num_requests if runner else 0, "errors": runner.num_errors if runner else 0,
                "skipped_done": index.skipped}
         if index.complete:
-            answered = self.prior_done + index.rows_total - index.prior_rows
+            answered = min(self.prior_done + index.rows_total - index.prior_rows, self.total_lines)
             out["lines"] = {"input": self.total_lines, "answered": answered,
                             "remaining": max(self.total_lines - answered, 0)}
         return out
@@ -298,25 +374,29 @@ class BatchJob:
         and the earlier done rows of lines it did not reach (an interrupted run). A stop during
         the resume scan leaves earlier rows unread: they are counted as rows of the file."""
         if not self.index.complete:
-            return count_lines(self.writer.path)
-        return sum(self.index.codes(pending_prior=True).values())
+            return min(count_lines(self.writer.path), self.total_lines)
+        return min(sum(self.index.codes(pending_prior=True).values()), self.total_lines)
 
     def finish(self, sort: bool) -> int:
-        """After the engine is closed: the final rewrite of a complete run; rows dropped."""
+        """After the engine is closed: the final rewrite of a complete run; -> the rows moved out."""
         if not self.completed:
             return 0
+        inflight.discard(self.inflight_path)      # every line is answered: nothing is in flight
         try:
-            dropped = finalize_output(self.writer, self.index, sort)
+            self.moved_by_cause = finalize_output(self.writer, self.index, sort)
         except OSError as e:              # a full disk: the output is as it was, every row in it
             self.rewrite_error = f"{type(e).__name__}: {e}"
             print(f"fastdecode: {self.output_path}: the final rewrite failed ({e}); the file holds every row "
                   f"in completion order; rerun the same command to rewrite it", file=sys.stderr, flush=True)
             return 0
-        if dropped:
-            print(f"fastdecode: {self.output_path}: dropped {dropped} line(s) that answer no input line "
-                  f"({self.index.superseded + self.index.retried} superseded by a retry, "
-                  f"{self.index.junk} not output rows)", file=sys.stderr, flush=True)
-        return dropped
+        moved = sum(self.moved_by_cause.values())
+        if moved:
+            causes = {"superseded": "superseded by a retry", "unmatched": "answer a request not in the input",
+                      "unbound": "without a record of their request", "junk": "not output rows"}
+            parts = ", ".join(f"{self.moved_by_cause[c]} {causes[c]}" for c in MOVED_CAUSES if self.moved_by_cause[c])
+            print(f"fastdecode: {self.output_path}: moved {moved} row(s) that answer no input line to "
+                  f"{self.moved_to} ({parts})", file=sys.stderr, flush=True)
+        return moved
 
     def close(self) -> None:
         self.writer.close()
@@ -335,8 +415,16 @@ def idle_summary(wall: float) -> dict:
             "errors": 0, "requests_per_s": None, "output_tokens_per_s": None, "total_tokens_per_s": None}
 
 
-def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None) -> tuple[dict | None, dict, bool]:
-    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, the run report, interrupted).
+def served_name(args) -> str:
+    """The name the job's rows give the model (the engine's ServedModel.reported), from the flags alone."""
+    from fastdecode.model.names import served_model
+    from fastdecode.model.source import resolve_model
+    return served_model(resolve_model(args.model), args.served_model_name).reported
+
+
+def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None) -> tuple[dict | None, dict, int]:
+    """Resume, serve, shut the engine down, rewrite, report; (this run's summary, the run report,
+    the exit code: the report's).
 
     The engine (and with it the R-workers' start-up and kernel tune) is made only once the output
     was read and some input line needs serving; otherwise skip_engine() ends the R-workers and the
@@ -354,7 +442,8 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
 
     with ExitStack() as stack:
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
-                                           index_dir=args.index_dir, stop=stop, limits=limits_from(args)))
+                                           index_dir=args.index_dir, stop=stop, limits=limits_from(args),
+                                           model=served_name(args)))
         stack.callback(close_engine)
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output,
                              stats_json=args.stats_json)
@@ -364,21 +453,22 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
             if stop.requested or job.every_line_answered() or stop.requested:
                 skip_engine()
                 rep = finish_without_engine(job, path, rep, args, stop, time.perf_counter() - start)
-                return None, rep, job.interrupted or job.rewrite_error is not None
+                return None, rep, report.exit_code_of(rep)
             engine = make_engine()
             print(f"fastdecode: {engine.served.describe()}", file=sys.stderr, flush=True)
             print(f"fastdecode: {engine.describe_model()}", file=sys.stderr, flush=True)
-            interrupted = job.run(engine, show_progress=not args.quiet,
-                                  progress_interval=getattr(args, "progress_interval", None))
+            job.run(engine, show_progress=not args.quiet, progress_interval=getattr(args, "progress_interval", None))
+            close_engine()
+            moved = job.finish(sort=args.sort_output)
+            summary = run_summary(job.runner, job.wall)
+            if args.stats_json:               # before the report: a failure here fails the run
+                engine.recorder.write(args.stats_json, summary)
+            rep = report.finished(path, rep, job, engine, summary, stop.name, moved, args.sort_output)
         except BaseException as e:
             from rworker.host.wait import PeerTimeout
             report.failed(path, rep, e, exit_code=75 if isinstance(e, PeerTimeout) else 1)   # as mpi_env.fail
             raise
-        close_engine()
-        dropped = job.finish(sort=args.sort_output)
-        summary = run_summary(job.runner, job.wall)
-        rep = report.finished(path, rep, job, engine, summary, stop.name, dropped, args.sort_output)
-    return summary, rep, interrupted or job.rewrite_error is not None
+    return summary, rep, report.exit_code_of(rep)
 
 
 def finish_without_engine(job: BatchJob, path: str, rep: dict, args, stop: StopRequest, wall: float) -> dict:
@@ -387,9 +477,9 @@ def finish_without_engine(job: BatchJob, path: str, rep: dict, args, stop: StopR
     if job.interrupted:
         print(f"fastdecode: interrupted by {stop.name} before the model was loaded: {job.done_lines()} of "
               f"{job.total_lines} requests done; rerun the same command to resume", file=sys.stderr, flush=True)
-        dropped = 0
+        moved = 0
     else:
-        dropped = job.finish(sort=args.sort_output)
+        moved = job.finish(sort=args.sort_output)
         print(f"fastdecode: every line of {args.input} is already answered in {args.output} "
               f"({job.total_lines} lines); nothing to do (--overwrite starts over)", file=sys.stderr, flush=True)
-    return report.finished(path, rep, job, None, idle_summary(wall), stop.name, dropped, args.sort_output)
+    return report.finished(path, rep, job, None, idle_summary(wall), stop.name, moved, args.sort_output)

@@ -2,8 +2,9 @@
 SIGTERM (scancel, preemption) and SIGINT (Ctrl-C) ask the batch to stop cleanly.
 
 The handler only sets a flag; the decode loop looks at it between steps, so the step in flight
-finishes, what is done is written, the R-workers are shut down and the job exits with
-EX_TEMPFAIL (75), which the SLURM scripts requeue on. mpiexec (hydra) and srun forward these
+finishes, what is done is written, the generation still in flight is saved (inflight.py: the
+rerun continues it), the R-workers are shut down and the job exits with EX_TEMPFAIL (75), which
+the SLURM scripts requeue on. mpiexec (hydra) and srun forward these
 signals to every rank; R-workers ignore them and wait for rank 0's shutdown.
 
 The handlers go in as the process starts (`STOP`, installed by cli.main before MPI or torch

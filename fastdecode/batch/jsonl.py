@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pydantic_core
 from pydantic import ValidationError
 
+from fastdecode.batch.fingerprint import line_digest, raw_digest
 from fastdecode.batch.schema import Body, Envelope, Limits, check_limits, describe
 from fastdecode.engine.sampling_params import SamplingParams
 from fastdecode.model.names import ServedModel
@@ -54,6 +55,7 @@ class BatchLine:
     echo: bool = False               # completions: the prompt goes before the completion (and its logprobs)
     echo_only: bool = False          # ... with max_tokens 0: the prompt alone (one token is generated, unused)
     error: LineError | None = None
+    digest: bytes = b""              # the request's fingerprint (fingerprint.py); b"": a line too long to read
 
     @property
     def is_chat(self) -> bool:
@@ -98,6 +100,7 @@ def parse_line(line_no: int, raw: bytes | str, limits: Limits = Limits(), served
     that `served` does not answer to is a 404 model_not_found, after the schema, as in vLLM."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     custom_id = None
+    digest = b""
     try:
         try:
             obj = pydantic_core.from_json(data)
@@ -105,6 +108,7 @@ def parse_line(line_no: int, raw: bytes | str, limits: Limits = Limits(), served
             found = _CUSTOM_ID.search(data)
             custom_id = found.group(1).decode("utf-8", "replace") if found else None
             raise LineError(f"line {line_no}: not valid JSON in UTF-8 ({e})") from None
+        digest = line_digest(obj, data)
         if not isinstance(obj, dict):
             raise LineError(f"line {line_no}: expected a JSON object")
         cid = obj.get("custom_id")
@@ -122,12 +126,14 @@ def parse_line(line_no: int, raw: bytes | str, limits: Limits = Limits(), served
         too_much = check_limits(body, limits)
         if too_much:
             raise LineError(too_much, code="request_too_large")
-        return _request(line_no, custom_id, env.url, body)
+        line = _request(line_no, custom_id, env.url, body)
+        line.digest = digest
+        return line
     except LineError as e:
-        return BatchLine(line_no, custom_id, error=e)
+        return BatchLine(line_no, custom_id, error=e, digest=digest or raw_digest(data))
     except Exception as e:  # noqa: BLE001 - one line must never end the batch
         return BatchLine(line_no, custom_id, error=LineError(
-            f"line {line_no}: cannot be read: {type(e).__name__}: {str(e)[:200]}"))
+            f"line {line_no}: cannot be read: {type(e).__name__}: {str(e)[:200]}"), digest=digest or raw_digest(data))
 
 
 def _validated(model, obj: dict, where: str):

@@ -3,7 +3,7 @@ prompts, OpenAI's batched prompts), answered together in one row once all are fi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastdecode.batch.jsonl import BatchLine
 from fastdecode.engine.request_checks import RequestError
@@ -14,6 +14,8 @@ from fastdecode.engine.sampling_params import SamplingParams
 class PendingLine:
     line: BatchLine
     answers: list            # per prompt: its responses.Answer once finished, else None
+    key: bytes = b""         # what its row is recorded under (resume.Claim.key)
+    requests: list = field(default_factory=list)   # per prompt: the engine's Request
 
 
 def encode_prompts(tokenizer, line: BatchLine) -> list[tuple[str | None, list[int]]]:

@@ -4,9 +4,14 @@ A line is written in one piece and flushed, so what is finished is on disk even 
 A crash can still cut the last line short (a kill between two write calls of a long line, a node
 lost before the page cache reached the disk): opening the file for appending first cuts it back
 to its last newline, so every run starts from whole lines. The final rewrite (input order, or
-dropping superseded lines) goes to a temporary file beside the real file (a symlinked output
-stays a link to it) that replaces the output atomically. A temporary file an earlier rewrite left
-(a crash, a full disk) is removed when the output is opened: the output itself is whole.
+moving out rows that answer no input line) goes to a temporary file beside the real file (a
+symlinked output stays a link to it), with the output's mode and owner, that replaces the output
+atomically. Rows moved out are appended to OUTPUT.unmatched.jsonl first, as they were: a crash
+between the two may leave them there twice, never nowhere. A temporary file an earlier rewrite
+left (a crash, a full disk) is removed when the output is opened: the output itself is whole.
+
+Each row's record (binding.py: its digest and the key of the request it answers) is written and
+flushed before the row; both are fsynced together.
 """
 from __future__ import annotations
 
@@ -16,6 +21,10 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 
+from fastdecode.batch import binding
+from fastdecode.batch.filemode import fsync_dir, open_like
+from fastdecode.batch.fingerprint import row_digest
+from fastdecode.batch.sidefiles import rewrite_tmp
 from rworker.host import faults
 
 FSYNC_EVERY_S = 10.0      # bound what a lost node can take with it; a kill loses nothing flushed
@@ -51,12 +60,12 @@ def scan_lines(path: str) -> Iterator[tuple[int, bytes]]:
             off += len(data)
 
 
-def rewrite_tmp(path: str) -> str:
-    return f"{path}.rewrite.tmp"
-
-
 class OutputWriter:
-    def __init__(self, path: str, overwrite: bool = False):
+    """The output, opened for appending rows (and their records) for `input_path`; raises
+    binding.ForeignOutput if the output answers another input."""
+
+    def __init__(self, path: str, input_path: str, overwrite: bool = False):
+        binding.check(path, input_path, overwrite)
         self.path = path = os.path.realpath(path)          # write where a symlink points
         left = rewrite_tmp(path)
         if os.path.exists(left):
@@ -73,25 +82,35 @@ class OutputWriter:
                       f"interrupted run; that request is redone", file=sys.stderr, flush=True)
         self.f = open(path, "ab")
         self.start_size = self.f.tell()      # rows before this offset are earlier runs'
+        try:
+            self.record = binding.Recorder(path, input_path, fresh=self.start_size == 0)
+        except BaseException:
+            self.f.close()
+            raise
         self.count = 0
         self._last_sync = time.monotonic()
 
-    def write(self, obj: dict) -> tuple[int, int]:
-        """Append one line; return its (byte offset, length with the newline)."""
+    def write(self, obj: dict, key: bytes) -> tuple[int, int, bytes]:
+        """Append one row answering the request `key`; return its (byte offset, length with the
+        newline, digest)."""
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+        digest = row_digest(data)
+        self.record.add(digest, key)
         off = self.f.tell()
         self.f.write(data)
         self.f.flush()
         self.count += 1
-        return off, len(data)
+        return off, len(data), digest
 
     def sync(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._last_sync >= FSYNC_EVERY_S:
+            self.record.sync()
             os.fsync(self.f.fileno())
             self._last_sync = now
 
     def close(self) -> None:
+        self.record.close()
         if not self.f.closed:
             self.f.flush()
             os.fsync(self.f.fileno())
@@ -105,7 +124,7 @@ def rewrite(path: str, ranges: Iterable[tuple[int, int]]) -> int:
     tmp = rewrite_tmp(path)
     n = 0
     try:
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
+        with open(path, "rb") as src, open_like(tmp, path) as dst:
             for off, length in ranges:
                 src.seek(off)
                 dst.write(src.read(length))
@@ -114,8 +133,25 @@ def rewrite(path: str, ranges: Iterable[tuple[int, int]]) -> int:
             os.fsync(dst.fileno())
         faults.check(0, "rewrite")
         os.replace(tmp, path)
+        fsync_dir(path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    return n
+
+
+def append_rows(src_path: str, ranges: Iterable[tuple[int, int]], dst_path: str) -> int:
+    """Append the byte ranges of src_path to dst_path (created with src_path's mode), durably."""
+    n = 0
+    new = not os.path.exists(dst_path)
+    with open(src_path, "rb") as src, (open_like(dst_path, src_path, "ab") if new else open(dst_path, "ab")) as dst:
+        for off, length in ranges:
+            src.seek(off)
+            dst.write(src.read(length))
+            n += 1
+        dst.flush()
+        os.fsync(dst.fileno())
+    if new:
+        fsync_dir(dst_path)
     return n

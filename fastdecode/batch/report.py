@@ -11,9 +11,17 @@ thread: batch/interrupt.py): state "interrupted", `stopping` true, the lines ans
 launcher that kills rank 0 soon after its SIGTERM (Open MPI's mpirun) leaves a report that says
 so; the report written when the save completes replaces it. Whatever rank 0 writes, the note its
 supervisor-death handler would write is set to the same content first, so that handler never
-puts back an older state."""
+puts back an older state.
+
+The state always says how the job ends: "done" is exit 0 alone; a run stopped by a signal is
+"interrupted" (75); anything else that ends it is "failed" with its `exit_code` (1, or 75 where
+the work is saved and a rerun goes on: a silent rank, a final rewrite that failed). A full disk
+must not leave the report "running": while a run is live a spare temporary file of SPARE_BYTES
+is kept allocated beside the report, and the next write goes into its blocks.
+"""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -21,6 +29,8 @@ import threading
 import time
 
 import numpy as np
+
+from fastdecode.batch.filemode import keep_owner_mode, open_like
 
 # The run in progress in this process (rank 0): another thread (an end notice) may fail it
 # while the main thread writes it.
@@ -30,6 +40,8 @@ ORPHANED = ("the launcher ended the job before rank 0 finished (it killed rank 0
             "rank once one has died: the rank that died first is named on stderr)")
 
 HISTORY_KEEP = 100      # the last runs listed in the report (bounded, whatever the requeue count)
+SPARE_BYTES = 256 << 10  # allocated for the report's next write while a run is live (a full disk)
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def default_path(output_path: str) -> str:
@@ -52,12 +64,62 @@ def encode(obj: dict) -> bytes:
 
 
 def write_atomic(path: str, obj: dict | bytes) -> None:
+    """Replace the report at `path` (its mode and owner kept), through a temporary file: the spare
+    one if reserve() made it. On a full disk without a spare it is rewritten in place."""
+    data = obj if isinstance(obj, bytes) else encode(obj)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(obj if isinstance(obj, bytes) else encode(obj))
+    try:
+        _write_tmp(tmp, path, data)
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.errno not in FULL or not os.path.exists(path):
+            raise
+        _discard(tmp)
+        with open(path, "r+b") as f:       # its blocks are allocated: it may still fit in them
+            f.write(data)
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _write_tmp(tmp: str, like: str, data: bytes) -> None:
+    try:
+        fd = os.open(tmp, os.O_WRONLY)      # the spare: its blocks are there whatever the disk holds
+    except FileNotFoundError:
+        fd = None
+    if fd is not None and os.path.exists(like):
+        keep_owner_mode(fd, os.stat(like))
+    with open_like(tmp, like) if fd is None else os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.truncate()
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def _discard(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def reserve(path: str) -> None:
+    """Allocate the spare temporary file of the report at `path` (best effort)."""
+    tmp = path + ".tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    try:
+        os.posix_fallocate(fd, 0, SPARE_BYTES)
+    except (OSError, AttributeError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def release_spare(path: str) -> None:
+    _discard(path + ".tmp")
 
 
 def _commit(path: str, obj: dict) -> None:
@@ -66,6 +128,10 @@ def _commit(path: str, obj: dict) -> None:
     data = encode(obj)
     note_for_orphan(path, data)
     write_atomic(path, data)
+    if obj.get("state") == "running" or obj.get("stopping"):
+        reserve(path)                     # more writes follow: keep room for them
+    else:
+        release_spare(path)
 
 
 def token_latency(gaps: np.ndarray) -> dict | None:
@@ -101,6 +167,7 @@ def started(path: str, prev: dict, input_path: str, output_path: str, stats_json
     with _live_lock:
         _set_live(path, report)
         write_atomic(path, report)
+        reserve(path)
     return report
 
 
@@ -187,6 +254,7 @@ def mark_failed(path: str, report: dict, error: str, exit_code: int | None, rank
             _set_live(path, None)
         else:
             write_atomic(path, report)
+            release_spare(path)
     return True
 
 
@@ -214,29 +282,42 @@ def mark_file_failed(path: str, error: str, exit_code: int | None, since: float)
 
 
 def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: str | None,
-             dropped: int, sort: bool) -> dict:
+             moved: int, sort: bool) -> dict:
     """The report of a run that ended normally; engine None: it served nothing (every line was
     answered already, or a stop came before the model load). A run a dead rank failed meanwhile
-    stays failed (the job ends with an error)."""
+    stays failed (the job ends with an error: exit_code says which)."""
     with _live_lock:
         if report.get("state") != "running":
             return report
-        _finish(path, report, job, engine, this_run, signal_name, dropped, sort)
+        _finish(path, report, job, engine, this_run, signal_name, moved, sort)
         _set_live(path, None)
     return report
 
 
+def exit_code_of(report: dict) -> int:
+    """The exit code a job whose run report this is ends with."""
+    code = report.get("exit_code")
+    if isinstance(code, int):
+        return code
+    return 0 if report.get("state") == "done" else 75 if report.get("state") == "interrupted" else 1
+
+
 def _finish(path: str, report: dict, job, engine, this_run: dict, signal_name: str | None,
-            dropped: int, sort: bool) -> None:
+            moved: int, sort: bool) -> None:
     index = job.index
     interrupted = job.interrupted
     codes = index.codes(pending_prior=interrupted)
-    answered = sum(codes.values()) if index.complete else job.done_lines()
+    # an interrupted run has not matched every earlier row to a line: each line has one row at most
+    answered = min(sum(codes.values()) if index.complete else job.done_lines(), job.total_lines)
+    ok = min(codes.get("ok", 0), answered)
     this_run = dict(this_run, skipped_done=index.skipped, retried=index.retried, errors_by_code=dict(job.errors),
-                    token_latency=token_latency(engine.token_gaps.values()) if engine is not None else None)
+                    token_latency=token_latency(engine.token_gaps.values()) if engine is not None else None,
+                    **job.inflight_summary())
     latency = this_run["token_latency"]
+    exit_code = 75 if interrupted or job.rewrite_error else 0
+    state = "done" if exit_code == 0 else "interrupted" if interrupted else "failed"
     report.update(
-        state="interrupted" if interrupted else "done", interrupted=interrupted, signal=signal_name,
+        state=state, interrupted=interrupted, signal=signal_name,
         **({"model": engine.served.reported, "served_model_names": list(engine.served.names)}
            if engine is not None else {}),
         # this run's rates (the Throughput line); earlier runs are in history
@@ -245,14 +326,20 @@ def _finish(path: str, report: dict, job, engine, this_run: dict, signal_name: s
         token_latency={k: latency[k] for k in ("p50_s", "p90_s", "p99_s")} if latency else None,
         requests={"served_this_run": this_run["requests"], "errors_this_run": this_run["errors"],
                   "skipped_done_by_earlier_runs": index.skipped, "retried": index.retried},
-        exit_code=75 if interrupted or job.rewrite_error else 0,
+        exit_code=exit_code,
         lines={"input": job.total_lines, "answered": answered, "remaining": max(job.total_lines - answered, 0),
-               "ok": codes.get("ok", 0), "errors": answered - codes.get("ok", 0)},
+               "ok": ok, "errors": answered - ok},
         errors_by_code={k: v for k, v in sorted(codes.items()) if k != "ok"},
-        output_file={"sorted": bool(sort and not interrupted and not job.rewrite_error), "rows_dropped": dropped,
+        output_file={"sorted": bool(sort and exit_code == 0), "rows_moved": moved,
+                     "moved_to": job.moved_to if moved else None, "moved_by_cause": dict(job.moved_by_cause),
                      "partial_line_repaired_bytes": job.writer.repaired, "rewrite_error": job.rewrite_error},
         this_run=this_run,
         rworkers=rworker_load(engine.backend.workers, engine.recorder) if engine is not None else [])
+    if state == "failed":
+        report["error"] = f"the final rewrite of the output failed: {job.rewrite_error}; every row is in the file, " \
+                          f"in completion order: rerun the same command to rewrite it"
+    else:
+        report.pop("error", None)
     report["history"] = (report.pop("history") + [{
         "run": report["runs"], "state": report["state"], "signal": signal_name, "wall_s": this_run["wall_s"],
         "requests": this_run["requests"], "errors": this_run["errors"], "skipped_done": index.skipped}])[-HISTORY_KEEP:]

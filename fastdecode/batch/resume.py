@@ -1,46 +1,65 @@
-"""Resume: which input lines earlier runs of the same command have answered, in bounded memory.
+"""Resume: which input lines earlier runs answered, in bounded memory.
 
-The output file is the only state kept between runs; output lines carry no input line numbers,
-so each one is matched back to its input line by its kind, exactly:
-  - a line without a custom_id gets an error row written when it is read, i.e. in input order:
-    the k-th such row of the file answers the k-th input line without a custom_id;
-  - the first input line carrying custom_id X owns X: its row is the one row of X whose error
-    code is not duplicate_custom_id (a success or any other error);
-  - every later line carrying X gets a duplicate_custom_id row, written when read: the k-th such
-    row of X answers the (k+1)-th line carrying X.
-Rows of earlier runs that are "done" are kept and their input lines skipped: successes, and
-errors that follow from the input line and the model alone (DETERMINISTIC_CODES). Any other
-error (kv_capacity_exceeded depends on --rworker-mem and the R-worker count; a future 5xx) does
-not block a retry: the line is served again and the new row supersedes the old one, which the
-final rewrite drops. A row that matches no input line (not JSON, or from another input) is
-dropped by the final rewrite too, and counted.
+Output rows carry no input line numbers, and vLLM's row schema has no room for them: each row is
+bound to the request it answers by its record in OUTPUT.fingerprints (binding.py), the row's
+digest and its request's key (fingerprint.py: the line's canonical JSON and the model served;
+with the line numbers for a line without a custom_id or repeating an earlier line's). An input
+line is answered by the earlier row recorded under its key, or by none: a rerun skips exactly
+the lines whose request is unchanged, serves again those whose request changed, and never
+matches a row by its position. The first line carrying custom_id X owns X; every later line
+carrying X gets a duplicate_custom_id row (written when read).
 
-The matching state (custom_id -> first line and duplicate count, earlier rows, this run's rows
-by input line) lives in a scratch SQLite file with a bounded page cache, not in Python sets, so
-rank 0's memory does not grow with the input (10 M lines): see bench/e2e/input_memory_bench.py.
+Rows of earlier runs that are "done" answer their line for good: successes, and errors that
+follow from the request and the model alone (DETERMINISTIC_CODES). Any other error
+(kv_capacity_exceeded depends on --rworker-mem and the R-worker count; a future 5xx) does not
+block a retry: the line is served again and the new row supersedes the old one. Rows that answer
+no line of this input are moved out of the output by the final rewrite (generate.py), counted by
+cause (MOVED_CAUSES).
+
+The matching state (records, custom_id -> first line, earlier rows, this run's rows by input
+line) lives in a scratch SQLite file with a bounded page cache, not in Python sets, so rank 0's
+memory does not grow with the input (10 M lines): see bench/e2e/input_memory_bench.py. The file
+is held locked (flock) while in use; one that a killed job left behind (unlocked, older than a
+minute) is removed by the next job that makes its index in the same directory.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import os
 import sqlite3
 import tempfile
+import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pydantic_core
 
+from fastdecode.batch import binding
+from fastdecode.batch.fingerprint import DUPLICATE, NO_ID, PRIMARY, line_key, row_digest
 from fastdecode.batch.output import scan_lines
 
 DETERMINISTIC_CODES = frozenset({"invalid_request", "invalid_url", "invalid_prompt", "context_length_exceeded",
                                  "duplicate_custom_id"})
-PRIMARY, DUPLICATE, NO_ID = 0, 1, 2
-NO_ID_KEY = ""            # custom_ids are non-empty strings, so "" never collides
 NEW, DONE, DUP = "new", "done", "duplicate"
 CACHE_KIB = 32 << 10      # SQLite page cache: the index's whole memory footprint
+SCRATCH_PREFIX, SCRATCH_SUFFIX = "fastdecode-index-", ".sqlite"
+STALE_S = 60.0            # a scratch index unlocked for this long was left by a job that ended
+# why an earlier row answers no input line: a later row answers its line (a retry); its request
+# changed or is not in the input; nothing records what it answers (edited, another program's);
+# not an output row at all
+MOVED_CAUSES = ("superseded", "unmatched", "unbound", "junk")
 
 
-def classify_row(text: bytes) -> tuple[str, int, str | None, bool] | None:
-    """(custom_id key, kind, error code or None, done) of an output row; None if not a row (a line
-    someone else wrote there, however deep or large, is junk: never an error)."""
+class Claim(NamedTuple):
+    state: str                 # NEW: serve the line; DONE: an earlier row answers it; DUP: a repeated custom_id
+    first: int | None          # DUP: the line that owns the custom_id
+    key: bytes                 # what the line's row is recorded under
+
+
+def row_code(text: bytes) -> tuple[str | None, bool] | None:
+    """(error code or None, done) of an output row; None if not a row (a line someone else wrote
+    there, however deep or large, is junk: never an error)."""
     try:
         obj = pydantic_core.from_json(text)
     except ValueError:
@@ -52,45 +71,75 @@ def classify_row(text: bytes) -> tuple[str, int, str | None, bool] | None:
     code = code if isinstance(code, str) or code is None else str(code)
     resp = obj.get("response")
     status = resp.get("status_code") if isinstance(resp, dict) else None
-    cid = obj["custom_id"]
-    if not isinstance(cid, str) or not cid:
-        return NO_ID_KEY, NO_ID, code, True
-    if code == "duplicate_custom_id":
-        return cid, DUPLICATE, code, True
-    done = (status == 200 and err is None) or code in DETERMINISTIC_CODES
-    return cid, PRIMARY, code, done
+    return code, (status == 200 and err is None) or code in DETERMINISTIC_CODES
+
+
+def reclaim_scratch(directory: str, now: float | None = None) -> int:
+    """Remove scratch indexes in `directory` that no job holds (left by a killed job); -> how many."""
+    now = time.time() if now is None else now
+    removed = 0
+    for path in glob.glob(os.path.join(glob.escape(directory), f"{SCRATCH_PREFIX}*{SCRATCH_SUFFIX}")):
+        try:
+            if now - os.path.getmtime(path) < STALE_S:
+                continue                      # just made: its job may not hold it yet
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)                      # held by a running job
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 class ResumeIndex:
-    def __init__(self, index_dir: str | None = None):
-        fd, self.path = tempfile.mkstemp(prefix="fastdecode-index-", suffix=".sqlite", dir=index_dir)
-        os.close(fd)
+    def __init__(self, index_dir: str | None = None, model: str | None = None):
+        directory = index_dir or tempfile.gettempdir()
+        reclaim_scratch(directory)
+        self._hold, self.path = tempfile.mkstemp(prefix=SCRATCH_PREFIX, suffix=SCRATCH_SUFFIX, dir=directory)
+        try:
+            fcntl.flock(self._hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass                              # a file system without locks: it is still removed on close
+        self.model = model                    # the served model's name: part of every line's key
         self.db = sqlite3.connect(self.path, isolation_level=None)
         for pragma in ("journal_mode=OFF", "synchronous=OFF", "locking_mode=EXCLUSIVE", "temp_store=FILE",
                        f"cache_size=-{CACHE_KIB}"):
             self.db.execute(f"PRAGMA {pragma}")
         self.db.executescript("""
-            CREATE TABLE prior(cid TEXT, kind INTEGER, j INTEGER, off INTEGER, len INTEGER, code TEXT,
-                               done INTEGER, PRIMARY KEY (cid, kind, j)) WITHOUT ROWID;
-            CREATE TABLE ids(cid TEXT PRIMARY KEY, first_line INTEGER, dups INTEGER) WITHOUT ROWID;
-            CREATE TABLE rows(line INTEGER PRIMARY KEY, off INTEGER, len INTEGER, code TEXT);
+            CREATE TABLE bound(digest BLOB PRIMARY KEY, key BLOB) WITHOUT ROWID;
+            CREATE TABLE prior(key BLOB PRIMARY KEY, off INTEGER, len INTEGER, code TEXT, done INTEGER,
+                               digest BLOB) WITHOUT ROWID;
+            CREATE TABLE earlier(off INTEGER PRIMARY KEY, len INTEGER, key BLOB, cause TEXT);
+            CREATE TABLE ids(cid TEXT PRIMARY KEY, first_line INTEGER) WITHOUT ROWID;
+            CREATE TABLE rows(line INTEGER PRIMARY KEY, off INTEGER, len INTEGER, code TEXT, digest BLOB, key BLOB);
         """)
         self.db.execute("BEGIN")
         self.prior_rows = 0          # rows of earlier runs, junk included
         self.junk = 0                # rows that are not output rows of ours (not JSON, ...)
-        self.superseded = 0          # earlier rows replaced by a later row of the same line
+        self.unbound = 0             # rows without a record of the request they answer
+        self.superseded = 0          # earlier rows replaced by a later row of the same request
         self.skipped = 0             # input lines answered by an earlier run
         self.retried = 0             # input lines whose earlier row was a retryable error
         self.rows_total = 0          # lines in the output file now
-        self._no_id_lines = 0
         self.complete = True         # False: earlier rows not all indexed, claiming would redo them
 
     # ------------------------------------------------------------------ earlier runs' rows
 
     def load(self, path: str, end: int, stop=None) -> bool:
-        """Index the output rows in path[0:end] (whole lines: the writer repaired the tail).
-        Returns False if stop() turned true first; then no line may be claimed."""
-        db, no_id = self.db, 0
+        """Index the output rows in path[0:end] (whole lines: the writer repaired the tail) by
+        their records. Returns False if stop() turned true first; then no line may be claimed."""
+        db = self.db
+        for chunk in binding.records(path):
+            db.executemany("INSERT OR REPLACE INTO bound VALUES (?, ?)", chunk)
         for off, text in scan_lines(path):
             if off >= end:
                 break
@@ -98,70 +147,75 @@ class ResumeIndex:
                 self.complete = False
                 return False
             self.prior_rows += 1
-            kind = classify_row(text)
-            if kind is None:
-                self.junk += 1
-                continue
-            cid, k, code, done = kind
-            if k == NO_ID:
-                no_id += 1
-                j = no_id
-            elif k == DUPLICATE:
-                j = db.execute("SELECT COALESCE(MAX(j), 0) FROM prior WHERE cid = ? AND kind = 1", (cid,)).fetchone()[0] + 1
-            else:
-                j = 0
-                old = db.execute("SELECT done FROM prior WHERE cid = ? AND kind = 0", (cid,)).fetchone()
-                if old is not None:
-                    self.superseded += 1
-                    if old[0] > done:          # a done row beats a later retryable error
-                        continue
-            db.execute("INSERT OR REPLACE INTO prior VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (cid, k, j, off, len(text), code, int(done)))
+            self._add_earlier(off, text)
         self.rows_total = self.prior_rows
         return True
 
+    def _add_earlier(self, off: int, text: bytes) -> None:
+        db = self.db
+        code_done = row_code(text)
+        digest = row_digest(text)
+        found = db.execute("SELECT key FROM bound WHERE digest = ?", (digest,)).fetchone()
+        if code_done is None or found is None:
+            cause = "junk" if code_done is None else "unbound"
+            self.junk += cause == "junk"
+            self.unbound += cause == "unbound"
+            db.execute("INSERT INTO earlier VALUES (?, ?, NULL, ?)", (off, len(text), cause))
+            return
+        (key,), (code, done) = found, code_done
+        db.execute("INSERT INTO earlier VALUES (?, ?, ?, 'bound')", (off, len(text), key))
+        old = db.execute("SELECT done FROM prior WHERE key = ?", (key,)).fetchone()
+        if old is not None:
+            self.superseded += 1
+            if old[0] > done:                  # a done row beats a later retryable error
+                return
+        db.execute("INSERT OR REPLACE INTO prior VALUES (?, ?, ?, ?, ?, ?)",
+                   (key, off, len(text), code, int(done), digest))
+
     def done_prior(self) -> int:
-        """Earlier rows that answer a line for good: at least one per input line if every line is done."""
+        """Earlier rows that answer a request for good: at least one per input line if every line is done."""
         return self.db.execute("SELECT COUNT(*) FROM prior WHERE done = 1").fetchone()[0]
 
     # ------------------------------------------------------------------ input lines, in input order
 
-    def claim(self, line_no: int, custom_id: str | None) -> tuple[str, int | None]:
-        """(NEW, None): serve the line; (DONE, None): an earlier run answered it; (DUP, first_line)."""
+    def claim(self, line_no: int, custom_id: str | None, digest: bytes) -> Claim:
+        """Whether line line_no (its custom_id and digest: BatchLine's) needs serving."""
         if not self.complete:
             raise RuntimeError("resume index incomplete: earlier rows were not all read")
+        if self.model is None:
+            raise RuntimeError("resume index: the served model is not set")
         db = self.db
+        first = None
         if custom_id is None:
-            self._no_id_lines += 1
-            key, kind, j, first = NO_ID_KEY, NO_ID, self._no_id_lines, None
-        elif db.execute("INSERT OR IGNORE INTO ids VALUES (?, ?, 0)", (custom_id, line_no)).rowcount == 1:
-            key, kind, j, first = custom_id, PRIMARY, 0, None
+            kind = NO_ID
+        elif db.execute("INSERT OR IGNORE INTO ids VALUES (?, ?)", (custom_id, line_no)).rowcount == 1:
+            kind = PRIMARY
         else:
-            db.execute("UPDATE ids SET dups = dups + 1 WHERE cid = ?", (custom_id,))
-            first, j = db.execute("SELECT first_line, dups FROM ids WHERE cid = ?", (custom_id,)).fetchone()
-            key, kind = custom_id, DUPLICATE
-        if self.prior_rows and self._take(line_no, key, kind, j):
+            kind = DUPLICATE
+            first = db.execute("SELECT first_line FROM ids WHERE cid = ?", (custom_id,)).fetchone()[0]
+        key = line_key(self.model, kind, digest, line_no, first)
+        if self.prior_rows and self._take(line_no, key):
             self.skipped += 1
-            return DONE, None
-        return (DUP, first) if kind == DUPLICATE else (NEW, None)
+            return Claim(DONE, None, key)
+        return Claim(DUP if kind == DUPLICATE else NEW, first, key)
 
-    def _take(self, line_no: int, key: str, kind: int, j: int) -> bool:
-        """Match an earlier row to this line; a done one answers it, a retryable one is superseded."""
-        row = self.db.execute("SELECT off, len, code, done FROM prior WHERE cid = ? AND kind = ? AND j = ?",
-                              (key, kind, j)).fetchone()
+    def _take(self, line_no: int, key: bytes) -> bool:
+        """Match the earlier row of this request to its line: a done one answers it, a retryable
+        one is superseded by the row the retry writes."""
+        row = self.db.execute("SELECT off, len, code, done, digest FROM prior WHERE key = ?", (key,)).fetchone()
         if row is None:
             return False
-        off, length, code, done = row
+        off, length, code, done, digest = row
         if not done:
             self.retried += 1
             return False
-        self.db.execute("DELETE FROM prior WHERE cid = ? AND kind = ? AND j = ?", (key, kind, j))
-        self.db.execute("INSERT INTO rows VALUES (?, ?, ?, ?)", (line_no, off, length, code))
+        self.db.execute("DELETE FROM prior WHERE key = ?", (key,))
+        self.db.execute("INSERT INTO rows VALUES (?, ?, ?, ?, ?, ?)", (line_no, off, length, code, digest, key))
         return True
 
-    def record(self, line_no: int, off: int, length: int, code: str | None) -> None:
+    def record(self, line_no: int, off: int, length: int, code: str | None, digest: bytes, key: bytes) -> None:
         """A row this run wrote for input line line_no."""
-        self.db.execute("INSERT INTO rows VALUES (?, ?, ?, ?)", (line_no, off, length, code))
+        self.db.execute("INSERT INTO rows VALUES (?, ?, ?, ?, ?, ?)", (line_no, off, length, code, digest, key))
         self.rows_total += 1
 
     # ------------------------------------------------------------------ the final rewrite
@@ -169,8 +223,8 @@ class ResumeIndex:
     def answered(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
 
-    def dropped(self) -> int:
-        """Rows of the file that answer no input line (superseded, junk, foreign)."""
+    def unanswering(self) -> int:
+        """Rows of the file that answer no input line (moved out by the final rewrite)."""
         return self.rows_total - self.answered()
 
     def in_input_order(self) -> bool:
@@ -184,6 +238,20 @@ class ResumeIndex:
     def ranges(self, sort: bool) -> Iterator[tuple[int, int]]:
         order = "line" if sort else "off"
         yield from self.db.execute(f"SELECT off, len FROM rows ORDER BY {order}")
+
+    def kept_records(self) -> Iterator[tuple[bytes, bytes]]:
+        """(row digest, request key) of every row that answers a line."""
+        yield from self.db.execute("SELECT digest, key FROM rows ORDER BY line")
+
+    def moved(self) -> Iterator[tuple[int, int, str]]:
+        """(offset, length, cause) of the earlier rows that answer no input line, in file order."""
+        self.db.execute("CREATE INDEX IF NOT EXISTS rows_off ON rows(off)")
+        self.db.execute("CREATE INDEX IF NOT EXISTS rows_key ON rows(key)")
+        yield from self.db.execute("""
+            SELECT e.off, e.len, CASE WHEN e.cause != 'bound' THEN e.cause
+                                      WHEN EXISTS (SELECT 1 FROM rows r WHERE r.key = e.key) THEN 'superseded'
+                                      ELSE 'unmatched' END
+            FROM earlier e WHERE NOT EXISTS (SELECT 1 FROM rows r WHERE r.off = e.off) ORDER BY e.off""")
 
     def codes(self, pending_prior: bool) -> dict[str, int]:
         """Rows by error code ("ok" for successes): the answered lines, plus with pending_prior the
@@ -203,3 +271,4 @@ class ResumeIndex:
         finally:
             if os.path.exists(self.path):
                 os.unlink(self.path)
+            os.close(self._hold)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from fastdecode.engine import continuation
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
 from fastdecode.engine.kv_tiers import (
     TierChoice,
@@ -274,8 +275,12 @@ class LLMEngine:
                                f"can hold", code="kv_capacity_exceeded")
 
     def add_request(self, index: int, request_id: str, prompt: str | None, prompt_ids: list[int],
-                    params: SamplingParams, meta: dict | None = None) -> Request:
-        """Queue a request; raise RequestError if it can never be served (check_request)."""
+                    params: SamplingParams, meta: dict | None = None,
+                    resume: continuation.RequestState | None = None) -> Request:
+        """Queue a request; raise RequestError if it can never be served (check_request). With
+        `resume` (a stop's save of it) its sequences continue from their saved tokens, prefilled as
+        preempted ones are; one that does not fit the request is not used, the reason left in
+        meta["resume_refused"]. A request whose every sequence had finished comes back finished."""
         checked = self.checks.check(prompt_ids, params)
         n_prompt, max_tokens = len(prompt_ids), checked.max_tokens
         if params.max_tokens is None and self.placement.policy == "full":     # said even if it cannot fit
@@ -287,10 +292,20 @@ class LLMEngine:
         for i in range(params.n):
             req.sequences.append(Sequence(self._next_seq_id, req, i, max_tokens))
             self._next_seq_id += 1
+        if resume is not None:
+            refused = continuation.check(req, resume, self.config.vocab_size)
+            if refused is None:
+                continuation.restore(req, resume)
+            else:
+                req.meta["resume_refused"] = refused
         for seq in req.sequences:
+            if seq.status is Status.FINISHED:
+                self.bound_output_tokens += len(seq.output_ids)
+                continue
             self.scheduler.add(seq)
             self.bound_output_tokens += seq.max_tokens
-        self.pinned_bytes += req.pinned_bytes
+        if not req.finished:
+            self.pinned_bytes += req.pinned_bytes
         return req
 
     def _note_whole_context_reservation(self, request_id: str, bound: int) -> None:

@@ -180,8 +180,10 @@ class StepRecorder:
         return out
 
     def write(self, path: str, summary: dict) -> None:
+        """Replace `path` atomically, keeping an existing file's mode and owner."""
+        from fastdecode.batch.filemode import open_like
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with open_like(tmp, path, "w") as f:
             json.dump({"summary": summary, "steps_stride": self.stride, "steps": self.steps}, f)
         os.replace(tmp, path)
 

@@ -1,0 +1,151 @@
+"""OUTPUT.fingerprints: which request each output row answers, kept beside the output (vLLM's
+row schema stays as it is).
+
+The file is a header line naming the input the output is made from, then one 32-byte record per
+row written: the row's digest (its bytes with the newline) and its request's key
+(fingerprint.py). A record is flushed before its row, so a row on disk has its record; a crash
+between the two leaves a record that matches no row. A row edited by hand or written by another
+program has no record: it answers no line, and its line is served again.
+
+An output made from another input is refused (`check`), as is one that holds rows but no record
+of what they answer: reusing an output path must never pass another job's answers off as this
+input's. `--overwrite` starts over, or a new `-o`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+from fastdecode.batch.filemode import fsync_dir, open_like
+from fastdecode.batch.sidefiles import fingerprints_path, real
+
+FORMAT = "fastdecode request fingerprints"
+VERSION = 1
+RECORD = 32                     # row digest (16 bytes) + request key (16 bytes)
+MAX_HEADER = 1 << 16
+
+
+class ForeignOutput(ValueError):
+    """The output answers another input, or nothing says which: refused before any compute."""
+
+
+def header_bytes(input_path: str) -> bytes:
+    return (json.dumps({"format": FORMAT, "version": VERSION, "input": real(input_path)}) + "\n").encode()
+
+
+def read_header(path: str) -> tuple[dict, int] | None:
+    """(the header, its length in bytes) of a fingerprints file; None if missing or not one."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(MAX_HEADER)
+    except FileNotFoundError:
+        return None
+    try:
+        head = json.loads(line)
+    except ValueError:
+        return None
+    if not line.endswith(b"\n") or not isinstance(head, dict) or head.get("format") != FORMAT \
+            or head.get("version") != VERSION or not isinstance(head.get("input"), str):
+        return None
+    return head, len(line)
+
+
+def has_rows(path: str, chunk: int = 1 << 20) -> bool:
+    """Whether `path` holds a whole line (a partial last line alone is cut off on open)."""
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                if b"\n" in block:
+                    return True
+    except FileNotFoundError:
+        pass
+    return False
+
+
+def check(output: str, input_path: str, overwrite: bool) -> None:
+    """Raise ForeignOutput unless a job may append to `output` for `input_path`."""
+    if overwrite or not has_rows(real(output)):
+        return
+    record = fingerprints_path(output)
+    found = read_header(record)
+    restart = f"pass --overwrite to start over with {input_path}, or write to a new -o"
+    if found is None:
+        what = "is missing" if not os.path.exists(record) else "is not a fingerprints file"
+        raise ForeignOutput(f"output {output} holds rows but no record of the requests they answer ({record} "
+                            f"{what}): it was not written by this fastdecode, or the record was removed; {restart}")
+    made_from = found[0]["input"]
+    if made_from != real(input_path):
+        raise ForeignOutput(f"output {output} was made from input {made_from}, not {real(input_path)}: its rows "
+                            f"answer that file's lines; {restart}")
+
+
+class Recorder:
+    """Appends the record of each row the job writes (flushed before the row itself)."""
+
+    def __init__(self, output: str, input_path: str, fresh: bool):
+        self.path = path = fingerprints_path(output)
+        found = None if fresh else read_header(path)
+        if found is None or found[0]["input"] != real(input_path):
+            with open_like(path, real(output)) as f:
+                f.write(header_bytes(input_path))
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            start = found[1]
+            size = os.path.getsize(path)
+            whole = start + (size - start) // RECORD * RECORD
+            if whole < size:                      # a record cut short by a crash
+                os.truncate(path, whole)
+        self.f = open(path, "ab")  # noqa: SIM115 - open for the job's life, closed by close()
+
+    def add(self, digest: bytes, key: bytes) -> None:
+        self.f.write(digest + key)
+        self.f.flush()
+
+    def sync(self) -> None:
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+
+
+def records(output: str, chunk: int = 1 << 14) -> Iterator[list[tuple[bytes, bytes]]]:
+    """The (row digest, request key) records of `output`, a list per chunk read; none if the file
+    is missing or not a fingerprints file."""
+    path = fingerprints_path(output)
+    found = read_header(path)
+    if found is None:
+        return
+    with open(path, "rb") as f:
+        f.seek(found[1])
+        while data := f.read(RECORD * chunk):
+            n = len(data) // RECORD
+            yield [(data[i * RECORD:i * RECORD + 16], data[i * RECORD + 16:(i + 1) * RECORD]) for i in range(n)]
+
+
+def compact(output: str, pairs: Iterator[tuple[bytes, bytes]]) -> None:
+    """Rewrite the record with only `pairs` (the rows the rewritten output kept), atomically."""
+    path = fingerprints_path(output)
+    found = read_header(path)
+    if found is None:
+        return
+    with open(path, "rb") as f:
+        head = f.read(found[1])
+    tmp = path + ".tmp"
+    try:
+        with open_like(tmp, path) as f:
+            f.write(head)
+            for digest, key in pairs:
+                f.write(digest + key)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
