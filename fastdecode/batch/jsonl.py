@@ -32,7 +32,9 @@ _UNSUPPORTED = {"suffix": "suffixes", "use_beam_search": "beam search", "tools":
                 "guided_grammar": "structured output", "structured_outputs": "structured output",
                 "logits_processors": "logits processors", "truncate_prompt_tokens": "prompt truncation",
                 "chat_template": "custom chat templates", "chat_template_kwargs": "chat template arguments",
-                "continue_final_message": "continuing the final message"}
+                "continue_final_message": "continuing the final message",
+                "functions": "function calls", "function_call": "function calls", "tool_choice": "tool calls"}
+_NONE_ALLOWED = ("tool_choice", "function_call")     # "none": no call, the answer a plain model gives
 # where a line's JSON is broken, its custom_id is still worth naming in the error row
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"([^"\\\x00-\x1f]{1,256})"')
 
@@ -143,7 +145,8 @@ def _reject_unsupported(body: dict, url: str) -> None:
                         code="unsupported_parameter")
     for name, what in _UNSUPPORTED.items():
         val = body.get(name)
-        if val in (None, False, "", [], {}) or (name == "response_format" and val == {"type": "text"}):
+        if val in (None, False, "", [], {}) or (name == "response_format" and val == {"type": "text"}) or \
+                (name in _NONE_ALLOWED and val == "none"):
             continue
         raise LineError(f"body.{name}: {what} is not supported by fastdecode", code="unsupported_parameter")
     if body.get("add_generation_prompt", True) is not True:

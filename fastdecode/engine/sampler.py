@@ -60,7 +60,7 @@ class SamplingBatch:
         return batch
 
     def _fill(self, cols, seeds, streams, positions, suppress, device):
-        temperature = cols[:, 0]
+        temperature = cols[:, 0].astype(np.float32)     # greedy or sampled: decided in the type it divides in
         self.sample_rows = np.flatnonzero(temperature != 0)                  # [m] rows that sample
         self.top_k = cols[:, 1].astype(np.int64)
         self.top_p, self.min_p = cols[:, 2], cols[:, 3]
@@ -76,7 +76,7 @@ class SamplingBatch:
         if self.sample_rows.size:
             device = torch.device(device)
             self.sample_rows_dev = torch.from_numpy(self.sample_rows).to(device)
-            self.temperature = torch.from_numpy(temperature[self.sample_rows].astype(np.float32)).to(device)[:, None]
+            self.temperature = torch.from_numpy(temperature[self.sample_rows]).to(device)[:, None]
         else:
             self.sample_rows_dev = self.temperature = None
 
@@ -224,11 +224,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
         batch.bias.apply(logits)
     if batch.penalties is not None:
         batch.penalties.apply(logits)
+        logits.clamp_(max=torch.finfo(logits.dtype).max)      # a penalty past float32's range: its largest
     out = torch.argmax(logits, dim=-1)
     if not batch.sample_rows.size:
         return out.cpu().numpy()
     rows = batch.sample_rows_dev                                             # rows that sample
-    probs = torch.softmax(logits[rows] / batch.temperature, dim=-1)        # [m, V]
+    scaled = logits[rows]                                                    # [m, V]
+    # less each row's maximum before the division: a tiny temperature then sends every other token to
+    # -inf (the greedy limit) where logits / T would overflow to inf and the softmax to NaN
+    probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / batch.temperature, dim=-1)
     if batch.needs_filter:
         probs, order = _filtered_sorted(probs, batch.sample_rows, batch)
     else:

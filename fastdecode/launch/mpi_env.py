@@ -208,12 +208,22 @@ def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
     return failed_note(notice["error"], notice["rank"]) if notice is not None else None
 
 
+def _is_config_error(exc: BaseException) -> bool:
+    try:
+        from fastdecode.model.config import ConfigError
+    except ImportError:
+        return False
+    return isinstance(exc, ConfigError)
+
+
 def fail(comm, exc: BaseException, code: int = 1) -> None:
     """Print one line naming this rank and end the whole job. A silent peer (a stuck or lost
     node) ends it with EX_TEMPFAIL so that a batch system requeues it; outputs are on disk."""
     from rworker.host.wait import PeerTimeout
     if isinstance(exc, PeerTimeout):
         code = EXIT_TEMPFAIL
+    elif _is_config_error(exc):          # a model found unservable only as it loads: still a usage error
+        code = EXIT_USAGE
     rank = comm.Get_rank() if comm is not None else 0
     where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()}) failed" if comm is not None else "failed"
     print(f"fastdecode: {where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
