@@ -75,6 +75,24 @@ def read_lines(path: str, limits: Limits = Limits(), served: ServedModel | None 
             yield parse_line(line_no, raw, limits, served)
 
 
+COUNT_CHUNK = 1 << 20
+
+
+def count_lines(path: str, chunk_bytes: int = COUNT_CHUNK) -> int:
+    """Lines that are not blank (as read_lines yields them), counted in chunks: memory is one chunk
+    whatever a line's length (a line of gigabytes without a newline is one line, read once)."""
+    count, pending = 0, False        # pending: the line being read has a non-blank byte so far
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            pieces = chunk.split(b"\n")
+            for piece in pieces[:-1]:                      # each ends a line
+                if pending or piece.strip():
+                    count += 1
+                pending = False
+            pending = pending or bool(pieces[-1].strip())
+    return count + pending
+
+
 def raw_lines(path: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """(line number, bytes) of every LF-terminated line; None for a line over max_bytes, whose
     rest is skipped without being held in memory."""

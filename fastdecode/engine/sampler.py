@@ -104,24 +104,29 @@ class LogitBias:
 
 class AllowedTokens:
     """vLLM's allowed_token_ids for some rows: every other token of those rows is masked.
-    rows [t], ids [t]: one entry per (row, allowed token)."""
+    urows [u]: the rows; local [t], ids [t]: one entry per (row, allowed token), the row as an index
+    into urows. Built from each request's id array (made once per request) with array operations:
+    a step costs no Python work per allowed id."""
 
-    def __init__(self, rows, ids):
-        self.rows = np.asarray(rows, np.int64)
+    def __init__(self, urows, local, ids):
+        self.urows = np.asarray(urows, np.int64)
+        self.local = np.asarray(local, np.int64)
         self.ids = np.asarray(ids, np.int64)
-        self.row_set = frozenset(self.rows.tolist())
+        self.row_set = frozenset(self.urows.tolist())
 
     @classmethod
-    def of(cls, allowed: dict[int, list[int]]) -> "AllowedTokens":
-        """allowed: row -> token ids it may generate."""
-        return cls([r for r, ids in allowed.items() for _ in ids], [t for ids in allowed.values() for t in ids])
+    def of(cls, allowed: dict[int, np.ndarray | list[int]]) -> "AllowedTokens":
+        """allowed: row -> token ids it may generate (an int64 array, or a list)."""
+        arrays = [np.asarray(ids, np.int64) for ids in allowed.values()]
+        sizes = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
+        ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+        return cls(np.fromiter(allowed, np.int64, len(allowed)), np.repeat(np.arange(len(arrays)), sizes), ids)
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place on logits [n, V]: -inf outside each row's allowed ids."""
         dev = logits.device
-        urows, local = np.unique(self.rows, return_inverse=True)               # [u], [t] index into urows
-        urows_dev = torch.from_numpy(urows).to(dev)
-        local, ids = torch.from_numpy(local.reshape(-1)).to(dev), torch.from_numpy(self.ids).to(dev)
+        urows_dev = torch.from_numpy(self.urows).to(dev)                       # [u]
+        local, ids = torch.from_numpy(self.local).to(dev), torch.from_numpy(self.ids).to(dev)   # [t], [t]
         sub = logits[urows_dev]                                                 # [u, V]
         kept = torch.full_like(sub, -float("inf"))
         kept[local, ids] = sub[local, ids]

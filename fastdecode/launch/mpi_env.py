@@ -153,16 +153,21 @@ def stop_rworkers(comm) -> None:
 
 
 def share_end_notices(comm) -> dict | None:
-    """Collective, at start-up: rank 0 listens for end notices (rworker/host/end_notice.py) and
-    every other rank passes its address to its supervisor. Returns the address (None on rank 0)."""
+    """Collective, at start-up: rank 0 listens for end notices (rworker/host/end_notice.py) on the
+    addresses the ranks reach it by, and every other rank passes the address it was given to its
+    supervisor. Returns the address (None on rank 0)."""
     from rworker.host import end_notice
+    where = comm.gather(end_notice.whereabouts(), root=0)
     if comm.Get_rank() == 0:
         from fastdecode.launch.supervise import on_orphan
-        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice))
+        hosts = end_notice.listen_hosts(where)             # per rank: rank 0's addresses towards it
+        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice),
+                                       hosts=[h for per_rank in hosts for h in per_rank] or ["127.0.0.1"],
+                                       ranks=comm.Get_size() - 1)
         on_orphan(lambda: lost_rank_report(listener))
-        comm.bcast(listener.address(), root=0)
+        comm.scatter([None] + [listener.address(h) for h in hosts[1:]], root=0)
         return None
-    address = comm.bcast(None, root=0)
+    address = comm.scatter(None, root=0)
     end_notice.tell_supervisor(address)
     return address
 
