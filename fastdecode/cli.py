@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     info = sub.add_parser("info", help="versions, ISA path, MPI, devices; with --model, what it serves of a model")
     info.add_argument("--model", "-m", default=None,
-                      help="also name this model's architecture, shape and attention variants (its config only: "
-                           "no weights are read); an unsupported model exits 2 with the reason")
+                      help="also name this model's architecture, shape and attention variants (its config, checked "
+                           "against the weights' shapes: no tensor is read); an unsupported or malformed model exits 2 "
+                           "with the reason")
     return parser
 
 
@@ -417,7 +418,7 @@ def take_stop_signals(rank: int) -> None:
     ignore them from the start, one arriving while a rank still loads would kill it. Rank 0 records
     them (batch/interrupt.py), so a stop at any moment is a clean stop; its supervisor forwards them."""
     if rank > 0:
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        for sig in mpi_env.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
     else:
         from fastdecode.batch.interrupt import STOP

@@ -17,8 +17,8 @@ import time
 
 import psutil
 import pytest
-
 from conftest import MPIEXEC, MPIEXEC_ERROR, REPO, batch_line, read_output
+
 from rworker.host import end_notice
 
 FLOOD = os.path.join(REPO, "tests", "mpi_scripts", "flood.py")
@@ -30,7 +30,6 @@ class Recorder:
 
     def __call__(self, notice: dict):
         self.got.append(notice)
-        return None
 
     def wait_for(self, n: int, limit_s: float = 10) -> bool:
         deadline = time.monotonic() + limit_s
@@ -94,7 +93,7 @@ def test_a_connection_that_trickles_is_closed_at_its_deadline(listener, monkeypa
             conn.send(b" ")                                # a byte at a time, never a line
             if conn.recv(1) == b"":
                 closed_at = time.monotonic() - t0
-        except socket.timeout:
+        except TimeoutError:
             pass
         except OSError:
             closed_at = time.monotonic() - t0
@@ -167,7 +166,7 @@ def launch(inp, out) -> subprocess.Popen:
     cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "fastdecode", "generate", "-i", str(inp), "-o", str(out),
            "--quiet", "--max-batch", "2", "--timeout", "60"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            preexec_fn=few_descriptors,
+                            preexec_fn=few_descriptors,  # noqa: PLW1509 - the launcher, before any thread
                             env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
 
 

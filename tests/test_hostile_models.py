@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import MPIEXEC, MPIEXEC_ERROR, REPO, batch_line, read_output, run_fastdecode
 
 H, V, LAYERS, HEADS, KV, INTER = 64, 100, 2, 4, 2, 128      # the tiny model's true shape
@@ -84,17 +83,17 @@ def test_a_hostile_config_is_a_config_error_naming_the_field(tmp_path, case):
 
 WEIGHT_MISMATCHES = {
     "layers beyond the weights": ({"num_hidden_layers": 3}, {},
-                                  "num_hidden_layers is 3, but the weights hold layers 2 (model.layers.0..1): "
-                                  "layer 2 is missing"),
+                                  ("num_hidden_layers is 3, but the weights hold layers 2 (model.layers.0..1): "
+                                   "layer 2 is missing")),
     "vocab against the embedding": ({"vocab_size": 200}, {},
-                                    "vocab_size 200, hidden_size 64 make model.embed_tokens.weight [200, 64], "
-                                    "but the weights' is [100, 64]"),
+                                    ("vocab_size 200, hidden_size 64 make model.embed_tokens.weight [200, 64], "
+                                     "but the weights' is [100, 64]")),
     "heads against q_proj": ({}, {"heads": 8, "kv": 4, "head_dim": 16},
-                             "num_attention_heads 4 x head_dim 16, hidden_size 64 make "
-                             "model.layers.0.self_attn.q_proj.weight [64, 64], but the weights' is [128, 64]"),
+                             ("num_attention_heads 4 x head_dim 16, hidden_size 64 make "
+                              "model.layers.0.self_attn.q_proj.weight [64, 64], but the weights' is [128, 64]")),
     "intermediate against the MLP": ({"intermediate_size": 256}, {},
-                                     "intermediate_size 256, hidden_size 64 make model.layers.0.mlp.gate_proj.weight "
-                                     "[256, 64], but the weights' is [128, 64]"),
+                                     ("intermediate_size 256, hidden_size 64 make model.layers.0.mlp.gate_proj.weight "
+                                      "[256, 64], but the weights' is [128, 64]")),
 }
 
 
@@ -149,8 +148,8 @@ def write_gguf(path: str, block_count=LAYERS, head_count=HEADS, vocab=V) -> str:
     ("head_count", 0, "num_attention_heads (GGUF llama.attention.head_count) must be an integer in [1, 1,024], got 0"),
     ("block_count", 10**9, "num_hidden_layers (GGUF llama.block_count) must be an integer in [1, 1,024]"),
     ("block_count", 3, "num_hidden_layers is 3, but the weights hold layers 2"),
-    ("vocab", 300, "vocab_size 300, hidden_size 64 make model.embed_tokens.weight [300, 64], but the weights' is "
-                   "[100, 64]"),
+    ("vocab", 300, ("vocab_size 300, hidden_size 64 make model.embed_tokens.weight [300, 64], but the weights' is "
+                    "[100, 64]")),
 ])
 def test_a_gguf_is_checked_against_its_own_tensors(tmp_path, monkeypatch, field, value, needle):
     from fastdecode.model.config import ConfigError

@@ -11,8 +11,8 @@ from contextlib import redirect_stderr
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_fastdecode
+
 from fastdecode.batch.jsonl import parse_line
 from fastdecode.engine.sampler import Penalties, SamplingBatch, sample
 from fastdecode.engine.sampling_params import SamplingParams

@@ -37,8 +37,7 @@ def test_the_line_counter_streams_a_line_without_a_newline(tmp_path):
     path = tmp_path / "in.jsonl"
     with open(path, "wb") as f:
         f.write(b'{"a": 1}\n   \n')
-        for _ in range(64):
-            f.write(b"x" * (1 << 20))
+        f.writelines(b"x" * (1 << 20) for _ in range(64))
     count, peak = peak_of(lambda: count_lines(str(path)))
     assert count == 2
     assert peak < 4 << 20, f"counting held {peak / 2**20:.0f} MiB"

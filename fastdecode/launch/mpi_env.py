@@ -32,7 +32,7 @@ def launched_size() -> int:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
 
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # batch/interrupt.py's
 INIT_TIMEOUT_S = 300.0    # MPI start-up waits for every rank; a rank that never comes ends it
 
 
