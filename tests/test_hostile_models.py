@@ -284,3 +284,16 @@ def test_a_failure_on_rank_0_before_the_first_step_ends_every_rank_at_once(tmp_p
     assert len(errors) == 1 and needle in errors[0], "".join(lines)[-2000:]
     assert "Traceback" not in "".join(lines)
     assert ended - said[0] < 5.0, f"ranks ended {ended - said[0]:.1f} s after the error"
+
+
+def test_a_model_found_unservable_only_as_it_loads_exits_2():
+    """After MPI's start-up a ConfigError (a GGUF whose dequantized weights cannot be cached) ends
+    the job like the checks before it: one line, exit 2 (an abort of every rank under MPI)."""
+    from fastdecode.launch import mpi_env
+    from fastdecode.model.config import ConfigError
+    with pytest.raises(SystemExit) as end:
+        mpi_env.fail(None, ConfigError("m.gguf: its dequantized weights cannot be written to the cache /c"))
+    assert end.value.code == 2
+    with pytest.raises(SystemExit) as end:
+        mpi_env.fail(None, ZeroDivisionError("a bug"))
+    assert end.value.code == 1

@@ -226,7 +226,8 @@ def read_hf_config(model_dir: str) -> ModelConfig:
     """An HF directory's config.json, checked against its safetensors headers (config_checks.py)."""
     from fastdecode.model.config_checks import check_shapes, decoder_shapes, load_config_json, safetensors_shapes
     cfg = load_config_json(os.path.join(model_dir, "config.json"))
-    shapes = safetensors_shapes(model_dir)
-    conf = config_from_hf_dict(cfg, model_dir, set(shapes) if cfg.get("model_type") == "gemma3" else None)
-    check_shapes(conf, decoder_shapes(conf, shapes), model_dir)
+    multimodal = cfg.get("model_type") == "gemma3"        # where its decoder sits, the names say
+    shapes = safetensors_shapes(model_dir) if multimodal else None
+    conf = config_from_hf_dict(cfg, model_dir, set(shapes) if multimodal else None)     # the architecture first
+    check_shapes(conf, decoder_shapes(conf, shapes if multimodal else safetensors_shapes(model_dir)), model_dir)
     return conf
