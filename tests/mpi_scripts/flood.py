@@ -11,30 +11,28 @@ import time
 
 
 def connect(host: str, port: int) -> socket.socket | None:
-    s = socket.socket()
-    s.setblocking(False)
     try:
-        s.connect_ex((host, port))
+        s = socket.create_connection((host, port), timeout=0.5)
     except OSError:
-        s.close()
         return None
+    s.setblocking(False)
     return s
 
 
 def main() -> None:
     host, port, n, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-    socks = [connect(host, port) for _ in range(n)]
     end = time.monotonic() + seconds
-    print("flooding", flush=True)
+    socks = [connect(host, port) for _ in range(n)]
+    print(f"flooding: {sum(s is not None for s in socks)} connected", flush=True)
     while time.monotonic() < end:
         time.sleep(2.0)
         for i, s in enumerate(socks):
             try:
                 if s is None:
-                    raise OSError
+                    raise ConnectionError
                 s.send(b" ")
             except BlockingIOError:
-                continue                     # still connecting, or its buffer is full: keep it
+                continue                     # its buffer is full: the listener reads nothing, keep it
             except OSError:
                 if s is not None:
                     s.close()
