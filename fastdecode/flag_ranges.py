@@ -35,6 +35,7 @@ def gib(n: int) -> str:
 
 # size flags that bound memory, with their defaults: (flag, dest, default or None, checked where)
 SIZE_FLAGS = (("--rworker-mem", "rworker_mem", None, "kv"),
+              ("--r-bytes", "r_bytes", None, "kv"),                     # profile's KV per R-worker timing
               ("--max-request-mem", "max_request_mem", 1 << 30, "rank0"),
               ("--max-inflight-mem", "max_inflight_mem", 4 << 30, "rank0"),
               ("--max-line-bytes", "max_line_bytes", 16 << 20, "rank0"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 from contextlib import redirect_stderr
 
 import numpy as np
@@ -157,3 +158,15 @@ def test_bad_flags_exit_2_with_one_line_before_the_model_loads(tmp_path):
         proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "o.jsonl"), *flags], timeout=120)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr and not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("cpu_eff", math.inf), ("cpu_bw", math.nan), ("link_bw", math.inf),
+                                        ("link_latency", math.nan), ("rworker_overhead_us", math.inf)])
+def test_plans_hardware_numbers_must_be_finite(flag, value):
+    """--cpu-eff inf was a ZeroDivisionError; nan passed the checks of the latencies."""
+    from fastdecode.sizing.plan import PlanError, check_hardware
+    args = argparse.Namespace(cpu_bw=100.0, cpu_mem=None, link_bw=None, cpu_eff=0.66, link_latency=None,
+                              rworker_overhead_us=None, shared_cost_ratio=None)
+    setattr(args, flag, value)
+    with pytest.raises(PlanError, match=f"--{flag.replace('_', '-')} must be a finite number"):
+        check_hardware(args)

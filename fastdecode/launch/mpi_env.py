@@ -159,12 +159,14 @@ def share_end_notices(comm) -> dict | None:
     from rworker.host import end_notice
     where = comm.gather(end_notice.whereabouts(), root=0)
     if comm.Get_rank() == 0:
-        from fastdecode.launch.supervise import on_orphan
+        from fastdecode.launch.supervise import launcher_exit_code, launcher_name, on_orphan
         hosts = end_notice.listen_hosts(where)             # per rank: rank 0's addresses towards it
-        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice),
+        # a lost rank's supervisor was killed (SIGKILL): what the launcher exits with then, for the report
+        lost_code = launcher_exit_code(-int(signal.SIGKILL), launcher_name())
+        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice, lost_code),
                                        hosts=[h for per_rank in hosts for h in per_rank] or ["127.0.0.1"],
                                        ranks=comm.Get_size() - 1)
-        on_orphan(lambda: lost_rank_report(listener))
+        on_orphan(lambda: lost_rank_report(listener, lost_code))
         comm.scatter([None] + [listener.address(h) for h in hosts[1:]], root=0)
         return None
     address = comm.scatter(None, root=0)
@@ -172,7 +174,7 @@ def share_end_notices(comm) -> dict | None:
     return address
 
 
-def on_end_notice(comm, notice: dict):
+def on_end_notice(comm, notice: dict, lost_code: int | None = None):
     """Rank 0, on the listener's thread: a rank failed (it aborts the job itself) or died. The run
     report names it before the job ends; for a dead rank this returns the abort (exit 1), which
     runs once the notice is answered."""
@@ -186,7 +188,7 @@ def on_end_notice(comm, notice: dict):
     if notice.get("lost") and STOP.requested:
         return None          # the launcher ending every rank after a stop signal (Open MPI): no death
     if notice.get("lost"):   # the launcher saw its process killed: the job's exit code is the launcher's
-        if fail_live(error, rank, None):
+        if fail_live(error, rank, lost_code):
             print(f"fastdecode: {error}", file=sys.stderr, flush=True)     # no supervisor left to say it
     else:
         fail_live(error, rank, code)
@@ -196,7 +198,7 @@ def on_end_notice(comm, notice: dict):
     return lambda: abort_job(comm, code)
 
 
-def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
+def lost_rank_report(listener, lost_code: int | None = None, settle_s: float = 1.0) -> bytes | None:
     """Rank 0, ended because its supervisor was killed: if R-worker links to rank 0 have closed
     without a bye, the report failed naming the rank (one closed) or the ranks (the launcher killed
     them together). The listener's threads get a moment to write it themselves."""
@@ -210,7 +212,7 @@ def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
     while live_running() and time.monotonic() < deadline:
         time.sleep(0.02)
     notice = listener.lost_notice()
-    return failed_note(notice["error"], notice["rank"]) if notice is not None else None
+    return failed_note(notice["error"], notice["rank"], lost_code) if notice is not None else None
 
 
 def _is_config_error(exc: BaseException) -> bool:

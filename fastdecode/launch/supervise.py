@@ -112,10 +112,14 @@ _OPEN_MPI = ("orted", "prted", "mpirun", "mpiexec", "orterun", "prterun")
 
 
 def launcher_name() -> str | None:
-    """The name of the process that started this one (the launcher's daemon on this node)."""
+    """The name of the launcher's process that started this rank's supervisor (its daemon on this
+    node), asked in the supervisor or in its child."""
     try:
         import psutil
-        return psutil.Process(os.getppid()).name()
+        parent = psutil.Process(os.getppid())
+        if os.environ.get(ENV_FLAG):            # a supervised child: the launcher started its parent
+            parent = parent.parent()
+        return parent.name() if parent is not None else None
     except Exception:  # noqa: BLE001 - unknown is an answer
         return None
 
