@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from fastdecode.flag_ranges import MIN_PROGRESS_S, MIN_TIMEOUT_S, duration, machine_error
 from fastdecode.launch import mpi_env
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -111,9 +112,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="GPU S-worker: the fraction of the card's memory the job may fill, weights, "
                         "activations and its KV tier together (vLLM's; default 0.9)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a rank may stay silent before the job aborts naming it (default: 900 until "
-                        "a step was timed, then 50x the slowest step, at least 300)")
+    p.add_argument("--timeout", type=duration(MIN_TIMEOUT_S), default=None,
+                   help="seconds a rank may stay silent before the job aborts naming it, at least 1 (default: 900 "
+                        "until a step was timed, then 50x the slowest step, at least 300)")
     p.add_argument("--pipeline-depth", type=_pipeline_depth, default=2,
                    help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
                         "others (1 = S and R take turns)")
@@ -194,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true",
                    help="no progress lines and no R-worker roster at start-up (results, warnings and errors "
                         "still print)")
-    g.add_argument("--progress-interval", type=positive_float, default=None, metavar="SECONDS",
+    g.add_argument("--progress-interval", type=duration(MIN_PROGRESS_S), default=None, metavar="SECONDS",
                    help="seconds between progress lines when stderr is not a terminal (default "
                         "$FASTDECODE_PROGRESS_INTERVAL, else 10); on a terminal a bar")
     from fastdecode.batch.schema import add_limit_options
@@ -209,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     info = sub.add_parser("info", help="versions, ISA path, MPI, devices; with --model, what it serves of a model")
     info.add_argument("--model", "-m", default=None,
-                      help="also name this model's architecture, shape and attention variants (its config only: "
-                           "no weights are read); an unsupported model exits 2 with the reason")
+                      help="also name this model's architecture, shape and attention variants (its config, checked "
+                           "against the weights' shapes: no tensor is read); an unsupported or malformed model exits 2 "
+                           "with the reason")
     return parser
 
 
@@ -245,6 +247,8 @@ def check_model(args) -> None:
         read_config(resolve_model(args.model)).resolve_max_model_len(getattr(args, "max_model_len", None))
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a model file that breaks a reader is a bad model file
+        raise UsageError(f"model {args.model}: cannot be read: {one_line(e)}") from None
     budget = getattr(args, "max_num_batched_tokens", None)
     try:
         if budget is not None:
@@ -276,33 +280,49 @@ def run_job(args, validate, s_worker_main) -> int:
     command line on rank 0, agree, split roles."""
     from fastdecode.launch.env_vars import environment_error
     rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
-    error = environment_error(runs_kernels=rank > 0 or size <= 1)
+    error = environment_error(runs_kernels=rank > 0 or size <= 1) or machine_error(args, rank, size)
     if rank == 0 and error is None:
-        try:
-            validate(args)
-        except UsageError as e:
-            error = str(e)
+        error = validation_error(args, validate)
     if size <= 1 and error:                              # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     comm = mpi_env.world(args.timeout)
-    if comm is not None:
-        if agree_on_usage(comm, error):
+    try:   # from here a failure anywhere before the first step ends every rank at once (an abort)
+        if comm is not None:
+            if agree_on_usage(comm, error):
+                return EXIT_USAGE
+            rank0_address = mpi_env.share_end_notices(comm)      # a rank that fails or dies is reported
+            if comm.Get_rank() != 0:
+                from rworker.worker import run
+                return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address)
+        elif error:
+            print(f"fastdecode: error: {error}", file=sys.stderr)
             return EXIT_USAGE
-        rank0_address = mpi_env.share_end_notices(comm)      # a rank that fails or dies is reported
-        if comm.Get_rank() != 0:
-            from rworker.worker import run
-            return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address)
-    elif error:
-        print(f"fastdecode: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
         return s_worker_main(args, comm)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - must end the MPI job, not hang it
         mpi_env.fail(comm, e)
         return EXIT_FAILURE
+
+
+def validation_error(args, validate) -> str | None:
+    """Rank 0's check of the command line and its inputs, as one line (None: all is well). Any
+    exception counts, not only the checks' own: the other ranks learn of it at MPI's start-up
+    (agree_on_usage) and end with exit 2 with rank 0, instead of waiting for a rank 0 that is gone."""
+    try:
+        validate(args)
+    except UsageError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - an input that breaks a parser is still a bad input
+        return f"checking the inputs (-m {args.model}): {one_line(e)}"
+    return None
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as `Type: message` on one line of at most `limit` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def cmd_generate(args) -> int:
@@ -380,9 +400,10 @@ def cmd_info(args) -> int:
     if args.model:
         try:
             info.update(model_info(args.model))
-        except ConfigError as e:                  # as generate's check of the model: a usage error
+        except Exception as e:  # noqa: BLE001 - as generate's check of the model: a usage error
             print(render(info))
-            print(f"fastdecode info: error: {e}", file=sys.stderr)
+            why = str(e) if isinstance(e, ConfigError) else f"model {args.model}: cannot be read: {one_line(e)}"
+            print(f"fastdecode info: error: {why}", file=sys.stderr)
             return EXIT_USAGE
     print(render(info))
     return EXIT_OK
@@ -426,7 +447,7 @@ def take_stop_signals(rank: int) -> None:
     ignore them from the start, one arriving while a rank still loads would kill it. Rank 0 records
     them (batch/interrupt.py), so a stop at any moment is a clean stop; its supervisor forwards them."""
     if rank > 0:
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        for sig in mpi_env.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
     else:
         from fastdecode.batch.interrupt import STOP

@@ -279,19 +279,26 @@ class RWorker:
 def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
         timeout: float | None = None, end_notice_to: dict | None = None) -> int:
     """Serve rank 0 until it says SHUTDOWN. Any exception aborts the whole job, naming this rank
-    (on stderr, and to rank 0's end-notice listener at end_notice_to, for its run report)."""
+    (on stderr, and to rank 0's end-notice listener at end_notice_to, for its run report); rank 0
+    silent past the timeout is named as the silent one (its listener still answers) and the job
+    ends with 75."""
     # SLURM signals every task of a step (preemption, time limit). Rank 0 decides: it finishes the
     # step in flight, saves the outputs and then tells the R-workers to stop, so they keep serving.
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: None)
     try:
         ranks_here, s_here, local_rank = node_layout(comm)    # collective: rank 0 calls it too
         RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here, local_rank).serve()
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
-        text = f"rank {comm.Get_rank()} (R-worker on {socket.gethostname()}) failed: {type(e).__name__}: {e}"
+        rank, host = comm.Get_rank(), socket.gethostname()
+        if isinstance(e, PeerTimeout):   # an R-worker waits on rank 0 alone: rank 0 is the silent one
+            culprit, code = 0, 75        # 75: requeue (outputs are saved)
+            text = f"rank 0 (S-worker) is silent: {e} (seen by rank {rank}, R-worker on {host})"
+        else:
+            culprit, code = rank, 1
+            text = f"rank {rank} (R-worker on {host}) failed: {type(e).__name__}: {e}"
         print(f"fastdecode: {text}", file=sys.stderr, flush=True)
-        code = 75 if isinstance(e, PeerTimeout) else 1               # 75: requeue (outputs are saved)
         if end_notice_to is not None:
-            end_notice.send(end_notice_to, {"rank": comm.Get_rank(), "error": text, "code": code, "abort": False})
+            end_notice.send(end_notice_to, {"rank": culprit, "error": text, "code": code, "abort": False})
         abort_job(comm, code)
     return 0

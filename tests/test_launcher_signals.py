@@ -165,7 +165,7 @@ def test_kill_9_of_an_rworker_leaves_a_failed_report_naming_it(tmp_path, victims
     assert time.monotonic() - t0 < 60
     assert code == AFTER_A_KILLED_RANK, (code, err[-3000:])
     rep = report_of(out)
-    assert rep["state"] == "failed" and rep["failed_rank"] == 1 and rep["exit_code"] is None, rep
+    assert rep["state"] == "failed" and rep["failed_rank"] == 1 and rep["exit_code"] == code, rep     # the launcher's
     assert f"rank 1 (R-worker pid {child.pid} on" in rep["error"] and f"(pid {sup.pid}," in rep["error"], rep
     assert len(kept_rows(out)) >= 2
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from fastdecode.batch import binding, inflight, report
 from fastdecode.batch.interrupt import StopRequest
-from fastdecode.batch.jsonl import BatchLine, read_lines
+from fastdecode.batch.jsonl import BatchLine, count_lines, read_lines
 from fastdecode.batch.line_requests import PendingLine, check_prompts, encode_prompts, request_id
 from fastdecode.batch.output import OutputWriter, append_rows, rewrite
 from fastdecode.batch.progress import Progress, Snapshot, engine_snapshot
@@ -33,11 +33,6 @@ from fastdecode.engine.request_checks import RequestError
 
 if TYPE_CHECKING:                 # the engine (torch) loads only when a line needs serving
     from fastdecode.engine.llm_engine import LLMEngine
-
-
-def count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
 
 
 class BatchRunner:

@@ -1,5 +1,5 @@
 """Stop requests on rank 0: SIGUSR1 (SLURM's warning before a time limit or preemption),
-SIGTERM (scancel, preemption) and SIGINT (Ctrl-C) ask the batch to stop cleanly.
+SIGTERM (scancel, preemption), SIGINT (Ctrl-C) and SIGHUP (a hang-up) ask the batch to stop cleanly.
 
 The handler only sets a flag; the decode loop looks at it between steps, so the step in flight
 finishes, what is done is written, the generation still in flight is saved (inflight.py: the
@@ -32,7 +32,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# SIGHUP (a closed terminal, a hang-up of the session) is a stop like SIGTERM, not a death
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _say(text: str) -> None:

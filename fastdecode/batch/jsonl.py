@@ -33,7 +33,9 @@ _UNSUPPORTED = {"suffix": "suffixes", "use_beam_search": "beam search", "tools":
                 "guided_grammar": "structured output", "structured_outputs": "structured output",
                 "logits_processors": "logits processors", "truncate_prompt_tokens": "prompt truncation",
                 "chat_template": "custom chat templates", "chat_template_kwargs": "chat template arguments",
-                "continue_final_message": "continuing the final message"}
+                "continue_final_message": "continuing the final message",
+                "functions": "function calls", "function_call": "function calls", "tool_choice": "tool calls"}
+_NONE_ALLOWED = ("tool_choice", "function_call")     # "none": no call, the answer a plain model gives
 # where a line's JSON is broken, its custom_id is still worth naming in the error row
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"([^"\\\x00-\x1f]{1,256})"')
 
@@ -73,6 +75,24 @@ def read_lines(path: str, limits: Limits = Limits(), served: ServedModel | None 
                 f"line {line_no}: longer than --max-line-bytes {limits.max_line_bytes}", code="request_too_large"))
         elif raw.strip():
             yield parse_line(line_no, raw, limits, served)
+
+
+COUNT_CHUNK = 1 << 20
+
+
+def count_lines(path: str, chunk_bytes: int = COUNT_CHUNK) -> int:
+    """Lines that are not blank (as read_lines yields them), counted in chunks: memory is one chunk
+    whatever a line's length (a line of gigabytes without a newline is one line, read once)."""
+    count, pending = 0, False        # pending: the line being read has a non-blank byte so far
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            pieces = chunk.split(b"\n")
+            for piece in pieces[:-1]:                      # each ends a line
+                if pending or piece.strip():
+                    count += 1
+                pending = False
+            pending = pending or bool(pieces[-1].strip())
+    return count + pending
 
 
 def raw_lines(path: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
@@ -149,7 +169,8 @@ def _reject_unsupported(body: dict, url: str) -> None:
                         code="unsupported_parameter")
     for name, what in _UNSUPPORTED.items():
         val = body.get(name)
-        if val in (None, False, "", [], {}) or (name == "response_format" and val == {"type": "text"}):
+        if val in (None, False, "", [], {}) or (name == "response_format" and val == {"type": "text"}) or \
+                (name in _NONE_ALLOWED and val == "none"):
             continue
         raise LineError(f"body.{name}: {what} is not supported by fastdecode", code="unsupported_parameter")
     if body.get("add_generation_prompt", True) is not True:

@@ -214,15 +214,16 @@ def live_running() -> bool:
     return live is not None and live.get("state") == "running"
 
 
-def failed_note(error: str, rank: int | None) -> bytes | None:
+def failed_note(error: str, rank: int | None, exit_code: int | None = None) -> bytes | None:
     """Rank 0's supervisor-death handler, having found a rank gone: the run in progress as failed
-    naming it (None: no run in progress, or it ended). Waits at most a second for the lock."""
+    naming it, with the launcher's exit code where known (None: no run in progress, or it ended).
+    Waits at most a second for the lock."""
     if not _live_lock.acquire(timeout=1.0):
         return None
     try:
         if not _live or _live["report"].get("state") != "running":
             return None
-        return encode(dict(_live["report"], state="failed", interrupted=False, error=error, exit_code=None,
+        return encode(dict(_live["report"], state="failed", interrupted=False, error=error, exit_code=exit_code,
                            **({"failed_rank": rank} if rank is not None else {})))
     finally:
         _live_lock.release()

@@ -26,7 +26,8 @@ class Limits:
     (EngineArgs.max_request_mem) and checks max_logprobs again for the Python API."""
     max_n: int = 128                    # samples per prompt (OpenAI's own cap)
     max_logprobs: int = 20              # logprobs, top_logprobs, prompt_logprobs (vLLM's --max-logprobs)
-    max_list_items: int = 1024          # entries of stop, stop_token_ids, bad_words, logit_bias; prompts of a line
+    max_list_items: int = 1024          # entries of stop, stop_token_ids, bad_words, logit_bias, allowed_token_ids;
+                                        # prompts of a line
     max_line_bytes: int = 16 << 20      # one input line
     max_inflight_mem: int = 4 << 30     # rank-0 memory all unfinished requests may pin: reading pauses above it
 
@@ -99,7 +100,7 @@ def check_limits(body: Body, limits: Limits) -> str | None:
         val = getattr(body, name)
         if isinstance(val, int) and not isinstance(val, bool) and val > limits.max_logprobs:
             return f"body.{name} must be at most {limits.max_logprobs} (--max-logprobs), got {val}"
-    for name in ("stop", "stop_token_ids", "bad_words", "logit_bias"):
+    for name in ("stop", "stop_token_ids", "bad_words", "logit_bias", "allowed_token_ids"):
         val = getattr(body, name)
         if isinstance(val, (list, dict)) and len(val) > limits.max_list_items:
             return (f"body.{name} must have at most {limits.max_list_items} entries (--max-list-items), "
@@ -155,7 +156,7 @@ def add_limit_options(parser) -> None:
     g.add_argument("--max-logprobs", type=positive_int, default=d.max_logprobs,
                    help=f"logprobs / top_logprobs / prompt_logprobs alternatives (default {d.max_logprobs})")
     g.add_argument("--max-list-items", type=positive_int, default=d.max_list_items,
-                   help=f"entries of stop, stop_token_ids, bad_words, logit_bias, and prompts in one line's "
+                   help=f"entries of stop, stop_token_ids, bad_words, logit_bias, allowed_token_ids, and prompts in one line's "
                         f"prompt list (default {d.max_list_items})")
     g.add_argument("--max-line-bytes", type=bytes_arg, default=d.max_line_bytes,
                    help="bytes of one input line (default 16M)")

@@ -288,7 +288,8 @@ class LLMEngine:
         self._check_capacity(prompt_ids, params, max_tokens)
         req = Request(index, request_id, prompt, list(prompt_ids), params,
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
-                      bad_words_ids=checked.bad_words_ids, pinned_bytes=checked.pinned_bytes)
+                      bad_words_ids=checked.bad_words_ids, pinned_bytes=checked.pinned_bytes,
+                      allowed_ids=checked.allowed_ids)
         for i in range(params.n):
             req.sequences.append(Sequence(self._next_seq_id, req, i, max_tokens))
             self._next_seq_id += 1

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fastdecode.engine.sampling_params import SamplingParams
 from fastdecode.engine.token_masks import bad_word_sequences
 
@@ -20,6 +22,10 @@ BYTES_LOGPROB = 1500              # measured 1,380-1,430 per generated token wit
 BYTES_LOGPROB_ALT = 150           # measured 125 per alternative per generated token
 BYTES_PROMPT_LOGPROB = 500        # per prompt position with prompt_logprobs (under the block at k <= 5)
 BYTES_PROMPT_LOGPROB_ALT = 450    # measured 9.4 KB per position at k = 20
+# What the request's own lists pin (tracemalloc of a parsed line's SamplingParams, 10^4..10^5 entries):
+BYTES_LIST_ITEM = 64              # a token id of allowed_token_ids or stop_token_ids: measured 40, + 8 its array
+BYTES_MAP_ITEM = 200              # a logit_bias entry: measured 110-170
+BYTES_STRING = 64                 # a stop or bad_words string, besides its length
 
 
 class RequestError(ValueError):
@@ -35,6 +41,8 @@ class Checked:
     max_tokens: int                        # the request's bound (the rest of the context if it set none)
     bad_words_ids: list[tuple[int, ...]]   # params.bad_words as token sequences
     pinned_bytes: int                      # request_bytes of it
+    allowed_ids: np.ndarray | None = None  # [a] int64: params.allowed_token_ids, sorted and distinct (made once,
+                                           # read by every step's mask)
 
 
 def request_bytes(prompt_len: int, max_tokens: int, params: SamplingParams) -> int:
@@ -44,7 +52,14 @@ def request_bytes(prompt_len: int, max_tokens: int, params: SamplingParams) -> i
                                                          if params.logprobs is not None else 0))
     prompt = prompt_len * (BYTES_PROMPT_TOKEN + (BYTES_PROMPT_LOGPROB + BYTES_PROMPT_LOGPROB_ALT * params.prompt_logprobs
                                                  if params.prompt_logprobs is not None else 0))
-    return out + prompt
+    return out + prompt + list_bytes(params)
+
+
+def list_bytes(params: SamplingParams) -> int:
+    """What the request's own lists hold: token-id lists, logit_bias, stop and bad_words strings."""
+    ids = len(params.allowed_token_ids or ()) + len(params.stop_token_ids or ())
+    texts = sum(BYTES_STRING + len(t) for t in (*(params.stop or ()), *(params.bad_words or ())))
+    return ids * BYTES_LIST_ITEM + len(params.logit_bias or ()) * BYTES_MAP_ITEM + texts
 
 
 class RequestChecks:
@@ -59,7 +74,7 @@ class RequestChecks:
         if n_prompt == 0:
             raise RequestError("the prompt is empty (no tokens)")
         self._check_ids(prompt_ids, params)
-        bad_words_ids = self._check_masks(params)
+        bad_words_ids, allowed_ids = self._check_masks(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
         if n_prompt + max_tokens > limit or max_tokens < 1:
             raise RequestError(
@@ -67,7 +82,7 @@ class RequestChecks:
                 f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the messages, "
                 f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
                 code="context_length_exceeded")
-        return Checked(max_tokens, bad_words_ids, self._check_size(n_prompt, max_tokens, params))
+        return Checked(max_tokens, bad_words_ids, self._check_size(n_prompt, max_tokens, params), allowed_ids)
 
     def _check_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
         outside = [t for t in prompt_ids if not 0 <= t < self.vocab]
@@ -95,10 +110,13 @@ class RequestChecks:
                                f"{self.max_request_mem / 2**20:,.0f} MiB", code="request_too_large")
         return need
 
-    def _check_masks(self, params: SamplingParams) -> list[tuple[int, ...]]:
-        """allowed_token_ids and bad_words against the model; -> bad_words as token sequences. A request
-        whose masks leave no token to generate is refused here rather than sampled from nothing."""
-        allowed = set(params.allowed_token_ids or ())
+    def _check_masks(self, params: SamplingParams) -> tuple[list[tuple[int, ...]], np.ndarray | None]:
+        """allowed_token_ids and bad_words against the model; -> (bad_words as token sequences, the
+        allowed ids as a sorted array). A request whose masks leave no token to generate is refused
+        here rather than sampled from nothing."""
+        given = params.allowed_token_ids or ()
+        allowed_ids = np.unique(np.fromiter(given, np.int64, len(given))) if given else None      # [a]
+        allowed = set(allowed_ids.tolist()) if allowed_ids is not None else set()
         if allowed and max(allowed) >= self.vocab:
             raise RequestError(f"allowed_token_ids: token id {max(allowed)} is not in the model's vocabulary "
                                f"[0, {self.vocab})")
@@ -116,4 +134,4 @@ class RequestChecks:
             if params.min_tokens > 0 and allowed <= ends:
                 raise RequestError(f"min_tokens is {params.min_tokens} but every token in allowed_token_ids "
                                    f"ends the sequence (EOS or stop_token_ids)")
-        return bad_ids
+        return bad_ids, allowed_ids

@@ -88,8 +88,8 @@ class ModelRunner:
         allowed = {}
         for i in np.flatnonzero(cols[:, 8] > 0):        # allowed_token_ids, bad_words
             s = seqs[i]
-            if s.request.params.allowed_token_ids:
-                allowed[int(i)] = s.request.params.allowed_token_ids
+            if s.request.allowed_ids is not None:      # made once, at add_request
+                allowed[int(i)] = s.request.allowed_ids
             banned = banned_tokens(s.request.bad_words_ids, s.output_ids)
             if banned:
                 suppress.setdefault(int(i), []).extend(banned)

@@ -60,7 +60,7 @@ class SamplingBatch:
         return batch
 
     def _fill(self, cols, seeds, streams, positions, suppress, device):
-        temperature = cols[:, 0]
+        temperature = cols[:, 0].astype(np.float32)     # greedy or sampled: decided in the type it divides in
         self.sample_rows = np.flatnonzero(temperature != 0)                  # [m] rows that sample
         self.top_k = cols[:, 1].astype(np.int64)
         self.top_p, self.min_p = cols[:, 2], cols[:, 3]
@@ -76,7 +76,7 @@ class SamplingBatch:
         if self.sample_rows.size:
             device = torch.device(device)
             self.sample_rows_dev = torch.from_numpy(self.sample_rows).to(device)
-            self.temperature = torch.from_numpy(temperature[self.sample_rows].astype(np.float32)).to(device)[:, None]
+            self.temperature = torch.from_numpy(temperature[self.sample_rows]).to(device)[:, None]
         else:
             self.sample_rows_dev = self.temperature = None
 
@@ -104,24 +104,29 @@ class LogitBias:
 
 class AllowedTokens:
     """vLLM's allowed_token_ids for some rows: every other token of those rows is masked.
-    rows [t], ids [t]: one entry per (row, allowed token)."""
+    urows [u]: the rows; local [t], ids [t]: one entry per (row, allowed token), the row as an index
+    into urows. Built from each request's id array (made once per request) with array operations:
+    a step costs no Python work per allowed id."""
 
-    def __init__(self, rows, ids):
-        self.rows = np.asarray(rows, np.int64)
+    def __init__(self, urows, local, ids):
+        self.urows = np.asarray(urows, np.int64)
+        self.local = np.asarray(local, np.int64)
         self.ids = np.asarray(ids, np.int64)
-        self.row_set = frozenset(self.rows.tolist())
+        self.row_set = frozenset(self.urows.tolist())
 
     @classmethod
-    def of(cls, allowed: dict[int, list[int]]) -> "AllowedTokens":
-        """allowed: row -> token ids it may generate."""
-        return cls([r for r, ids in allowed.items() for _ in ids], [t for ids in allowed.values() for t in ids])
+    def of(cls, allowed: dict[int, np.ndarray | list[int]]) -> "AllowedTokens":
+        """allowed: row -> token ids it may generate (an int64 array, or a list)."""
+        arrays = [np.asarray(ids, np.int64) for ids in allowed.values()]
+        sizes = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
+        ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+        return cls(np.fromiter(allowed, np.int64, len(allowed)), np.repeat(np.arange(len(arrays)), sizes), ids)
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place on logits [n, V]: -inf outside each row's allowed ids."""
         dev = logits.device
-        urows, local = np.unique(self.rows, return_inverse=True)               # [u], [t] index into urows
-        urows_dev = torch.from_numpy(urows).to(dev)
-        local, ids = torch.from_numpy(local.reshape(-1)).to(dev), torch.from_numpy(self.ids).to(dev)
+        urows_dev = torch.from_numpy(self.urows).to(dev)                       # [u]
+        local, ids = torch.from_numpy(self.local).to(dev), torch.from_numpy(self.ids).to(dev)   # [t], [t]
         sub = logits[urows_dev]                                                 # [u, V]
         kept = torch.full_like(sub, -float("inf"))
         kept[local, ids] = sub[local, ids]
@@ -224,11 +229,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
         batch.bias.apply(logits)
     if batch.penalties is not None:
         batch.penalties.apply(logits)
+        logits.clamp_(max=torch.finfo(logits.dtype).max)      # a penalty past float32's range: its largest
     out = torch.argmax(logits, dim=-1)
     if not batch.sample_rows.size:
         return out.cpu().numpy()
     rows = batch.sample_rows_dev                                             # rows that sample
-    probs = torch.softmax(logits[rows] / batch.temperature, dim=-1)        # [m, V]
+    scaled = logits[rows]                                                    # [m, V]
+    # less each row's maximum before the division: a tiny temperature then sends every other token to
+    # -inf (the greedy limit) where logits / T would overflow to inf and the softmax to NaN
+    probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / batch.temperature, dim=-1)
     if batch.needs_filter:
         probs, order = _filtered_sorted(probs, batch.sample_rows, batch)
     else:

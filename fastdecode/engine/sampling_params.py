@@ -4,7 +4,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_TOP_K = (1 << 31) - 1     # top_k above the vocabulary means all tokens; beyond this it is no token count
+INT64 = (-(1 << 63), (1 << 63) - 1)   # a seed's range (vLLM's: a torch.long)
+# The sampler computes in float32 (numeric policy, docs/usage.md "Numbers"): a temperature that
+# float32 rounds to 0 is greedy, and sampling divides logits less their maximum by it, so a tiny one
+# is the greedy limit, never inf/inf; a value float32 cannot hold as a positive normal number where
+# it divides or multiplies (repetition_penalty), or that it turns into infinity, is refused.
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
 @dataclass(slots=True)
@@ -54,16 +62,16 @@ class SamplingParams:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
         if not _int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if not _number(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0")
+        if not _number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            bad("temperature", f"must be a finite number in [0, {FLOAT32_MAX:.4g}] (float32, the sampler's type)")
         if not _number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not _int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
             bad("top_k", f"must be an integer in [0, {MAX_TOP_K}] (or -1 for all)")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not _int(self.seed):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not _int(self.seed) or not INT64[0] <= self.seed <= INT64[1]):
+            bad("seed", "must be an integer in [-2**63, 2**63 - 1] (int64)")
         if self.max_tokens is not None and (not _int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
         if not _int(self.min_tokens) or self.min_tokens < 0:
@@ -78,8 +86,9 @@ class SamplingParams:
             val = getattr(self, name)
             if not _number(val) or not -2 <= val <= 2:
                 bad(name, "must be a number in [-2, 2]")
-        if not _number(self.repetition_penalty) or not self.repetition_penalty > 0:
-            bad("repetition_penalty", "must be a finite number > 0")
+        if not _number(self.repetition_penalty) or not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            bad("repetition_penalty", f"must be a number > 0 that float32 (the sampler's type) holds: in "
+                                      f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}]")
         for name in ("logprobs", "prompt_logprobs"):
             val = getattr(self, name)
             if val is not None and (not _int(val) or val < 0):
@@ -120,7 +129,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Decided in float32, the type the sampler divides by the temperature in."""
+        return float(np.float32(self.temperature)) == 0.0
 
 
 def _int(x) -> bool:

@@ -30,6 +30,7 @@ class Request:
     bad_words_ids: list[tuple[int, ...]] = field(default_factory=list)   # params.bad_words as token sequences
     pinned_bytes: int = 0            # rank-0 memory it may hold until it finishes (request_checks.request_bytes)
     page_keys: list[int] | None = None   # hash chain over the prompt's whole pages (engine/prefix_cache.py)
+    allowed_ids: object = None       # [a] int64 ndarray: params.allowed_token_ids, sorted and distinct, or None
 
     @property
     def finished(self) -> bool:

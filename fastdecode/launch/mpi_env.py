@@ -32,7 +32,7 @@ def launched_size() -> int:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
 
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # batch/interrupt.py's
 INIT_TIMEOUT_S = 300.0    # MPI start-up waits for every rank; a rank that never comes ends it
 
 
@@ -153,21 +153,28 @@ def stop_rworkers(comm) -> None:
 
 
 def share_end_notices(comm) -> dict | None:
-    """Collective, at start-up: rank 0 listens for end notices (rworker/host/end_notice.py) and
-    every other rank passes its address to its supervisor. Returns the address (None on rank 0)."""
+    """Collective, at start-up: rank 0 listens for end notices (rworker/host/end_notice.py) on the
+    addresses the ranks reach it by, and every other rank passes the address it was given to its
+    supervisor. Returns the address (None on rank 0)."""
     from rworker.host import end_notice
+    where = comm.gather(end_notice.whereabouts(), root=0)
     if comm.Get_rank() == 0:
-        from fastdecode.launch.supervise import on_orphan
-        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice))
-        on_orphan(lambda: lost_rank_report(listener))
-        comm.bcast(listener.address(), root=0)
+        from fastdecode.launch.supervise import launcher_exit_code, launcher_name, on_orphan
+        hosts = end_notice.listen_hosts(where)             # per rank: rank 0's addresses towards it
+        # a lost rank's supervisor was killed (SIGKILL): what the launcher exits with then, for the report
+        lost_code = launcher_exit_code(-int(signal.SIGKILL), launcher_name())
+        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice, lost_code),
+                                       hosts=[h for per_rank in hosts for h in per_rank] or ["127.0.0.1"],
+                                       ranks=comm.Get_size() - 1)
+        on_orphan(lambda: lost_rank_report(listener, lost_code))
+        comm.scatter([None] + [listener.address(h) for h in hosts[1:]], root=0)
         return None
-    address = comm.bcast(None, root=0)
+    address = comm.scatter(None, root=0)
     end_notice.tell_supervisor(address)
     return address
 
 
-def on_end_notice(comm, notice: dict):
+def on_end_notice(comm, notice: dict, lost_code: int | None = None):
     """Rank 0, on the listener's thread: a rank failed (it aborts the job itself) or died. The run
     report names it before the job ends; for a dead rank this returns the abort (exit 1), which
     runs once the notice is answered."""
@@ -181,7 +188,7 @@ def on_end_notice(comm, notice: dict):
     if notice.get("lost") and STOP.requested:
         return None          # the launcher ending every rank after a stop signal (Open MPI): no death
     if notice.get("lost"):   # the launcher saw its process killed: the job's exit code is the launcher's
-        if fail_live(error, rank, None):
+        if fail_live(error, rank, lost_code):
             print(f"fastdecode: {error}", file=sys.stderr, flush=True)     # no supervisor left to say it
     else:
         fail_live(error, rank, code)
@@ -191,7 +198,7 @@ def on_end_notice(comm, notice: dict):
     return lambda: abort_job(comm, code)
 
 
-def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
+def lost_rank_report(listener, lost_code: int | None = None, settle_s: float = 1.0) -> bytes | None:
     """Rank 0, ended because its supervisor was killed: if R-worker links to rank 0 have closed
     without a bye, the report failed naming the rank (one closed) or the ranks (the launcher killed
     them together). The listener's threads get a moment to write it themselves."""
@@ -205,7 +212,15 @@ def lost_rank_report(listener, settle_s: float = 1.0) -> bytes | None:
     while live_running() and time.monotonic() < deadline:
         time.sleep(0.02)
     notice = listener.lost_notice()
-    return failed_note(notice["error"], notice["rank"]) if notice is not None else None
+    return failed_note(notice["error"], notice["rank"], lost_code) if notice is not None else None
+
+
+def _is_config_error(exc: BaseException) -> bool:
+    try:
+        from fastdecode.model.config import ConfigError
+    except ImportError:
+        return False
+    return isinstance(exc, ConfigError)
 
 
 def fail(comm, exc: BaseException, code: int = 1) -> None:
@@ -214,6 +229,8 @@ def fail(comm, exc: BaseException, code: int = 1) -> None:
     from rworker.host.wait import PeerTimeout
     if isinstance(exc, PeerTimeout):
         code = EXIT_TEMPFAIL
+    elif _is_config_error(exc):          # a model found unservable only as it loads: still a usage error
+        code = EXIT_USAGE
     rank = comm.Get_rank() if comm is not None else 0
     where = f"rank {rank} ({role_name(rank)} on {socket.gethostname()}) failed" if comm is not None else "failed"
     print(f"fastdecode: {where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

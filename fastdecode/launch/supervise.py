@@ -12,7 +12,7 @@ with them blocked) and delivered then, so a stop during start-up is a stop, not 
 If the supervisor itself dies (SIGKILL: it forwards every other stop signal), the child ends too,
 saying so (the kernel sends it SIGUSR2, PR_SET_PDEATHSIG; a thread that sees its parent change
 ends it where the handler cannot run), so no orphaned rank holds the job open. Rows written so
-far stay.
+far stay. A SIGUSR2 from anyone else, while the supervisor is still its parent, is ignored.
 
 The run report must not say "running" after any of that. The supervisor of a dead R-worker
 reports it to rank 0 (rworker/host/end_notice.py: the child passes rank 0's address up a pipe),
@@ -38,7 +38,7 @@ import time
 ENV_FLAG = "FASTDECODE_SUPERVISED"        # set in the child: the supervisor's pid
 PR_SET_PDEATHSIG = 1
 ORPHAN_SIGNAL = signal.SIGUSR2            # what the child gets when its supervisor dies
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 CLEAN_EXITS = (0, 2, 75)      # done, usage error, interrupted with work saved
 WAIT_FOR_ABORT_S = 10.0       # after rank 0 recorded this rank's death: its abort ends this process
 _orphan_note: tuple[str, bytes] | None = None     # (report path, report bytes) rank 0 writes if orphaned
@@ -98,11 +98,43 @@ def report_end(rank: int, pid: int, code: int, rank0_address: dict | None, summa
     if rank == 0 and summary_path:
         from fastdecode.batch.report import mark_file_failed
         mark_file_failed(summary_path, f"{who} died: {how}" if code != 1 else f"{who} failed (see its message)",
-                         128 - code if code < 0 else code, started)
+                         code if code == 1 else launcher_exit_code(code, launcher_name()), started)
     elif rank > 0 and code != 1 and rank0_address is not None:
         from rworker.host.end_notice import send
         if send(rank0_address, {"rank": rank, "error": f"{who} died: {how}", "code": 1, "abort": True}):
             time.sleep(WAIT_FOR_ABORT_S)  # rank 0 aborts the job with exit 1: the launcher ends this process
+
+
+# the process that starts a rank's supervisor, by launcher: its name, and what the launcher exits with
+# once a rank's process ended abnormally (its code, or -N: killed by signal N)
+_HYDRA = ("hydra_pmi_proxy",)                       # MPICH's and Intel MPI's mpiexec
+_OPEN_MPI = ("orted", "prted", "mpirun", "mpiexec", "orterun", "prterun")
+
+
+def launcher_name() -> str | None:
+    """The name of the launcher's process that started this rank's supervisor (its daemon on this
+    node), asked in the supervisor or in its child."""
+    try:
+        import psutil
+        parent = psutil.Process(os.getppid())
+        if os.environ.get(ENV_FLAG):            # a supervised child: the launcher started its parent
+            parent = parent.parent()
+        return parent.name() if parent is not None else None
+    except Exception:  # noqa: BLE001 - unknown is an answer
+        return None
+
+
+def launcher_exit_code(code: int, launcher: str | None) -> int | None:
+    """What the launcher will exit with after rank 0's process ended abnormally with `code`, for
+    the run report (None: a launcher whose answer is not known). Measured: MPICH's hydra kills every
+    process of the job once a rank ends without MPI_Finalize and exits 9 (SIGKILL's number), whatever
+    the rank's code; Open MPI's mpirun exits with the process's status (this supervisor exits 128 + N
+    for a child killed by signal N, as a shell does)."""
+    if launcher in _HYDRA:
+        return int(signal.SIGKILL)
+    if launcher in _OPEN_MPI:
+        return 128 - code if code < 0 else code
+    return None
 
 
 def note_for_orphan(path: str | None, data: bytes | None) -> None:
@@ -167,7 +199,19 @@ def child_started(rank: int) -> None:
         finally:
             os._exit(1)
 
-    signal.signal(ORPHAN_SIGNAL, orphaned)
+    def on_signal(*_) -> None:
+        # the kernel's PDEATHSIG comes after this process was given to another parent; a SIGUSR2
+        # sent by anyone else while the supervisor lives is no death
+        if os.getppid() == supervisor:
+            try:
+                os.write(2, f"fastdecode: rank {rank}: got {ORPHAN_SIGNAL.name}, but its supervisor (pid "
+                            f"{supervisor}) is alive: ignored\n".encode())
+            except OSError:
+                pass
+            return
+        orphaned()
+
+    signal.signal(ORPHAN_SIGNAL, on_signal)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(ORPHAN_SIGNAL), 0, 0, 0)

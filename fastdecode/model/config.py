@@ -8,7 +8,6 @@ GQA attention; hf_families.py reads what sets each family apart. Anything else i
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -147,11 +146,17 @@ def _eos_tuple(eos) -> tuple[int, ...]:
 def config_from_hf_dict(cfg: dict, where: str, weight_names: set[str] | None = None) -> ModelConfig:
     """Map an HF config.json dict to ModelConfig; raise ConfigError naming `where` if unsupported.
     weight_names: the checkpoint's tensor names, where the config alone cannot say where the
-    decoder's weights are (a multimodal gemma3)."""
+    decoder's weights are (a multimodal gemma3). The fields are checked (config_checks.py) before
+    anything is built from them."""
+    from fastdecode.model.config_checks import check_built, check_fields
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: the config must be a JSON object of fields, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     prefix, head = "model.", "lm_head.weight"
     try:
         if model_type == "gemma3":
+            if not isinstance(cfg.get("text_config", {}), dict):
+                raise fam.Unsupported("text_config must be an object")
             cfg, prefix, head = fam.gemma3_text_config(cfg, weight_names)
             model_type = "gemma3_text"
     except fam.Unsupported as e:
@@ -161,12 +166,14 @@ def config_from_hf_dict(cfg: dict, where: str, weight_names: set[str] | None = N
         raise ConfigError(f"{where}: unsupported architecture model_type={model_type!r} {archs or ''}; "
                           f"fastdecode serves {', '.join(sorted(SUPPORTED_ARCHS + ('gemma3',)))}")
     cfg = fam.with_defaults(cfg, model_type)
+    check_fields(cfg, where)
     try:
         conf = _build(cfg, model_type)
     except fam.Unsupported as e:
         raise ConfigError(f"{where}: {model_type}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a field's shape breaks, the config is at fault
         raise ConfigError(f"{where}: malformed config ({type(e).__name__}: {e})") from None
+    check_built(conf, where)
     conf.weight_prefix, conf.lm_head_key = prefix, head
     if cfg.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias=true is not supported")
@@ -216,13 +223,11 @@ def _build(cfg: dict, model_type: str) -> ModelConfig:
 
 
 def read_hf_config(model_dir: str) -> ModelConfig:
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{model_dir}: no config.json (expected an HF model directory)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    names = fam.safetensors_names(model_dir) if cfg.get("model_type") == "gemma3" else None
-    return config_from_hf_dict(cfg, model_dir, names)
+    """An HF directory's config.json, checked against its safetensors headers (config_checks.py)."""
+    from fastdecode.model.config_checks import check_shapes, decoder_shapes, load_config_json, safetensors_shapes
+    cfg = load_config_json(os.path.join(model_dir, "config.json"))
+    multimodal = cfg.get("model_type") == "gemma3"        # where its decoder sits, the names say
+    shapes = safetensors_shapes(model_dir) if multimodal else None
+    conf = config_from_hf_dict(cfg, model_dir, set(shapes) if multimodal else None)     # the architecture first
+    check_shapes(conf, decoder_shapes(conf, shapes if multimodal else safetensors_shapes(model_dir)), model_dir)
+    return conf

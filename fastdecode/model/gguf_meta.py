@@ -48,6 +48,12 @@ TOP_NAMES = {
     "rope_freqs.weight": "rope_freqs",
 }
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")   # read into the config
+# HF config field -> its GGUF key after "<arch>.", named in the config's errors
+GGUF_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+             "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+             "head_dim": "attention.key_length", "intermediate_size": "feed_forward_length",
+             "vocab_size": "vocab_size", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+             "rope_theta": "rope.freq_base", "max_position_embeddings": "context_length"}
 
 
 def block_names(arch: str) -> dict[str, str]:
@@ -75,13 +81,14 @@ def gguf_hf_dict(path: str) -> dict:
     key_len = field(f"{arch}.attention.key_length")
     n_vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens", []))
     tensors = {t.name: t for t in reader.tensors}
+    sizes_known = _positive(heads) and _positive(hidden)    # else the config's check names the field
     cfg = {
         "model_type": GGUF_ARCHS[arch],
         "hidden_size": hidden,
         "num_hidden_layers": field(f"{arch}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": key_len or hidden // heads,
+        "head_dim": key_len or (hidden // heads if sizes_known else None),
         "intermediate_size": field(f"{arch}.feed_forward_length"),
         "vocab_size": n_vocab,
         "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
@@ -91,6 +98,8 @@ def gguf_hf_dict(path: str) -> dict:
         "bos_token_id": field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "gguf_arch": arch,
+        "gguf_keys": {name: f"{arch}.{key}" for name, key in GGUF_KEYS.items()},
+        "gguf_shapes": tensor_shapes(reader.tensors, arch),
     }
     family = _gemma(field, arch, cfg) if arch.startswith("gemma") else _phi3(field, arch, cfg, tensors) \
         if arch == "phi3" else {}
@@ -105,10 +114,32 @@ def gguf_hf_dict(path: str) -> dict:
     return cfg
 
 
+def tensor_shapes(tensors, arch: str) -> dict[str, list[int]]:
+    """HF name -> HF shape ([rows, cols]: GGUF lists dimensions innermost first) of each weight, for
+    the config's check against them (config_checks.py); names it does not know are left out."""
+    names, out = block_names(arch), {}
+    for t in tensors:
+        if t.name.startswith("blk."):
+            parts = t.name.split(".", 2)
+            if len(parts) < 3 or parts[2] not in names:
+                continue
+            name = f"model.layers.{parts[1]}.{names[parts[2]]}"
+        elif t.name in TOP_NAMES:
+            name = TOP_NAMES[t.name]
+        else:
+            continue
+        out[name] = [int(d) for d in reversed(list(t.shape))]
+    return out
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
 def _gemma(field, arch: str, cfg: dict) -> dict:
     out = {"sliding_window": field(f"{arch}.attention.sliding_window")}
     scale = field(f"{arch}.attention.scale")
-    out["query_pre_attn_scalar"] = round(float(scale) ** -2) if scale else cfg["head_dim"]   # an int in HF
+    out["query_pre_attn_scalar"] = round(float(scale) ** -2) if _positive(scale) else cfg["head_dim"]   # an int in HF
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = field(f"{arch}.{key}")
         if value is not None:
@@ -126,6 +157,8 @@ def _gemma(field, arch: str, cfg: dict) -> dict:
 def _phi3(field, arch: str, cfg: dict, tensors: dict) -> dict:
     out = {"sliding_window": field(f"{arch}.attention.sliding_window")}
     rot = field(f"{arch}.rope.dimension_count")
+    if rot and not _positive(cfg["head_dim"]):
+        rot = None                               # the config's check names head_dim
     if rot:
         out["partial_rotary_factor"] = rot / cfg["head_dim"]
     if "rope_factors_long.weight" in tensors:      # longrope: the factors are tensors, [R/2] each

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from fastdecode.model.config import ConfigError, ModelConfig, config_from_hf_dict, read_hf_config
+from fastdecode.model.config_checks import check_shapes
 from fastdecode.model.gguf_meta import gguf_hf_dict
 from fastdecode.model.presets import PRESETS
 
@@ -27,7 +28,11 @@ EMBEDDED_MODELS = {
 def cache_dir() -> str:
     root = os.environ.get("FASTDECODE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastdecode")
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cache directory {root} ($FASTDECODE_CACHE, else $XDG_CACHE_HOME/fastdecode) cannot be "
+                          f"made: {e.strerror or e}") from None
     return root
 
 
@@ -119,11 +124,25 @@ def read_config(source: ModelSource) -> ModelConfig:
     try:
         with open(meta_path) as f:
             cfg = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
+        cfg = None
+    if not isinstance(cfg, dict) or "gguf_shapes" not in cfg:     # absent, damaged, or from an older version
         cfg = gguf_hf_dict(source.path)
-        os.makedirs(os.path.dirname(meta_path), exist_ok=True)
-        tmp = f"{meta_path}.{os.getpid()}.tmp"
+        _save_meta(meta_path, cfg)
+    cfg = dict(cfg)
+    shapes = cfg.pop("gguf_shapes")
+    conf = config_from_hf_dict(cfg, source.path)
+    check_shapes(conf, {name: tuple(shape) for name, shape in shapes.items()}, source.path)
+    return conf
+
+
+def _save_meta(path: str, cfg: dict) -> None:
+    """Cache a GGUF's parsed metadata; a cache that cannot be written only costs the next start the parse."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(cfg, f)
-        os.replace(tmp, meta_path)
-    return config_from_hf_dict(cfg, source.path)
+        os.replace(tmp, path)
+    except OSError:
+        pass

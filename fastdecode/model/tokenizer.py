@@ -10,6 +10,7 @@ import json
 import os
 
 from fastdecode.model.source import ModelSource, cache_dir
+from fastdecode.model.template_budget import template_budget
 
 
 class TokenIdsOnly:
@@ -75,7 +76,9 @@ class Tokenizer:
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """The messages through the model's chat template (within its time budget: template_budget.py)."""
+        with template_budget():
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

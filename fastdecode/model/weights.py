@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from fastdecode.model.config import ModelConfig
+from fastdecode.model.config import ConfigError, ModelConfig
 from fastdecode.model.gguf_meta import CONFIG_TENSORS, TOP_NAMES, block_names
 from fastdecode.model.source import ModelSource, cache_dir
 
@@ -37,9 +37,12 @@ def source_digest(source: ModelSource) -> str:
             return f.read().strip()
     except OSError:
         digest = file_sha256(source.path)
-        os.makedirs(os.path.dirname(memo), exist_ok=True)
-        with open(memo, "w") as f:
-            f.write(digest)
+        try:                          # a read-only cache costs the next start the hash, nothing more
+            os.makedirs(os.path.dirname(memo), exist_ok=True)
+            with open(memo, "w") as f:
+                f.write(digest)
+        except OSError:
+            pass
         return digest
 
 
@@ -93,10 +96,14 @@ def _ensure_gguf_cache(source: ModelSource, config: ModelConfig) -> str:
     path = gguf_cache_path(source)
     if not os.path.isfile(path):
         arrays = _gguf_to_hf_arrays(source.path, config)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        save_file(arrays, tmp)
-        os.replace(tmp, path)   # atomic: concurrent jobs never read a half-written cache
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_file(arrays, tmp)
+            os.replace(tmp, path)   # atomic: concurrent jobs never read a half-written cache
+        except OSError as e:
+            raise ConfigError(f"{source.path}: its dequantized weights cannot be written to the cache "
+                              f"{os.path.dirname(path)} ($FASTDECODE_CACHE): {e.strerror or e}") from None
     return path
 
 

@@ -182,11 +182,11 @@ def check_hardware(args) -> None:
     """The hardware flags' values (add_hardware_options)."""
     for flag, v in (("--cpu-bw", args.cpu_bw), ("--cpu-mem", args.cpu_mem), ("--link-bw", args.link_bw),
                     ("--cpu-eff", args.cpu_eff)):
-        if v is not None and not v > 0:
-            raise PlanError(f"{flag} must be > 0 (got {v})")
+        if v is not None and not 0 < v < float("inf"):
+            raise PlanError(f"{flag} must be a finite number > 0 (got {v})")
     for flag, v in (("--link-latency", args.link_latency), ("--rworker-overhead-us", args.rworker_overhead_us)):
-        if v is not None and v < 0:
-            raise PlanError(f"{flag} must be >= 0 (got {v})")
+        if v is not None and not 0 <= v < float("inf"):
+            raise PlanError(f"{flag} must be a finite number >= 0 (got {v})")
     if args.shared_cost_ratio is not None and not 0 < args.shared_cost_ratio <= 1:
         raise PlanError(f"--shared-cost-ratio must be in (0, 1] (got {args.shared_cost_ratio})")
 
