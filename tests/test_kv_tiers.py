@@ -278,6 +278,8 @@ def test_tier_choice_rules(monkeypatch):
     assert choose_tier(True, None, cpu, "fp32", 1, 1).kind == ""                      # local mode: the store is all
     beside = choose_tier(True, 1 << 30, cpu, "fp32", 3, 3)
     assert (beside.kind, beside.capacity_bytes) == ("local", 1 << 30)
+    with pytest.raises(ConfigError, match="more than this machine's memory"):
+        choose_tier(True, 1 << 60, cpu, "fp32", 3, 3)
     monkeypatch.setenv("FASTDECODE_DEVICE_TIER", "torch")
     assert choose_tier(True, 5 << 20, cpu, "bf16", 1, 1).kind == "device"
     assert choose_tier(True, None, cpu, "int8", 1, 1).why_off.startswith("int8 KV")    # int8 has no device tier

@@ -59,6 +59,11 @@ def choose_tier(enabled: bool, asked: int | None, device: torch.device, kv_dtype
         return TierChoice("device", asked)
     if world <= 1:
         return TierChoice("", 0, "local mode: the in-process store is the whole R-part")
+    if asked is not None:
+        import psutil
+        total = psutil.virtual_memory().total
+        if asked > total:
+            raise ConfigError(f"--device-kv-memory {gib(asked)} is more than this machine's memory ({gib(total)})")
     return TierChoice("local", asked if asked is not None else default_capacity_bytes(share=max(ranks_here, 1)))
 
 
