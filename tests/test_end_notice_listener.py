@@ -19,7 +19,7 @@ import psutil
 import pytest
 from conftest import MPIEXEC, MPIEXEC_ERROR, REPO, batch_line, read_output
 
-from rworker.host import end_notice
+from rworker.host import end_notice, notice_link
 
 FLOOD = os.path.join(REPO, "tests", "mpi_scripts", "flood.py")
 FDS = 512                 # the ranks' descriptor limit in the flooded job (about 100 are the job's own)
@@ -142,7 +142,7 @@ def test_a_link_naming_a_rank_outside_the_job_is_refused():
         conns = []
         for rank in (0, 3, "1", 1):
             hello = {"watch": rank, "who": f"rank {rank}", "pid": 1, "token": lst.token}
-            conns.append(end_notice._connect(lst.address(), (json.dumps(hello) + "\n").encode()))
+            conns.append(notice_link.connect(lst.address(), (json.dumps(hello) + "\n").encode()))
         deadline = time.monotonic() + 5
         while not lst.watched and time.monotonic() < deadline:
             time.sleep(0.01)

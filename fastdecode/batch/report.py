@@ -21,7 +21,6 @@ is kept allocated beside the report, and the next write goes into its blocks.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -30,7 +29,13 @@ import time
 
 import numpy as np
 
-from fastdecode.batch.filemode import keep_owner_mode, open_like
+from fastdecode.batch.report_file import (  # noqa: F401  (write_atomic, mark_file_failed: this module's API too)
+    encode,
+    mark_file_failed,
+    release_spare,
+    reserve,
+    write_atomic,
+)
 
 # The run in progress in this process (rank 0): another thread (an end notice) may fail it
 # while the main thread writes it.
@@ -40,8 +45,6 @@ ORPHANED = ("the launcher ended the job before rank 0 finished (it killed rank 0
             "rank once one has died: the rank that died first is named on stderr)")
 
 HISTORY_KEEP = 100      # the last runs listed in the report (bounded, whatever the requeue count)
-SPARE_BYTES = 256 << 10  # allocated for the report's next write while a run is live (a full disk)
-FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def default_path(output_path: str) -> str:
@@ -57,69 +60,6 @@ def previous(path: str, overwrite: bool) -> dict:
         return old if isinstance(old, dict) else {}
     except (OSError, ValueError):
         return {}
-
-
-def encode(obj: dict) -> bytes:
-    return (json.dumps(obj, indent=1) + "\n").encode()
-
-
-def write_atomic(path: str, obj: dict | bytes) -> None:
-    """Replace the report at `path` (its mode and owner kept), through a temporary file: the spare
-    one if reserve() made it. On a full disk without a spare it is rewritten in place."""
-    data = obj if isinstance(obj, bytes) else encode(obj)
-    tmp = path + ".tmp"
-    try:
-        _write_tmp(tmp, path, data)
-        os.replace(tmp, path)
-    except OSError as e:
-        if e.errno not in FULL or not os.path.exists(path):
-            raise
-        _discard(tmp)
-        with open(path, "r+b") as f:       # its blocks are allocated: it may still fit in them
-            f.write(data)
-            f.truncate()
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def _write_tmp(tmp: str, like: str, data: bytes) -> None:
-    try:
-        fd = os.open(tmp, os.O_WRONLY)      # the spare: its blocks are there whatever the disk holds
-    except FileNotFoundError:
-        fd = None
-    if fd is not None and os.path.exists(like):
-        keep_owner_mode(fd, os.stat(like))
-    with open_like(tmp, like) if fd is None else os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.truncate()
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _discard(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def reserve(path: str) -> None:
-    """Allocate the spare temporary file of the report at `path` (best effort)."""
-    tmp = path + ".tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
-    except OSError:
-        return
-    try:
-        os.posix_fallocate(fd, 0, SPARE_BYTES)
-    except (OSError, AttributeError):
-        pass
-    finally:
-        os.close(fd)
-
-
-def release_spare(path: str) -> None:
-    _discard(path + ".tmp")
 
 
 def _commit(path: str, obj: dict) -> None:
@@ -263,23 +203,6 @@ def fail_live(error: str, rank: int | None, exit_code: int | None) -> bool:
     """Fail the run in progress in this process, if there is one (rank 0, on an end notice)."""
     with _live_lock:
         return bool(_live) and mark_failed(_live["path"], _live["report"], error, exit_code, rank)
-
-
-def mark_file_failed(path: str, error: str, exit_code: int | None, since: float) -> bool:
-    """Rank 0's supervisor, after rank 0 ended abnormally: fail the report that run left "running"
-    (written since `since`, a time.time())."""
-    try:
-        if os.path.getmtime(path) < since:
-            return False
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, ValueError):
-        return False
-    if not isinstance(report, dict) or report.get("state") != "running":
-        return False
-    report.update(state="failed", interrupted=False, error=error, exit_code=exit_code, failed_rank=0)
-    write_atomic(path, report)
-    return True
 
 
 def finished(path: str, report: dict, job, engine, this_run: dict, signal_name: str | None,

@@ -9,18 +9,12 @@ import time
 import numpy as np
 import torch
 
-from fastdecode.engine import continuation
+from fastdecode.engine import continuation, rpart_setup
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
-from fastdecode.engine.kv_tiers import (
-    TierChoice,
-    activation_reserve_bytes,
-    choose_tier,
-    device_tier_bytes,
-    gib,
-    measured_speeds,
-)
+from fastdecode.engine.kv_tiers import choose_tier
 from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
+from fastdecode.engine.rpart_setup import OutOfMemory
 from fastdecode.engine.runner import ModelRunner
 from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
@@ -33,16 +27,11 @@ from fastdecode.model.source import ModelSource, read_config, resolve_model
 from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
 from fastdecode.model.weights import load_weights, source_digest
 from fastdecode.rpart.base import RBackend
-from fastdecode.rpart.tiered import TieredBackend
 from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
 from fastdecode.sched.placement import Placement
 from fastdecode.sched.scheduler import Scheduler
 from rworker.host import faults
 from rworker.host.wait import node_layout
-
-
-class OutOfMemory(RuntimeError):
-    """A step's allocation failed: the message says where and which limits to lower."""
 
 
 class LLMEngine:
@@ -70,20 +59,14 @@ class LLMEngine:
         self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
         self.checks = RequestChecks(self.config.vocab_size, self.max_model_len, self.eos_ids,
                                     self.tokenizer.encode_text, args.max_logprobs, args.max_request_mem)
-        self.backend: RBackend = self._make_backend(comm)
+        self.backend: RBackend = rpart_setup.make_backend(self, comm)
         if comm is not None and comm.Get_size() > 1 and not args.quiet:
-            self._log_roster()
+            rpart_setup.log_roster(self)
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve,
                                    windows=self.variants.windows)
-        self.tier_index = self.backend.tier_index if isinstance(self.backend, TieredBackend) else None
-        if self.tier_index is not None:          # where a sequence ends its step earliest: measured speeds
-            probe = (512 << 20) if self.device.type == "cuda" else (64 << 20)
-            self.placement.set_speeds(measured_speeds(self.backend, self.kv_bytes_per_token, probe))
-            # a CPU S-worker's own store shares its cores with the S-part: until a decode step has
-            # timed the S-part, it takes only what the R-workers have no room for
-            self.placement.overflow_only[self.tier_index] = self.tier.kind == "local"
+        self.tier_index = rpart_setup.place_by_tier_speeds(self)
         if not args.quiet:
-            self._log_tiers()
+            rpart_setup.log_tiers(self)
         self.prefix = self._make_prefix_cache()
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix)
@@ -147,24 +130,14 @@ class LLMEngine:
             return None
         return PrefixCache(pages.pop(), self.config.num_layers, self.placement, self.args.prefix_kept_tokens)
 
+    def tier_summary(self) -> dict:
+        return rpart_setup.tier_summary(self)
+
     def prefix_summary(self) -> dict:
         """The run summary's prefix sharing figures (zeros when off)."""
         if self.prefix is None:
             return {"prefix_sharing": False, "prefix_hits": 0, "prefix_shared_tokens": 0, "prefix_kv_bytes_saved": 0}
         return {"prefix_sharing": True, **self.prefix.summary(self.kv_bytes_per_token)}
-
-    def tier_summary(self) -> dict:
-        """The run summary's KV tiers: sequences placed and peak KV bytes, the S-worker's own tier
-        apart from the R-workers (one entry without a tier)."""
-        workers, peaks, placed = self.backend.workers, self.recorder.kv_bytes_peak, self.placement.placed
-        groups = []
-        for own in (True, False):
-            idx = [i for i, w in enumerate(workers) if bool(w.tier) == own]
-            if idx:
-                groups.append({"tier": workers[idx[0]].tier if own else "R-workers" if self.layout else "host store",
-                               "sequences": sum(placed[i] for i in idx), "kv_bytes_peak": sum(peaks[i] for i in idx),
-                               "kv_capacity_bytes": sum(workers[i].capacity_bytes for i in idx)})
-        return {"kv_tiers": groups}
 
     def _make_admission(self):
         a = self.args
@@ -176,63 +149,6 @@ class LLMEngine:
                                        seq_overhead_tokens=self.placement.seq_overhead_tokens())
         raise ValueError(f"schedule must be 'fifo' or 'stabilized', got {a.schedule!r}")
 
-    def _make_backend(self, comm) -> RBackend:
-        """The R-part: local mode's in-process store, or the R-workers over MPI; beside either,
-        the S-worker's own KV tier where the job has one (engine/kv_tiers.py)."""
-        from fastdecode.rpart.local import LocalBackend
-        from fastdecode.rpart.variants import AttentionVariants
-        variants = self.variants = AttentionVariants.of(self.config, self.model)
-        bf16_probs = self.args.attn_probs == "bf16"
-        if comm is None or comm.Get_size() == 1:
-            from rworker.host.threads import physical_cpus
-            cores = len(physical_cpus())
-            r_threads = self.args.r_threads or (max(1, cores - self.s_cores) if self.args.pipeline_depth > 1
-                                                else cores)
-            others = LocalBackend(self.config, self.kv_dtype, r_threads, self.args.rworker_mem,
-                                  asynchronous=self.args.pipeline_depth > 1, bf16_probs=bf16_probs, variants=variants)
-        else:
-            from fastdecode.rpart.mpi import MPIBackend
-            from rworker.host.wait import choose_policy
-            ranks_here = self.layout[0]
-            policy = choose_policy(ranks_here, ranks_here)
-            local_kv = self.tier.capacity_bytes if self.tier.kind == "local" else 0
-            others = MPIBackend(comm, self.config, self.kv_dtype, variants, self.args.r_threads,
-                                self.args.rworker_mem, policy, self.args.timeout, self.device, self.dtype,
-                                s_cores=self.s_cores, bf16_probs=bf16_probs, s_kv_bytes=local_kv)
-        if self.tier.kind == "device":
-            from fastdecode.rpart.device_kv import DeviceKVTier, page_bytes
-            reserve = activation_reserve_bytes(self.config, self.dtype, self.args.max_prefill_tokens,
-                                               self.args.max_batch)
-            size = device_tier_bytes(self.tier.capacity_bytes, self.args.gpu_memory_utilization, self.device,
-                                     reserve)
-            page = others.workers[0].page_tokens
-            if size < 2 * page_bytes(self.config, self.kv_dtype, page):
-                self.tier = TierChoice("", 0, f"{gib(size)} free on {self.device}: too little for a KV tier")
-                return others
-            tier = DeviceKVTier(self.config, self.kv_dtype, size, self.device, variants, page_tokens=page)
-        elif self.tier.kind == "local":
-            tier = LocalBackend(self.config, self.kv_dtype, self.args.s_threads or self.s_cores,
-                                self.tier.capacity_bytes, asynchronous=True, bf16_probs=bf16_probs, variants=variants)
-            tier.workers[0].tier = "local (in-process store)"
-        else:
-            return others
-        return TieredBackend(others, tier)
-
-    def _log_tiers(self) -> None:
-        """One line naming where KV lives: the S-worker's own tier and the R-workers, with capacities."""
-        workers = self.backend.workers
-        others = [w for w in workers if not w.tier]
-        kind = "R-workers" if self.layout is not None else "host store"
-        parts = [f"{len(others)} {kind if len(others) != 1 else kind.rstrip('s')} {gib(sum(w.capacity_bytes for w in others))}"]
-        if self.tier_index is not None:
-            t = workers[self.tier_index]
-            parts.insert(0, f"S-worker's own tier, {t.tier}, {gib(t.capacity_bytes)}")
-        else:
-            parts.append(f"no S-worker tier ({self.tier.why_off})")
-        speeds = ", ".join(f"{w.attend_gbps:.0f}" for w in workers if w.attend_gbps)
-        print(f"fastdecode: KV tiers: {'; '.join(parts)} of {self.kv_dtype} KV"
-              + (f"; attention measured at {speeds} GB/s" if speeds else ""), file=sys.stderr, flush=True)
-
     def describe_model(self) -> str:
         """One line for the job's start: the architecture and the attention variants it runs."""
         c = self.config
@@ -241,16 +157,6 @@ class LLMEngine:
                 f"{c.head_dim}" + (f"; {variants}" if variants else "")
                 + ("; prefix sharing off (sliding windows)" if self.variants.windowed and self.args.prefix_sharing
                    else ""))
-
-    def _log_roster(self) -> None:
-        """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""
-        for w in self.backend.workers:
-            if w.tier:
-                continue                     # the S-worker's own tier: _log_tiers names it
-            kv = gib(w.capacity_bytes)
-            print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
-                  f"{kv} {self.kv_dtype} KV ({self.kv_bytes_per_token / 1024:.1f} KiB/token)"
-                  + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
 
@@ -351,16 +257,7 @@ class LLMEngine:
                 return self._mixed_step()
             return self._step()
         except (torch.OutOfMemoryError, MemoryError) as e:
-            raise OutOfMemory(self._oom_advice(e)) from e
-
-    def _oom_advice(self, e: BaseException) -> str:
-        where = f"the GPU ({self.device})" if self.device.type == "cuda" else "the S-worker's host"
-        tier = (f", its KV tier {gib(self.backend.workers[self.tier_index].capacity_bytes)}"
-                if self.tier_index is not None else "")
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return (f"{where} ran out of memory in step {self.step_no} ({len(self.scheduler.running)} sequences "
-                f"running{tier}): {first[:200]}. Finished rows are in the output; rerun to resume with less "
-                f"memory asked: --device-kv-memory, --gpu-memory-utilization, --max-batch or --max-prefill-tokens")
+            raise OutOfMemory(rpart_setup.oom_advice(self, e)) from e
 
     def _step(self) -> list[Request]:
         t0 = time.perf_counter()
@@ -411,22 +308,11 @@ class LLMEngine:
         """Free what finished, record the step (--stats-json, the summary), return the finished requests."""
         self.free_kv(self.scheduler.drop_finished())
         if self.tier_index is not None and stats is not None and not (prefill is not None and prefill.mixed):
-            self._learn_tier_base(stats)
+            rpart_setup.learn_tier_base(self, stats)
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
                              t_prefill, time.perf_counter() - t0, decode=bool(running),
                              tokens=self.num_output_tokens - tokens_before, prefill=prefill)
         return finished
-
-    def _learn_tier_base(self, stats, weight: float = 0.3) -> None:
-        """What a decode step's S-part takes besides the tier's attention (an exponential average):
-        the time a sequence on the S-worker's own tier waits for before its attention counts."""
-        s_part = self.runner.last_s_time
-        if self.tier.kind == "device":          # its attention ran on the S-part's own stream
-            s_part -= stats.attend_s[self.tier_index]
-        base, t = self.placement.base_s, self.tier_index
-        base[t] = max(s_part, 0.0) if self.placement.overflow_only[t] or base[t] == 0 \
-            else (1 - weight) * base[t] + weight * max(s_part, 0.0)
-        self.placement.overflow_only[t] = False
 
     def _prefill(self, new: list[Sequence], finished: list[Request]):
         self._count_recomputed(new)

@@ -11,26 +11,7 @@ import signal
 import socket
 import sys
 
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
-_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def launched_rank() -> int:
-    """This process's rank as the launcher's environment tells it, before MPI starts (0 if none)."""
-    for var in _RANK_VARS:
-        if var in os.environ:
-            return int(os.environ[var])
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return int(os.environ["SLURM_PROCID"])
-    return 0
-
-
-def launched_size() -> int:
-    for var in _SIZE_VARS:
-        if var in os.environ:
-            return int(os.environ[var])
-    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
-
+from fastdecode.launch.ranks import SIZE_VARS, launched_rank, launched_size, role_name
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # batch/interrupt.py's
 INIT_TIMEOUT_S = 300.0    # MPI start-up waits for every rank; a rank that never comes ends it
@@ -113,7 +94,7 @@ def mixed_mpi_message(world_size: int | None, library_version: str, env=None, or
     env = os.environ if env is None else env
     var, launcher, launcher_family = next(((v, name, fam) for v, name, fam in _LAUNCHERS if v in env),
                                           ("", "the launcher", None))
-    size = next((env[v] for v in _SIZE_VARS + ("SLURM_STEP_NUM_TASKS",) if v in env), "?")
+    size = next((env[v] for v in SIZE_VARS + ("SLURM_STEP_NUM_TASKS",) if v in env), "?")
     first = library_version.strip().splitlines()[0] if library_version.strip() else "unknown"
     library = " ".join(first.split(",")[0].split())
     family = library_family(library_version) or library
@@ -130,10 +111,6 @@ def mixed_mpi_message(world_size: int | None, library_version: str, env=None, or
     return (f"{launcher} started {size} ranks{said}, but mpi4py's MPI library is {library}"
             f"{f' ({lib_path})' if lib_path else ''}, {saw}: the launcher and mpi4py must be the same MPI. "
             f"Fix: {'; or '.join(fixes)}. `fastdecode info` shows both; docs/site_mpi.md has the details")
-
-
-def role_name(rank: int) -> str:
-    return "S-worker" if rank == 0 else "R-worker"
 
 
 EXIT_TEMPFAIL = 75        # EX_TEMPFAIL: outputs saved, rerun me (the SLURM scripts requeue on it)

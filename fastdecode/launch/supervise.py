@@ -46,14 +46,14 @@ _orphan_check = None          # rank 0: () -> report bytes naming a rank found g
 
 
 def should_supervise() -> bool:
-    from fastdecode.launch.mpi_env import launched_size
+    from fastdecode.launch.ranks import launched_size
     return launched_size() > 1 and not os.environ.get(ENV_FLAG) and \
         os.environ.get("FASTDECODE_NO_SUPERVISOR") != "1"
 
 
 def run_supervised(argv: list[str], summary_path: str | None = None) -> int:
     from fastdecode.batch.interrupt import STOP
-    from fastdecode.launch.mpi_env import launched_rank, role_name
+    from fastdecode.launch.ranks import launched_rank, role_name
     from rworker.host.end_notice import SUPERVISOR_FD, SupervisorLink
     rank, started = launched_rank(), time.time()
     from_child, to_supervisor = os.pipe()          # the child passes rank 0's address up
@@ -90,13 +90,13 @@ def report_end(rank: int, pid: int, code: int, rank0_address: dict | None, summa
                started: float) -> None:
     """A child that ended abnormally: name it on stderr (unless it did: exit code 1), and in the run
     report, through rank 0 (an R-worker) or directly (rank 0)."""
-    from fastdecode.launch.mpi_env import role_name
+    from fastdecode.launch.ranks import role_name
     who = f"rank {rank} ({role_name(rank)} pid {pid} on {socket.gethostname()})"
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     if code != 1:                         # 1: the child reported its own failure already
         print(f"fastdecode: {who} died: {how}", file=sys.stderr, flush=True)
     if rank == 0 and summary_path:
-        from fastdecode.batch.report import mark_file_failed
+        from fastdecode.batch.report_file import mark_file_failed
         mark_file_failed(summary_path, f"{who} died: {how}" if code != 1 else f"{who} failed (see its message)",
                          code if code == 1 else launcher_exit_code(code, launcher_name()), started)
     elif rank > 0 and code != 1 and rank0_address is not None:
@@ -185,7 +185,7 @@ def child_started(rank: int) -> None:
     supervisor = int(os.environ.get(ENV_FLAG) or 0)
     if not supervisor:
         return
-    from fastdecode.launch.mpi_env import role_name
+    from fastdecode.launch.ranks import role_name
     text = (f"fastdecode: rank {rank} ({role_name(rank)} pid {os.getpid()} on {socket.gethostname()}): its "
             f"supervisor (pid {supervisor}) died; ending this rank\n").encode()
 

@@ -12,15 +12,12 @@ import os
 from dataclasses import dataclass, field
 
 from fastdecode.model import hf_families as fam
+from fastdecode.model.errors import ConfigError
 from rworker.protocol.kvformat import kv_token_bytes
 
 SUPPORTED_ARCHS = fam.SERVED
 SUPPORTED_ROPE = fam.SUPPORTED_ROPE
 _TUPLE_FIELDS = ("eos_token_ids", "layer_windows", "layer_types", "moe_layers")
-
-
-class ConfigError(ValueError):
-    """The model cannot be served: missing files, unknown architecture, unsupported option."""
 
 
 @dataclass(slots=True)

@@ -14,8 +14,12 @@ import math
 import os
 import re
 import struct
+from typing import TYPE_CHECKING
 
-from fastdecode.model.config import ConfigError, ModelConfig
+from fastdecode.model.errors import ConfigError
+
+if TYPE_CHECKING:          # annotations only: config.py calls these checks
+    from fastdecode.model.config import ModelConfig
 
 CONFIG_MAX_BYTES = 16 << 20           # a config.json is kilobytes; one larger is not a config
 SAFETENSORS_HEADER_MAX = 100 << 20    # the safetensors format's own bound on its JSON header

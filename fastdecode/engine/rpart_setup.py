@@ -1,0 +1,145 @@
+"""A job's R-part from the engine's side: which backends hold the KV (local mode's store or the
+R-workers, and beside them the S-worker's own tier), placement's speeds across tiers and what it
+learns of the S-part per step, and what the start-up lines, the run summary and an out-of-memory
+error say about them. The engine (llm_engine.py) calls these once at start-up and once per step.
+"""
+from __future__ import annotations
+
+import sys
+
+from fastdecode.engine.kv_tiers import (
+    TierChoice,
+    activation_reserve_bytes,
+    device_tier_bytes,
+    gib,
+    measured_speeds,
+)
+from fastdecode.rpart.base import RBackend
+from fastdecode.rpart.tiered import TieredBackend
+
+TIER_BASE_WEIGHT = 0.3        # the exponential average's weight of the newest step
+
+
+class OutOfMemory(RuntimeError):
+    """A step's allocation failed: the message says where and which limits to lower."""
+
+
+def make_backend(eng, comm) -> RBackend:
+    """The R-part: local mode's in-process store, or the R-workers over MPI; beside either,
+    the S-worker's own KV tier where the job has one (engine/kv_tiers.py)."""
+    from fastdecode.rpart.local import LocalBackend
+    from fastdecode.rpart.variants import AttentionVariants
+    variants = eng.variants = AttentionVariants.of(eng.config, eng.model)
+    bf16_probs = eng.args.attn_probs == "bf16"
+    if comm is None or comm.Get_size() == 1:
+        from rworker.host.threads import physical_cpus
+        cores = len(physical_cpus())
+        r_threads = eng.args.r_threads or (max(1, cores - eng.s_cores) if eng.args.pipeline_depth > 1
+                                            else cores)
+        others = LocalBackend(eng.config, eng.kv_dtype, r_threads, eng.args.rworker_mem,
+                              asynchronous=eng.args.pipeline_depth > 1, bf16_probs=bf16_probs, variants=variants)
+    else:
+        from fastdecode.rpart.mpi import MPIBackend
+        from rworker.host.wait import choose_policy
+        ranks_here = eng.layout[0]
+        policy = choose_policy(ranks_here, ranks_here)
+        local_kv = eng.tier.capacity_bytes if eng.tier.kind == "local" else 0
+        others = MPIBackend(comm, eng.config, eng.kv_dtype, variants, eng.args.r_threads,
+                            eng.args.rworker_mem, policy, eng.args.timeout, eng.device, eng.dtype,
+                            s_cores=eng.s_cores, bf16_probs=bf16_probs, s_kv_bytes=local_kv)
+    if eng.tier.kind == "device":
+        from fastdecode.rpart.device_kv import DeviceKVTier, page_bytes
+        reserve = activation_reserve_bytes(eng.config, eng.dtype, eng.args.max_prefill_tokens,
+                                           eng.args.max_batch)
+        size = device_tier_bytes(eng.tier.capacity_bytes, eng.args.gpu_memory_utilization, eng.device,
+                                 reserve)
+        page = others.workers[0].page_tokens
+        if size < 2 * page_bytes(eng.config, eng.kv_dtype, page):
+            eng.tier = TierChoice("", 0, f"{gib(size)} free on {eng.device}: too little for a KV tier")
+            return others
+        tier = DeviceKVTier(eng.config, eng.kv_dtype, size, eng.device, variants, page_tokens=page)
+    elif eng.tier.kind == "local":
+        tier = LocalBackend(eng.config, eng.kv_dtype, eng.args.s_threads or eng.s_cores,
+                            eng.tier.capacity_bytes, asynchronous=True, bf16_probs=bf16_probs, variants=variants)
+        tier.workers[0].tier = "local (in-process store)"
+    else:
+        return others
+    return TieredBackend(others, tier)
+
+
+def log_tiers(eng) -> None:
+    """One line naming where KV lives: the S-worker's own tier and the R-workers, with capacities."""
+    workers = eng.backend.workers
+    others = [w for w in workers if not w.tier]
+    kind = "R-workers" if eng.layout is not None else "host store"
+    held = gib(sum(w.capacity_bytes for w in others))
+    parts = [f"{len(others)} {kind if len(others) != 1 else kind.rstrip('s')} {held}"]
+    if eng.tier_index is not None:
+        t = workers[eng.tier_index]
+        parts.insert(0, f"S-worker's own tier, {t.tier}, {gib(t.capacity_bytes)}")
+    else:
+        parts.append(f"no S-worker tier ({eng.tier.why_off})")
+    speeds = ", ".join(f"{w.attend_gbps:.0f}" for w in workers if w.attend_gbps)
+    print(f"fastdecode: KV tiers: {'; '.join(parts)} of {eng.kv_dtype} KV"
+          + (f"; attention measured at {speeds} GB/s" if speeds else ""), file=sys.stderr, flush=True)
+
+
+def place_by_tier_speeds(eng) -> int | None:
+    """With the S-worker's own tier: every worker's attention speed measured now, for placement
+    to send each sequence where its step ends earliest; -> the tier's worker index (None: no tier)."""
+    if not isinstance(eng.backend, TieredBackend):
+        return None
+    t = eng.backend.tier_index
+    probe = (512 << 20) if eng.device.type == "cuda" else (64 << 20)
+    eng.placement.set_speeds(measured_speeds(eng.backend, eng.kv_bytes_per_token, probe))
+    # a CPU S-worker's own store shares its cores with the S-part: until a decode step has timed
+    # the S-part, it takes only what the R-workers have no room for
+    eng.placement.overflow_only[t] = eng.tier.kind == "local"
+    return t
+
+
+def log_roster(eng) -> None:
+    """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""
+    for w in eng.backend.workers:
+        if w.tier:
+            continue                     # the S-worker's own tier: _log_tiers names it
+        kv = gib(w.capacity_bytes)
+        print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
+              f"{kv} {eng.kv_dtype} KV ({eng.kv_bytes_per_token / 1024:.1f} KiB/token)"
+              + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
+
+
+def tier_summary(eng) -> dict:
+    """The run summary's KV tiers: sequences placed and peak KV bytes, the S-worker's own tier
+    apart from the R-workers (one entry without a tier)."""
+    workers, peaks, placed = eng.backend.workers, eng.recorder.kv_bytes_peak, eng.placement.placed
+    groups = []
+    for own in (True, False):
+        idx = [i for i, w in enumerate(workers) if bool(w.tier) == own]
+        if idx:
+            groups.append({"tier": workers[idx[0]].tier if own else "R-workers" if eng.layout else "host store",
+                           "sequences": sum(placed[i] for i in idx), "kv_bytes_peak": sum(peaks[i] for i in idx),
+                           "kv_capacity_bytes": sum(workers[i].capacity_bytes for i in idx)})
+    return {"kv_tiers": groups}
+
+
+def learn_tier_base(eng, stats, weight: float = TIER_BASE_WEIGHT) -> None:
+    """What a decode step's S-part takes besides the tier's attention (an exponential average):
+    the time a sequence on the S-worker's own tier waits for before its attention counts."""
+    s_part = eng.runner.last_s_time
+    if eng.tier.kind == "device":          # its attention ran on the S-part's own stream
+        s_part -= stats.attend_s[eng.tier_index]
+    base, t = eng.placement.base_s, eng.tier_index
+    base[t] = max(s_part, 0.0) if eng.placement.overflow_only[t] or base[t] == 0 \
+        else (1 - weight) * base[t] + weight * max(s_part, 0.0)
+    eng.placement.overflow_only[t] = False
+
+
+def oom_advice(eng, e: BaseException) -> str:
+    where = f"the GPU ({eng.device})" if eng.device.type == "cuda" else "the S-worker's host"
+    tier = (f", its KV tier {gib(eng.backend.workers[eng.tier_index].capacity_bytes)}"
+            if eng.tier_index is not None else "")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"{where} ran out of memory in step {eng.step_no} ({len(eng.scheduler.running)} sequences "
+            f"running{tier}): {first[:200]}. Finished rows are in the output; rerun to resume with less "
+            f"memory asked: --device-kv-memory, --gpu-memory-utilization, --max-batch or --max-prefill-tokens")
