@@ -60,7 +60,13 @@ def bytes_arg(text: str) -> int:
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine options every command that builds an engine uses (generate, profile)."""
     p.add_argument("-m", "--model", default="smollm2-135m",
-                   help="HF model directory, .gguf file, or embedded name (default: smollm2-135m)")
+                   help="HF model directory, .gguf file, HF repo id (org/name) in the local Hugging Face cache "
+                        "($HF_HUB_CACHE, $HF_HOME/hub; never downloaded), or embedded name (default: smollm2-135m)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a model named org/name, among the local cache's (default: main)")
+    p.add_argument("--tokenizer", default=None,
+                   help="another model's tokenizer: a directory, .gguf file or cached org/name (default: the model's)")
+    p.add_argument("--tokenizer-revision", default=None, help="--revision of --tokenizer")
     p.add_argument("--device", default="auto", help="S-worker device: auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
@@ -96,12 +102,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(fewer launches at small batches; captured on first use per row bucket)")
     p.add_argument("--cuda-graph-max-rows", type=positive_int, default=2048,
                    help="largest mini-batch run from CUDA graphs; larger ones run eagerly (default 2048)")
+    from fastdecode.vllm_args import add_flags
+    add_flags(p.add_argument_group("vLLM's flags", "accepted where they mean something here, else refused "
+                                                   "(exit 2) saying why"))
 
 
 def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine options only a serving run uses (batching, memory per sequence, admission, seeds)."""
-    p.add_argument("--max-batch", type=positive_int, default=None,
-                   help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=positive_int, default=None,
+                   help="most sequences decoding at once (--max-num-seqs: vLLM's name; default 256 on a CPU "
+                        "S-worker, 4096 on CUDA)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + generation served (default: the model's context). Each sequence "
                         "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
@@ -110,10 +120,12 @@ def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
                    help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
                         "never preempted; default) or grow (page by page as it grows; when a worker is full the "
                         "youngest sequences there are preempted and later recomputed, as vLLM does)")
-    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefix-sharing", "--enable-prefix-caching", dest="prefix_sharing",
+                   action=argparse.BooleanOptionalAction, default=True,
                    help="prompts that start with the same whole KV pages as a running one (a shared system "
                         "prompt, n samples) prefill only the rest and read those pages on its R-worker, stored "
-                        "once (default); --no-prefix-sharing prefills and stores every prompt in full")
+                        "once (default; vLLM's --enable-prefix-caching); --no-prefix-sharing prefills and stores "
+                        "every prompt in full")
     p.add_argument("--prefix-kept-tokens", type=positive_int, default=8192,
                    help="most shared-prefix tokens whose K/V rank 0 keeps for the prompts that start from them "
                         "(default 8192; past it a prompt prefills in full)")
@@ -185,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--model", "-m", default=None,
                       help="also name this model's architecture, shape and attention variants (its config only: "
                            "no weights are read); an unsupported model exits 2 with the reason")
+    info.add_argument("--revision", default=None, help="--model's revision, as generate's")
     return parser
 
 
@@ -206,13 +219,21 @@ def validate_generate(args) -> None:
 
 
 def check_model(args) -> None:
-    """The model's config is readable and servable, --max-model-len fits it, and a chunked-prefill
-    budget holds --max-batch decode rows."""
+    """vLLM's flags are ones fastdecode serves, the model's config (and a --tokenizer) is readable
+    and servable, --max-model-len fits it, and a chunked-prefill budget holds --max-batch decode rows."""
     from fastdecode.engine.args import check_batch_budget, default_max_batch, resolve_device
     from fastdecode.model.config import ConfigError
     from fastdecode.model.source import read_config, resolve_model
+    from fastdecode.vllm_args import check_flags
+    refused = check_flags(args)
+    if refused:
+        raise UsageError(refused)
     try:
-        read_config(resolve_model(args.model)).resolve_max_model_len(getattr(args, "max_model_len", None))
+        read_config(resolve_model(args.model, args.revision)).resolve_max_model_len(getattr(args, "max_model_len", None))
+        if args.tokenizer:
+            resolve_model(args.tokenizer, args.tokenizer_revision)
+        elif args.tokenizer_revision:
+            raise ConfigError("--tokenizer-revision needs --tokenizer (the model's own tokenizer follows --revision)")
     except ConfigError as e:
         raise UsageError(str(e)) from None
     budget = getattr(args, "max_num_batched_tokens", None)
@@ -350,7 +371,7 @@ def cmd_info(args) -> int:
     info = collect()
     if args.model:
         try:
-            info.update(model_info(args.model))
+            info.update(model_info(args.model, args.revision))
         except ConfigError as e:                  # as generate's check of the model: a usage error
             print(render(info))
             print(f"fastdecode info: error: {e}", file=sys.stderr)

@@ -44,7 +44,8 @@ class Message(BaseModel):
     name: StrictStr | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        from fastdecode.engine.chat import joined_text      # text parts joined as vLLM joins them
+        return self.content if isinstance(self.content, str) else joined_text(self.content)
 
 
 class Body(BaseModel):
