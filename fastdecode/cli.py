@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_generate(args) -> None:
     from fastdecode.batch.paths import check_paths
     from fastdecode.batch.progress import interval_from
+    from fastdecode.batch.stdio import take_streams
     try:
+        take_streams(args)                   # -i -, a pipe, -o -: scratch files in their place
         check_paths(args)
         if not args.quiet:
             interval_from(args.progress_interval)
@@ -276,6 +278,9 @@ def run_job(args, validate, s_worker_main) -> int:
     if size <= 1 and error:                              # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if size == 1 and mpi_env.under_launcher() and not getattr(args, "quiet", False):
+        print("fastdecode: one MPI rank: local mode, the R-part runs in this process (no R-workers); launch 1+R "
+              "ranks for R R-workers (mpirun -n 3: two)", file=sys.stderr, flush=True)
     comm = mpi_env.world(args.timeout)
     if comm is not None:
         if agree_on_usage(comm, error):
@@ -331,10 +336,16 @@ def run_s_worker(args, comm) -> int:
     # the output is read before the model loads: a rerun that finds every line answered makes no
     # engine, and the R-workers end before their start-up (and kernel tune)
     summary, rep, interrupted = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
+    if args.rows_to_stdout:                    # -o -: stdout holds the rows, the report goes to stderr
+        from fastdecode.batch.stdio import write_rows_to_stdout
+        write_rows_to_stdout(args)
+        if interrupted:
+            print("fastdecode: with -o - a stopped job has nothing to resume from: the rows it finished are on "
+                  "stdout; give -o FILE to resume", file=sys.stderr, flush=True)
     if summary is not None:
         if args.stats_json:
             engines[0].recorder.write(args.stats_json, summary)
-        print_report(summary, rep)
+        print_report(summary, rep, rows_on_stdout=args.rows_to_stdout)
     return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
 
 
@@ -381,6 +392,8 @@ def cmd_info(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastdecode.launch.streams import whole_lines
+    whole_lines()                             # every rank: a line is one write, never spliced by a launcher
     words = sys.argv[1:] if argv is None else argv
     job = next((w for w in words if not w.startswith("-")), None) in ("generate", "profile")
     try:
@@ -402,8 +415,8 @@ def run_command(argv: list[str] | None, words: list[str], job: bool) -> int:
     if job and supervise.should_supervise():  # under a launcher: a dead rank gets named
         summary = None
         if args.command == "generate":
-            from fastdecode.batch.report import default_path
-            summary = args.summary_json or default_path(args.output)
+            from fastdecode.batch.stdio import summary_path
+            summary = summary_path(args)
         return supervise.run_supervised(words, summary)
     if rank == 0 and args.command == "profile":
         from fastdecode.batch.interrupt import STOP

@@ -248,6 +248,20 @@ class LLMEngine:
         bound = np.array([s.max_tokens for s in seqs], dtype=np.int64)              # [n]
         return float(self.bound_output_tokens - (bound - lengths.expected_length(generated, bound)).sum())
 
+    def tokens_left(self) -> tuple[np.ndarray, np.ndarray]:
+        """Output tokens each unfinished sequence is expected to generate still, by max_tokens or
+        the learnt lengths (as expected_output_tokens): (running and prefilling [r], waiting [w])."""
+        lengths = getattr(self.scheduler.admission, "lengths", None)
+
+        def left(seqs: list[Sequence]) -> np.ndarray:
+            generated = np.array([len(s.output_ids) for s in seqs], dtype=np.int64)     # [n]
+            bound = np.array([s.max_tokens for s in seqs], dtype=np.int64)              # [n]
+            expected = lengths.expected_length(generated, bound) if lengths is not None and lengths.ready and seqs \
+                else bound
+            return np.maximum(expected - generated, 0)
+        running = [s for s in self.scheduler.running if s.status in (Status.RUNNING, Status.PREFILLING)]
+        return left(running), left(list(self.scheduler.waiting))
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

@@ -32,6 +32,11 @@ def launched_size() -> int:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
 
 
+def under_launcher() -> bool:
+    """Whether an MPI launcher (or srun) started this process, whatever the number of ranks."""
+    return any(var in os.environ for var in _SIZE_VARS) or "SLURM_STEP_NUM_TASKS" in os.environ
+
+
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 INIT_TIMEOUT_S = 300.0    # MPI start-up waits for every rank; a rank that never comes ends it
 
