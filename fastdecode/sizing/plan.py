@@ -13,6 +13,7 @@ import os
 import sys
 
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
+from fastdecode.sizing.fidelity import fidelity, fidelity_line
 from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
 from fastdecode.sizing.link_report import link_line, link_report
 from fastdecode.sizing.model import predict
@@ -270,9 +271,10 @@ def run(args) -> int:
         print(f"fastdecode plan: error: {e}", file=sys.stderr)
         return 2
     pick = rows[0] if args.batch else next(r for r in rows if r["batch"] == knee)
+    fid = fidelity(prof.s_worker.device, pick["bound"], prof.source == "measured")
     if args.json:
         out = {**pick, "knee_batch": knee, "model": prof.model.name, "s_worker": prof.s_worker.device,
-               "profile_source": prof.source}
+               "profile_source": prof.source, "fidelity": fid}
         if not args.batch:
             out["sweep"] = rows
         print(json.dumps(out, indent=1))
@@ -299,6 +301,7 @@ def run(args) -> int:
         print(f"step latency {r['step_latency_s'] * 1e3:.1f} ms (depth 1: {r['step_latency_depth1_s'] * 1e3:.1f} ms), "
               f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_depth1']:,.0f} at depth 1), "
               f"{r['step_latency_s'] * 1e3:.1f} ms/token per sequence; bound: {r['bound']}")
+        print(fidelity_line(fid, r["bound"]))
         return 0
     print(f"{'batch':>7} {'E(B)':>6} {'P need':>6} {'P':>5} {'S ms':>8} {'R ms':>8} {'link ms':>8} "
           f"{'step ms':>9} {'tokens/s':>10} {'bound':>8}")
@@ -307,6 +310,7 @@ def run(args) -> int:
               f"{r['s_layer_s'] * 1e3:>8.3f} {r['r_layer_s'] * 1e3:>8.3f} {r['link_layer_s'] * 1e3:>8.3f} "
               f"{r['step_latency_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10,.0f} {r['bound']:>8}"
               + ("  <- knee" if r["batch"] == knee else ""))
+    print(f"at the knee (batch {knee}): " + fidelity_line(fid, pick["bound"]))
     return 0
 
 
