@@ -231,7 +231,8 @@ def check_model(args) -> None:
     if refused:
         raise UsageError(refused)
     try:
-        read_config(resolve_model(args.model, args.revision)).resolve_max_model_len(getattr(args, "max_model_len", None))
+        config = read_config(resolve_model(args.model, args.revision))
+        config.resolve_max_model_len(getattr(args, "max_model_len", None))
         if args.tokenizer:
             resolve_model(args.tokenizer, args.tokenizer_revision)
         elif args.tokenizer_revision:

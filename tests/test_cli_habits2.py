@@ -64,10 +64,12 @@ def test_the_error_line_comes_first_and_alone(capsys):
 
 
 @pytest.mark.parametrize("flag, needle", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported by fastdecode: the S-worker runs on one GPU"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported by fastdecode: the S-worker runs on "
+                                      "one GPU"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 is not supported by fastdecode: the S-worker's "
                                           "GPU holds the weights"),
-    (["--quantization", "fp8"], "--quantization fp8 is not supported by fastdecode: the S-worker's weights run in dtype"),
+    (["--quantization", "fp8"], "--quantization fp8 is not supported by fastdecode: the S-worker's weights run in "
+                                "dtype"),
     (["--trust-remote-code"], "--trust-remote-code is not supported by fastdecode: fastdecode runs its own"),
     (["--enforce-eager", "--cuda-graphs"], "--enforce-eager contradicts --cuda-graphs"),
 ])

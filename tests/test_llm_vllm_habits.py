@@ -33,10 +33,12 @@ def test_vllm_kwargs_with_a_meaning_here_are_mapped():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported by fastdecode: the S-worker runs on one GPU"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported by fastdecode: the S-worker runs on one "
+                                   "GPU"),
     (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization=0.5 is not supported by fastdecode: the S-worker's GPU "
                                        "holds the weights and activations only"),
-    (dict(quantization="fp8"), "quantization='fp8' is not supported by fastdecode: the S-worker's weights run in dtype"),
+    (dict(quantization="fp8"), "quantization='fp8' is not supported by fastdecode: the S-worker's weights run in "
+                               "dtype"),
     (dict(trust_remote_code=True), "trust_remote_code=True is not supported by fastdecode: fastdecode runs its own "
                                    "implementation of each model family"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8' is not supported by fastdecode"),

@@ -30,8 +30,8 @@ def check_paths(args) -> None:
     # stat the name, not its realpath: /dev/stderr on a pipe resolves to /proc/PID/fd/pipe:[N], no file
     if os.path.exists(args.output) and not stat.S_ISREG(os.stat(args.output).st_mode):
         raise ValueError(f"output {args.output} is not a regular file ({real}): a job resumes from its output "
-                         f"and rewrites it in input order, which a device or pipe cannot do; write to a file, or -o - for "
-                         f"rows on stdout")
+                         f"and rewrites it in input order, which a device or pipe cannot do; write to a file, or "
+                         f"-o - for rows on stdout")
     if os.path.exists(real) and os.path.samefile(args.input, real):
         raise ValueError(f"output {args.output} is the input file")
     if args.index_dir is not None and not (os.path.isdir(args.index_dir) and os.access(args.index_dir, os.W_OK)):

@@ -9,10 +9,11 @@ Percent is tokens generated over the tokens expected (each request's max_tokens,
 the schedule has learnt, sched/length_model.py; lines not read yet at the mean so far). It never
 goes back, and reads 100.0 only on the last line, which ends in `done` (or `interrupted`).
 tok/s is over the last minute; kv is each R-worker's KV tokens and the share of its capacity, in
-rank order. eta prices what is left as steps, each generating a token for every running sequence; a step
-costs a + c * (its tokens), a and c fitted over the last minute. The steps come from placing the
-waiting sequences, in order, into the batch's slots as running ones end (steps_to_finish). (Tokens left at the recent rate
-run low in a job's tail, where the batch shrinks: fewer tokens per step, each step cheaper.)
+rank order. eta prices what is left as steps, each generating a token for every running
+sequence: the steps come from placing the waiting sequences, in order, into the batch's slots as
+running ones end (steps_to_finish), and a step costs a + c * (its tokens), a and c fitted over
+the last minute (time_left). Tokens left at the recent token rate run low in a job's tail, where
+the batch shrinks: fewer tokens per step, each step cheaper.
 """
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_dev
 from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
 from fastdecode.engine.runner import ModelRunner
-from fastdecode.engine.sampling_params import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
-                                               SamplingParams)
+from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
 from fastdecode.model.config import ModelConfig

@@ -29,7 +29,8 @@ class TokenIdsOnly:
 
     encode_chat = encode_text = encode
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
         return ""
 
     def token_text(self, token: int) -> str:
@@ -97,7 +98,8 @@ class Tokenizer:
                                            continue_final_message=continue_final_message, **(template_kwargs or {}))
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
         """The text of `ids`, as vLLM detokenizes: a fast tokenizer (or one without added tokens)
         decodes them whole; a slow one decodes the runs between its added tokens and joins them and
         the added tokens with spaces (spaces_between_special_tokens) or without."""

@@ -63,9 +63,11 @@ def fidelity_line(fid: dict | None, bound: str) -> str:
     """One line for plan's output."""
     if fid is None:
         return "fidelity: no measured run to compare with (bench/sizing/results)"
-    what = f"plans bound by {bound}" if fid["bound"] == bound else f"plans of any bound (none bound by {bound} measured)"
+    what = f"plans bound by {bound}" if fid["bound"] == bound else \
+        f"plans of any bound (none bound by {bound} measured)"
     runs = f"{fid['runs']} run{'s' if fid['runs'] != 1 else ''}"
-    caveat = "" if fid["measured_profile"] else "; those planned from measured profiles, stated hardware adds its own error"
-    return (f"fidelity: {what} on a {fid['s_worker'].upper()} S-worker have been off by {_pct(fid['step_latency_error'])} "
-            f"in step latency and {_pct(fid['tokens_per_s_error'])} in tokens/s (predicted against measured, {runs} in "
-            f"bench/sizing/results{caveat})")
+    caveat = "" if fid["measured_profile"] else \
+        "; those planned from measured profiles, stated hardware adds its own error"
+    return (f"fidelity: {what} on a {fid['s_worker'].upper()} S-worker have been off by "
+            f"{_pct(fid['step_latency_error'])} in step latency and {_pct(fid['tokens_per_s_error'])} in tokens/s "
+            f"(predicted against measured, {runs} in bench/sizing/results{caveat})")
