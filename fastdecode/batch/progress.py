@@ -223,7 +223,10 @@ class Progress:
             except ImportError:                            # R-worker-only installs: log lines instead
                 tqdm = None
             if tqdm is not None:
-                self.bar = tqdm(total=0, unit="tok", dynamic_ncols=True, file=self.stream, desc="tokens")
+                # tqdm's own remaining time is tokens left at its rate, low in a shrinking tail: the
+                # postfix shows this module's eta instead
+                self.bar = tqdm(total=0, unit="tok", dynamic_ncols=True, file=self.stream, desc="tokens",
+                                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]")
 
     def __enter__(self) -> Progress:
         return self
@@ -260,7 +263,7 @@ class Progress:
         self.last = now
         snap, rate, percent, eta = self._measure(now, done=False)
         if self.bar is not None:
-            self._draw(snap)
+            self._draw(snap, eta)
         else:
             self._log(progress_line(percent, snap, rate, now - self.start, eta))
 
@@ -271,19 +274,19 @@ class Progress:
         now = self.clock()
         snap, rate, percent, eta = self._measure(now, done=state == "done")
         if self.bar is not None:
-            self._draw(snap)
+            self._draw(snap, eta)
             self.bar.close()
             self.bar = None
         else:
             self._log(progress_line(percent, snap, rate, now - self.start, eta, state))
 
-    def _draw(self, snap: Snapshot) -> None:
+    def _draw(self, snap: Snapshot, eta: float | None) -> None:
         bar = self.bar
         bar.total = max(round(snap.tokens_expected or 0), snap.tokens_done)
-        bar.update(snap.tokens_done - bar.n)                # through update: tqdm's own rate and ETA
+        bar.update(snap.tokens_done - bar.n)                # through update: tqdm's own rate
         total = "?" if snap.requests_total is None else snap.requests_total
-        bar.set_postfix_str(f"requests {snap.requests_done}/{total}, running {snap.running}, "
-                            f"waiting {snap.waiting}", refresh=False)      # tqdm shows the rate and ETA
+        bar.set_postfix_str(f"eta {clock(eta)}, requests {snap.requests_done}/{total}, running {snap.running}, "
+                            f"waiting {snap.waiting}", refresh=False)
         bar.refresh()
 
     def _log(self, line: str) -> None:
