@@ -132,3 +132,13 @@ def test_generate_with_an_absent_repo_id_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("fastdecode: error: model 'meta-llama/Meta-Llama-3-8B-Instruct' "
                                                    "is not in the local Hugging Face cache"), proc.stderr
     assert "hf download meta-llama/Meta-Llama-3-8B-Instruct" in lines[0]
+
+
+def test_plan_takes_a_repo_id_from_the_cache(hub):
+    proc = run_fastdecode(["plan", "--model", "org/tiny", "--gpu-profile", "h100", "--cpu-bw", "100", "--batch", "64",
+                           "--json"], timeout=120, env={"HF_HUB_CACHE": str(hub)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["model"] == "org/tiny"
+    proc = run_fastdecode(["plan", "--model", "org/absent", "--gpu-profile", "h100", "--cpu-bw", "100"], timeout=120,
+                          env={"HF_HUB_CACHE": str(hub)})
+    assert proc.returncode == 2 and "hf download org/absent" in proc.stderr

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from fastdecode.model.hf_cache import looks_like_repo_id
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
 from fastdecode.sizing.fidelity import fidelity, fidelity_line
 from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
@@ -65,8 +66,8 @@ def add_hardware_options(p: argparse.ArgumentParser):
                                        "hardware)")
     src.add_argument("--gpu-profile", help=f"GPU preset ({', '.join(GPU_PRESETS)}) or a JSON file "
                      "with name, peak_tflops, mem_bw_GBps, mem_GB (default: the profile's S-worker)")
-    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}) or an HF config.json "
-                                     "(default: the profile's model)")
+    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}), an HF config.json or model "
+                                     "directory, or an org/name in the local HF cache (default: the profile's model)")
     src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s "
                                                   "(default: the profile's measurement; needed without one)")
     src.add_argument("--cpu-mem", type=float, help=f"memory of one R-worker, GB (default: {measured}"
@@ -101,10 +102,14 @@ def _model(name: str) -> ModelDims:
     if name in MODEL_PRESETS:
         return MODEL_PRESETS[name]
     path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    label = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isfile(path) and looks_like_repo_id(name):         # org/name: its config in the local HF cache
+        from fastdecode.model.source import resolve_model
+        path, label = os.path.join(resolve_model(name).path, "config.json"), name
     if not os.path.isfile(path):
         raise PlanError(f"unknown model {name!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor a config.json")
     try:
-        return ModelDims.from_hf_config(_load_json(path), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return ModelDims.from_hf_config(_load_json(path), name=label)
     except KeyError as e:
         raise PlanError(f"{path}: missing {e}") from None
 
