@@ -337,7 +337,8 @@ def run_s_worker(args, comm) -> int:
     # the output is read before the model loads: a rerun that finds every line answered makes no
     # engine, and the R-workers end before their start-up (and kernel tune)
     summary, rep, interrupted = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
-    if args.rows_to_stdout:                    # -o -: stdout holds the rows, the report goes to stderr
+    rows_to_stdout = getattr(args, "rows_to_stdout", False)     # set by validate_generate (batch/stdio.py)
+    if rows_to_stdout:                         # -o -: stdout holds the rows, the report goes to stderr
         from fastdecode.batch.stdio import write_rows_to_stdout
         write_rows_to_stdout(args)
         if interrupted:
@@ -346,7 +347,7 @@ def run_s_worker(args, comm) -> int:
     if summary is not None:
         if args.stats_json:
             engines[0].recorder.write(args.stats_json, summary)
-        print_report(summary, rep, rows_on_stdout=args.rows_to_stdout)
+        print_report(summary, rep, rows_on_stdout=rows_to_stdout)
     return mpi_env.EXIT_TEMPFAIL if interrupted else EXIT_OK
 
 
