@@ -78,7 +78,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildPerModule},
     install_requires=[
-        # R-worker nodes need only these three
+        # R-worker nodes need only these three and pydantic (scripts/install.sh --rworker)
         "numpy>=1.24",
         "mpi4py>=3.1",
         "psutil>=5.9",

@@ -75,7 +75,13 @@ def _fraction(text: str) -> float:
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine options every command that builds an engine uses (generate, profile)."""
     p.add_argument("-m", "--model", default="smollm2-135m",
-                   help="HF model directory, .gguf file, or embedded name (default: smollm2-135m)")
+                   help="HF model directory, .gguf file, HF repo id (org/name) in the local Hugging Face cache "
+                        "($HF_HUB_CACHE, $HF_HOME/hub; never downloaded), or embedded name (default: smollm2-135m)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a model named org/name, among the local cache's (default: main)")
+    p.add_argument("--tokenizer", default=None,
+                   help="another model's tokenizer: a directory, .gguf file or cached org/name (default: the model's)")
+    p.add_argument("--tokenizer-revision", default=None, help="--revision of --tokenizer")
     p.add_argument("--device", default="auto", help="S-worker device: auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
@@ -123,12 +129,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(fewer launches at small batches; captured on first use per row bucket)")
     p.add_argument("--cuda-graph-max-rows", type=positive_int, default=2048,
                    help="largest mini-batch run from CUDA graphs; larger ones run eagerly (default 2048)")
+    from fastdecode.vllm_args import add_flags
+    add_flags(p.add_argument_group("vLLM's flags", "accepted where they mean something here, else refused "
+                                                   "(exit 2) saying why"))
 
 
 def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine options only a serving run uses (batching, memory per sequence, admission, seeds)."""
-    p.add_argument("--max-batch", type=positive_int, default=None,
-                   help="most sequences decoding at once (default 256 on a CPU S-worker, 4096 on CUDA)")
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=positive_int, default=None,
+                   help="most sequences decoding at once (--max-num-seqs: vLLM's name; default 256 on a CPU "
+                        "S-worker, 4096 on CUDA)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + generation served (default: the model's context). Each sequence "
                         "reserves R-worker memory for prompt + max_tokens, and a request without max_tokens "
@@ -137,10 +147,12 @@ def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
                    help="R-worker memory per sequence: full (its worst case, prompt + max_tokens, at admission: "
                         "never preempted; default) or grow (page by page as it grows; when a worker is full the "
                         "youngest sequences there are preempted and later recomputed, as vLLM does)")
-    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefix-sharing", "--enable-prefix-caching", dest="prefix_sharing",
+                   action=argparse.BooleanOptionalAction, default=True,
                    help="prompts that start with the same whole KV pages as a running one (a shared system "
                         "prompt, n samples) prefill only the rest and read those pages on its R-worker, stored "
-                        "once (default); --no-prefix-sharing prefills and stores every prompt in full")
+                        "once (default; vLLM's --enable-prefix-caching); --no-prefix-sharing prefills and stores "
+                        "every prompt in full")
     p.add_argument("--prefix-kept-tokens", type=positive_int, default=8192,
                    help="most shared-prefix tokens whose K/V rank 0 keeps for the prompts that start from them "
                         "(default 8192; past it a prompt prefills in full)")
@@ -213,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also name this model's architecture, shape and attention variants (its config, checked "
                            "against the weights' shapes: no tensor is read); an unsupported or malformed model exits 2 "
                            "with the reason")
+    info.add_argument("--revision", default=None, help="--model's revision, as generate's")
     return parser
 
 
@@ -221,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_generate(args) -> None:
     from fastdecode.batch.paths import check_paths, hold_outputs
     from fastdecode.batch.progress import interval_from
+    from fastdecode.batch.stdio import take_streams
     try:
+        take_streams(args)                   # -i -, a pipe, -o -: scratch files in their place
         check_paths(args)
         if not args.quiet:
             interval_from(args.progress_interval)
@@ -238,13 +253,22 @@ def validate_generate(args) -> None:
 
 
 def check_model(args) -> None:
-    """The model's config is readable and servable, --max-model-len fits it, and a chunked-prefill
-    budget holds --max-batch decode rows."""
+    """vLLM's flags are ones fastdecode serves, the model's config (and a --tokenizer) is readable
+    and servable, --max-model-len fits it, and a chunked-prefill budget holds --max-batch decode rows."""
     from fastdecode.engine.args import check_batch_budget, default_max_batch, resolve_device
     from fastdecode.model.config import ConfigError
     from fastdecode.model.source import read_config, resolve_model
+    from fastdecode.vllm_args import check_flags
+    refused = check_flags(args)
+    if refused:
+        raise UsageError(refused)
     try:
-        read_config(resolve_model(args.model)).resolve_max_model_len(getattr(args, "max_model_len", None))
+        config = read_config(resolve_model(args.model, args.revision))
+        config.resolve_max_model_len(getattr(args, "max_model_len", None))
+        if args.tokenizer:
+            resolve_model(args.tokenizer, args.tokenizer_revision)
+        elif args.tokenizer_revision:
+            raise ConfigError("--tokenizer-revision needs --tokenizer (the model's own tokenizer follows --revision)")
     except ConfigError as e:
         raise UsageError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a model file that breaks a reader is a bad model file
@@ -286,6 +310,9 @@ def run_job(args, validate, s_worker_main) -> int:
     if size <= 1 and error:                              # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if size == 1 and mpi_env.under_launcher() and not getattr(args, "quiet", False):
+        print("fastdecode: one MPI rank: local mode, the R-part runs in this process (no R-workers); launch 1+R "
+              "ranks for R R-workers (mpirun -n 3: two)", file=sys.stderr, flush=True)
     comm = mpi_env.world(args.timeout)
     try:   # from here a failure anywhere before the first step ends every rank at once (an abort)
         if comm is not None:
@@ -361,8 +388,15 @@ def run_s_worker(args, comm) -> int:
     # the output is read before the model loads: a rerun that finds every line answered makes no
     # engine, and the R-workers end before their start-up (and kernel tune)
     summary, rep, code = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
+    rows_to_stdout = getattr(args, "rows_to_stdout", False)     # set by validate_generate (batch/stdio.py)
+    if rows_to_stdout:                         # -o -: stdout holds the rows, the report goes to stderr
+        from fastdecode.batch.stdio import write_rows_to_stdout
+        write_rows_to_stdout(args)
+        if code == mpi_env.EXIT_TEMPFAIL:
+            print("fastdecode: with -o - a stopped job has nothing to resume from: the rows it finished are on "
+                  "stdout; give -o FILE to resume", file=sys.stderr, flush=True)
     if summary is not None:
-        print_report(summary, rep)
+        print_report(summary, rep, rows_on_stdout=rows_to_stdout)
     return code                          # the report's exit_code: its state says the same
 
 
@@ -399,7 +433,7 @@ def cmd_info(args) -> int:
     info = collect()
     if args.model:
         try:
-            info.update(model_info(args.model))
+            info.update(model_info(args.model, args.revision))
         except Exception as e:  # noqa: BLE001 - as generate's check of the model: a usage error
             print(render(info))
             why = str(e) if isinstance(e, ConfigError) else f"model {args.model}: cannot be read: {one_line(e)}"
@@ -410,6 +444,8 @@ def cmd_info(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastdecode.launch.streams import whole_lines
+    whole_lines()                             # every rank: a line is one write, never spliced by a launcher
     words = sys.argv[1:] if argv is None else argv
     job = next((w for w in words if not w.startswith("-")), None) in ("generate", "profile")
     try:
@@ -431,8 +467,8 @@ def run_command(argv: list[str] | None, words: list[str], job: bool) -> int:
     if job and supervise.should_supervise():  # under a launcher: a dead rank gets named
         summary = None
         if args.command == "generate":
-            from fastdecode.batch.report import default_path
-            summary = args.summary_json or default_path(args.output)
+            from fastdecode.batch.stdio import summary_path
+            summary = summary_path(args)
         return supervise.run_supervised(words, summary)
     if rank == 0 and args.command == "profile":
         from fastdecode.batch.interrupt import STOP

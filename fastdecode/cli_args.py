@@ -3,7 +3,10 @@ the closest known option, before a required one is missed (argparse checks `requ
 `--inptu x` would read "-i/--input is required").
 
 Options are declared as usual; `required=True` on an option of a sub-command is checked after the
-whole command line was read.
+whole command line was read. An error is one line, first and alone (argparse's usage block, a
+screen long for `generate`, would bury it), then where the options are listed. A vLLM flag that is
+not fastdecode's is named with the flag that means the same here (vllm_args.py's MEANINGS), before
+any flag spelled like it.
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ class CommandParser(argparse.ArgumentParser):
         action.add_parser = add_command
         return action
 
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: `{self.prog} --help` lists the options\n")
+
     def parse_args(self, args=None, namespace=None):
         ns, extras = self.parse_known_args(args, namespace)
         command = self.commands.get(getattr(ns, "command", None) or "")
@@ -63,12 +69,14 @@ class CommandParser(argparse.ArgumentParser):
 
 def unrecognized_message(extras: list[str], known: list[str]) -> str:
     """argparse's message, with "did you mean --x?" for each unknown option close to a known one."""
+    from fastdecode.vllm_args import MEANINGS
     hints = []
     for word in extras:
         if not word.startswith("-") or word in ("-", "--"):
             continue
         name = word.split("=", 1)[0]
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        same = MEANINGS.get(name)
+        close = [same] if same in known else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         if close:
             hints.append((name, close[0]))
     text = f"unrecognized arguments: {' '.join(extras)}"

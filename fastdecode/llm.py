@@ -3,26 +3,34 @@
 In a singleton process the R-part runs in-process (local mode). Under `mpirun -n 1+R` every rank
 runs the same script: rank 0 returns an LLM (the S-worker); on ranks 1..R the constructor serves
 as an R-worker until rank 0 closes, then ends the process.
+
+`LLM(...)` takes EngineArgs' fields and vLLM's keyword arguments (vllm_args.py: `max_num_seqs` is
+the max batch; one without a meaning here is accepted at its no-op value, refused at any other).
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import sys
 from collections.abc import Sequence as Seq
 
 from fastdecode.batch.progress import Progress, engine_snapshot
 from fastdecode.engine.args import EngineArgs
+from fastdecode.engine.chat import conversations, load_chat_template, template_messages
 from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.prompt_inputs import params_per_prompt, parse_prompts
 from fastdecode.engine.request_checks import RequestError
 from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
 from fastdecode.launch import mpi_env
+from fastdecode.vllm_args import engine_kwargs
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
 
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs):
         from fastdecode.launch.env_vars import environment_error
-        args = EngineArgs(model=model, **kwargs)
+        args = EngineArgs(model=model, **engine_kwargs(kwargs, _ENGINE_FIELDS))
         error = environment_error(runs_kernels=mpi_env.launched_rank() > 0 or mpi_env.launched_size() <= 1)
         if error:
             raise ValueError(error)
@@ -49,26 +57,59 @@ class LLM:
         """prompts, as vLLM takes them: a string, {"prompt": str} (TextPrompt), {"prompt_token_ids":
         [int, ...]} (TokensPrompt) or a list of token ids; one, or a list of them mixed.
         sampling_params: one for all prompts, or one per prompt. Outputs in input order."""
+        parsed = parse_prompts(prompts)
+        params = params_per_prompt(sampling_params, len(parsed))
         encoded = []
-        for i, (text, ids) in enumerate(parse_prompts(prompts)):
+        for i, ((text, ids), p) in enumerate(zip(parsed, params)):
+            keep = self._kept_prompt_tokens(p)
             if ids is None:
                 try:
-                    ids = self.engine.tokenizer.encode(text)
+                    ids = self.engine.tokenizer.encode(text, truncate=keep)
                 except ValueError as e:          # a model without a tokenizer takes token ids only
                     raise ValueError(f"prompts[{i}]: {e}") from None
+            elif keep is not None:
+                ids = ids[-keep:]
             encoded.append((text, ids))
-        return self._run(encoded, sampling_params, use_tqdm, "prompts")
+        return self._run(encoded, params, use_tqdm, "prompts")
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        encoded = [(None, self.engine.tokenizer.encode_chat(c)) for c in convs]
-        return self._run(encoded, sampling_params, use_tqdm, "messages")
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's chat: messages is one conversation (a list of {"role", "content"}, content a
+        string or a list of text parts) or a list of them, each through the chat template (the
+        model's, or `chat_template`: its text or a file). add_generation_prompt opens the
+        assistant's turn; continue_final_message (with add_generation_prompt=False) continues the
+        last message instead; tools and chat_template_kwargs go to the template."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported by fastdecode")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message and add_generation_prompt=True "
+                             "starts a new one: pass add_generation_prompt=False with it")
+        template = load_chat_template(chat_template)
+        convs = conversations(messages)
+        params = params_per_prompt(sampling_params, len(convs))
+        encoded = []
+        for i, (conv, p) in enumerate(zip(convs, params)):
+            where = "messages" if len(convs) == 1 and isinstance(messages[0], dict) else f"messages[{i}]"
+            msgs = template_messages(conv, chat_template_content_format, where)
+            try:
+                ids = self.engine.tokenizer.encode_chat(msgs, template, add_generation_prompt, continue_final_message,
+                                                        tools, chat_template_kwargs)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            keep = self._kept_prompt_tokens(p)
+            encoded.append((None, ids if keep is None else ids[-keep:]))
+        return self._run(encoded, params, use_tqdm, "messages")
 
-    def _run(self, encoded, sampling_params, use_tqdm: bool, what: str) -> list[RequestOutput]:
+    def _kept_prompt_tokens(self, params: SamplingParams) -> int | None:
+        """vLLM's truncate_prompt_tokens: k keeps the prompt's last k tokens, -1 the model's context."""
+        k = params.truncate_prompt_tokens
+        return self.engine.max_model_len if k == -1 else k
+
+    def _run(self, encoded, params: list[SamplingParams], use_tqdm: bool, what: str) -> list[RequestOutput]:
         n = len(encoded)
-        params = params_per_prompt(sampling_params, n)
         eng = self.engine
         for i, ((_, ids), p) in enumerate(zip(encoded, params)):   # all checked before any is queued
             try:

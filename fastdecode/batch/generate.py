@@ -51,12 +51,16 @@ def finalize_output(writer: OutputWriter, index: ResumeIndex, sort: bool) -> Cou
     return moved
 
 
-def print_report(summary: dict, rep: dict | None) -> None:
-    """The run in a few lines on stderr (report_text.py), then the Throughput line on stdout, last."""
+def print_report(summary: dict, rep: dict | None, rows_on_stdout: bool = False) -> None:
+    """The run in a few lines on stderr (report_text.py), then the Throughput line on stdout, last
+    (on stderr too where stdout holds the rows: -o -)."""
+    from fastdecode.launch.streams import drain_stderr
     *lines, throughput = text_lines(summary, rep)
     for line in lines:
         print(f"fastdecode: {line}", file=sys.stderr, flush=True)
-    print(throughput, flush=True)
+    if not rows_on_stdout:
+        drain_stderr()                   # a launcher forwards stderr and stdout apart: stderr first
+    print(throughput, file=sys.stderr if rows_on_stdout else sys.stdout, flush=True)
 
 
 def run_summary(runner: BatchRunner, wall: float) -> dict:

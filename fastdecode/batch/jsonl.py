@@ -9,6 +9,7 @@ parsing or validating one line becomes that line's error.
 """
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ def count_lines(path: str, chunk_bytes: int = COUNT_CHUNK) -> int:
 
 def raw_lines(path: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """(line number, bytes) of every LF-terminated line; None for a line over max_bytes, whose
-    rest is skipped without being held in memory."""
+    rest is skipped without being held in memory. A UTF-8 byte order mark (editors on Windows
+    write one) is not part of line 1."""
     with open(path, "rb") as f:
         line_no = 0
         while True:
@@ -105,6 +107,8 @@ def raw_lines(path: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
             if not data:
                 return
             line_no += 1
+            if line_no == 1 and data.startswith(codecs.BOM_UTF8):
+                data = data[len(codecs.BOM_UTF8):]
             if len(data) > max_bytes and not data.endswith(b"\n"):
                 while data and not data.endswith(b"\n"):
                     data = f.readline(1 << 20)

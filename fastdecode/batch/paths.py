@@ -75,9 +75,11 @@ def check_paths(args) -> None:
         raise ValueError(f"input file {args.input} is empty")
     _writable_file_path(args.output, "output")
     real = os.path.realpath(args.output)
-    if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):
+    # stat the name, not its realpath: /dev/stderr on a pipe resolves to /proc/PID/fd/pipe:[N], no file
+    if os.path.exists(args.output) and not stat.S_ISREG(os.stat(args.output).st_mode):
         raise ValueError(f"output {args.output} is not a regular file ({real}): a job resumes from its output "
-                         f"and rewrites it in input order, which a device or pipe cannot do; write to a file")
+                         f"and rewrites it in input order, which a device or pipe cannot do; write to a file, or "
+                         f"-o - for rows on stdout")
     if args.index_dir is not None and not (os.path.isdir(args.index_dir) and os.access(args.index_dir, os.W_OK)):
         raise ValueError(f"--index-dir {args.index_dir} is not a writable directory")
     _writable_file_path(args.summary_json or default_path(args.output), "--summary-json")

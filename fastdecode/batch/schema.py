@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from fastdecode.engine.chat import joined_text  # text parts joined as vLLM joins them
+
 Number = Annotated[float, Field(allow_inf_nan=False)]      # strict: an int or a float, finite
 TokenId = Annotated[StrictInt, Field(ge=0)]
 CHAT_ROLES = ("system", "user", "assistant")
@@ -45,7 +47,7 @@ class Message(BaseModel):
     name: StrictStr | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else joined_text(self.content)
 
 
 class Body(BaseModel):

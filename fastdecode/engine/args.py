@@ -16,6 +16,9 @@ from rworker.protocol.kvformat import KV_DTYPES
 @dataclass(slots=True)
 class EngineArgs:
     model: str = "smollm2-135m"
+    revision: str | None = None       # branch, tag or commit of a model named by its HF repo id (local cache)
+    tokenizer: str | None = None      # another model's tokenizer (a directory, .gguf or cached repo id)
+    tokenizer_revision: str | None = None   # its revision, as `revision`
     device: str = "auto"              # auto | cpu | cuda[:i]
     dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16 | int8

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, finished requests out; `step()` = schedule -> run -> postprocess."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -16,7 +17,7 @@ from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
 from fastdecode.engine.rpart_setup import OutOfMemory
 from fastdecode.engine.runner import ModelRunner
-from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
 from fastdecode.model.config import ModelConfig
@@ -37,7 +38,7 @@ from rworker.host.wait import node_layout
 class LLMEngine:
     def __init__(self, args: EngineArgs, comm=None):
         self.args = args
-        self.source: ModelSource = resolve_model(args.model)
+        self.source: ModelSource = resolve_model(args.model, args.revision)
         self.served: ServedModel = served_model(self.source, args.served_model_name)
         self.config: ModelConfig = read_config(self.source)
         self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
@@ -48,7 +49,8 @@ class LLMEngine:
         self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
         self.s_cores = self._setup_cores()
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
-        self.tokenizer = Tokenizer(self.source, digest) if self.source.kind != "random" \
+        tokenizer = resolve_model(args.tokenizer, args.tokenizer_revision) if args.tokenizer else None
+        self.tokenizer = Tokenizer(self.source, digest, tokenizer) if self.source.kind != "random" or tokenizer \
             else TokenIdsOnly(self.config.vocab_size)
         world = comm.Get_size() if comm is not None else 1
         self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, world,
@@ -196,6 +198,8 @@ class LLMEngine:
                       self.request_seed(params, request_id), meta=meta or {}, arrival_step=self.step_no,
                       bad_words_ids=checked.bad_words_ids, pinned_bytes=checked.pinned_bytes,
                       allowed_ids=checked.allowed_ids)
+        now = time.time()
+        req.metrics = RequestMetrics(arrival_time=now, last_token_time=now)
         for i in range(params.n):
             req.sequences.append(Sequence(self._next_seq_id, req, i, max_tokens))
             self._next_seq_id += 1
@@ -241,6 +245,20 @@ class LLMEngine:
         bound = np.array([s.max_tokens for s in seqs], dtype=np.int64)              # [n]
         return float(self.bound_output_tokens - (bound - lengths.expected_length(generated, bound)).sum())
 
+    def tokens_left(self) -> tuple[np.ndarray, np.ndarray]:
+        """Output tokens each unfinished sequence is expected to generate still, by max_tokens or
+        the learnt lengths (as expected_output_tokens): (running and prefilling [r], waiting [w])."""
+        lengths = getattr(self.scheduler.admission, "lengths", None)
+
+        def left(seqs: list[Sequence]) -> np.ndarray:
+            generated = np.array([len(s.output_ids) for s in seqs], dtype=np.int64)     # [n]
+            bound = np.array([s.max_tokens for s in seqs], dtype=np.int64)              # [n]
+            expected = lengths.expected_length(generated, bound) if lengths is not None and lengths.ready and seqs \
+                else bound
+            return np.maximum(expected - generated, 0)
+        running = [s for s in self.scheduler.running if s.status in (Status.RUNNING, Status.PREFILLING)]
+        return left(running), left(list(self.scheduler.waiting))
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -264,6 +282,7 @@ class LLMEngine:
         tokens_before = self.num_output_tokens
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)
+        _note_scheduled(new)
         prefill = None
         if new:
             prefill = self._prefill(new, finished)
@@ -288,6 +307,7 @@ class LLMEngine:
             self.free_kv(self.scheduler.make_room())
         running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         new = self.scheduler.schedule_prefill(self.step_no)
+        _note_scheduled(new)
         prefill, stats, t_prefill = None, None, 0.0
         if new and running:
             self._count_recomputed(new)
@@ -338,16 +358,21 @@ class LLMEngine:
             self.backend.free(by_worker)
 
     def _postprocess(self, seqs: list[Sequence], tokens: np.ndarray, finished: list[Request]) -> None:
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         for seq, tok in zip(seqs, tokens.tolist()):
             seq.output_ids.append(tok)
             seq.token_times.append(now)
             self.num_output_tokens += 1
+            metrics = seq.request.metrics
+            metrics.last_token_time = wall
+            if metrics.first_token_time is None:
+                metrics.first_token_time = wall
             if self._check_stop(seq, tok):
                 self.scheduler.finish(seq)
                 self.bound_output_tokens -= seq.max_tokens - len(seq.output_ids)
                 self.token_gaps.add(np.diff(seq.token_times))
                 if seq.request.finished:
+                    metrics.finished_time = wall
                     finished.append(seq.request)
                     self.pinned_bytes -= seq.request.pinned_bytes
 
@@ -362,7 +387,7 @@ class LLMEngine:
                 seq.finish_reason = "stop"
                 return True
             if p.stop:
-                text = self.tokenizer.decode(seq.output_ids, p.skip_special_tokens)
+                text = self.tokenizer.decode(seq.output_ids, p.skip_special_tokens, p.spaces_between_special_tokens)
                 hits = [(text.find(s), s) for s in p.stop if s in text]
                 if hits:
                     pos, stop = min(hits)
@@ -377,25 +402,33 @@ class LLMEngine:
     # ------------------------------------------------------------------ outputs
 
     def output_of(self, req: Request) -> RequestOutput:
+        """vLLM's RequestOutput; with detokenize=False no text (empty, and logprobs without decoded tokens)."""
         outs = []
+        p = req.params
         for s in req.sequences:
-            text = s.text if isinstance(s.stop_reason, str) else \
-                self.tokenizer.decode(s.output_ids, req.params.skip_special_tokens)
+            if not p.detokenize:
+                text = ""
+            elif isinstance(s.stop_reason, str):
+                text = s.text
+            else:
+                text = self.tokenizer.decode(s.output_ids, p.skip_special_tokens, p.spaces_between_special_tokens)
             out = CompletionOutput(s.sample_index, text, list(s.output_ids), s.finish_reason, s.stop_reason)
-            if req.params.logprobs is not None:
-                out.logprobs = [self._position_logprobs(tok, entry) for tok, entry in zip(s.output_ids, s.logprobs)]
+            if p.logprobs is not None:
+                out.logprobs = [self._position_logprobs(tok, entry, p.detokenize)
+                                for tok, entry in zip(s.output_ids, s.logprobs)]
                 out.cumulative_logprob = float(sum(entry[0] for entry in s.logprobs))
             outs.append(out)
-        result = RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs)
+        result = RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs,
+                               metrics=dataclasses.replace(req.metrics) if req.metrics else None)
         if req.prompt_logprobs is not None:
-            result.prompt_logprobs = [None] + [self._position_logprobs(tok, entry)
+            result.prompt_logprobs = [None] + [self._position_logprobs(tok, entry, p.detokenize)
                                                for tok, entry in zip(req.prompt_ids[1:], zip(*req.prompt_logprobs))]
         return result
 
-    def _position_logprobs(self, token: int, entry: tuple) -> dict[int, Logprob]:
+    def _position_logprobs(self, token: int, entry: tuple, detokenize: bool = True) -> dict[int, Logprob]:
         """vLLM's per-position dict: the sampled token, then the top ones by rank (one entry if it is among them)."""
         chosen, rank, top_ids, top = entry
-        text = self.tokenizer.token_text
+        text = self.tokenizer.token_text if detokenize else (lambda t: None)
         found = {token: Logprob(float(chosen), int(rank), text(token))}
         for r, (t, lp) in enumerate(zip(top_ids.tolist(), top.tolist()), start=1):
             if t not in found:
@@ -404,3 +437,13 @@ class LLMEngine:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _note_scheduled(seqs: list[Sequence]) -> None:
+    """vLLM's first_scheduled_time and time_in_queue: when a request's prompt is first taken up."""
+    now = time.time()
+    for seq in seqs:
+        metrics = seq.request.metrics
+        if metrics is not None and metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+            metrics.time_in_queue = now - metrics.arrival_time

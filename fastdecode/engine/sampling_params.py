@@ -39,6 +39,16 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # if set, only these tokens may be generated (vLLM's)
     bad_words: list[str] | None = None           # words that may not be generated (vLLM's): a word's last
                                                  # token is banned where the output ends with the rest of it
+    detokenize: bool = True                      # False: outputs carry token ids only (text "", as vLLM's)
+    spaces_between_special_tokens: bool = True   # vLLM's: a slow tokenizer's added tokens are joined with
+                                                 # spaces (a fast tokenizer's text is the same either way)
+    truncate_prompt_tokens: int | None = None    # k: only the prompt's last k tokens (left truncation); -1:
+                                                 # the last max_model_len (vLLM's)
+    # vLLM fields fastdecode refuses (a silently different answer would be worse): any value but these
+    best_of: int | None = None                   # None or n
+    guided_decoding: object = None               # None
+    structured_outputs: object = None            # None
+    logits_processors: object = None             # None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -94,6 +104,27 @@ class SamplingParams:
             if val is not None and (not _int(val) or val < 0):
                 bad(name, "must be an integer >= 0")
         self._validate_token_sets()
+        self._validate_vllm_fields()
+
+    def _validate_vllm_fields(self):
+        def bad(name, why):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True: set detokenize=True to "
+                             "use stop (stop_token_ids work either way)")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _int(k) or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (the model's context)")
+        if self.best_of is not None and self.best_of != self.n:
+            bad("best_of", f"must be None or n ({self.n}): fastdecode returns every sample it draws (ask "
+                "n=best_of and rank the samples by cumulative_logprob, with logprobs=0)")
+        for name, what in (("guided_decoding", "guided decoding"), ("structured_outputs", "structured output"),
+                           ("logits_processors", "logits processors")):
+            if getattr(self, name) is not None:
+                bad(name, f"must be None: {what} is not supported by fastdecode")
 
     def _validate_token_sets(self):
         def bad(name, why):
@@ -170,6 +201,23 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """vLLM's request timings, wall-clock seconds (time.time()), filled as vLLM fills them: arrival
+    when the request is added, first scheduled when its prompt is first taken up (time in queue
+    between the two), first and last token as tokens come (last token starts at arrival), finished
+    when its last sequence ends. vLLM fills the last three only when tracing; so they stay None."""
+    arrival_time: float
+    last_token_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+    scheduler_time: float | None = None
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -178,3 +226,4 @@ class RequestOutput:
     finished: bool = True
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # if asked: None for the first prompt
                                                                      # token, then a dict per token as above
+    metrics: RequestMetrics | None = None

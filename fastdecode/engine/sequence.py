@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from fastdecode.engine.sampling_params import SamplingParams
+from fastdecode.engine.sampling_params import RequestMetrics, SamplingParams
 
 
 class Status(enum.Enum):
@@ -31,6 +31,7 @@ class Request:
     pinned_bytes: int = 0            # rank-0 memory it may hold until it finishes (request_checks.request_bytes)
     page_keys: list[int] | None = None   # hash chain over the prompt's whole pages (engine/prefix_cache.py)
     allowed_ids: object = None       # [a] int64 ndarray: params.allowed_token_ids, sorted and distinct, or None
+    metrics: RequestMetrics | None = None   # vLLM's timings (set when the engine adds it)
 
     @property
     def finished(self) -> bool:

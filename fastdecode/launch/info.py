@@ -189,14 +189,15 @@ def kv_bytes_line(model: str = "smollm2-135m") -> str:
     return f"{model}: " + ", ".join(f"{dt} {b / 1024:.1f} KiB" for dt, b in per.items()) + " (int8: scales included)"
 
 
-def model_info(model: str) -> dict:
-    """The architecture of `model` (a path, an embedded name or a random: spec) as a job would serve
-    it: read from its config alone; ConfigError if fastdecode does not serve it."""
+def model_info(model: str, revision: str | None = None) -> dict:
+    """The architecture of `model` (a path, a cached HF repo id, an embedded name or a random: spec)
+    as a job would serve it: read from its config alone; ConfigError if fastdecode does not serve it."""
     from fastdecode.model.config import SUPPORTED_ARCHS
     from fastdecode.model.source import read_config, resolve_model
-    c = read_config(resolve_model(model))
+    source = resolve_model(model, revision)
+    c = read_config(source)
     variants = c.attention_variants()
-    return {"model": model,
+    return {"model": model + (f" ({source.path})" if source.repo_id else ""),
             "model_architecture": f"{c.model_type}: {c.num_layers} layers, {c.num_heads} query / {c.num_kv_heads} "
                                   f"KV heads x {c.head_dim}",
             "model_attention": variants or "full attention on every layer",

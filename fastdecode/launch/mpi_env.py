@@ -13,6 +13,12 @@ import sys
 
 from fastdecode.launch.ranks import SIZE_VARS, launched_rank, launched_size, role_name
 
+
+def under_launcher() -> bool:
+    """Whether an MPI launcher (or srun) started this process, whatever the number of ranks."""
+    return any(var in os.environ for var in SIZE_VARS) or "SLURM_STEP_NUM_TASKS" in os.environ
+
+
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # batch/interrupt.py's
 INIT_TIMEOUT_S = 300.0    # MPI start-up waits for every rank; a rank that never comes ends it
 

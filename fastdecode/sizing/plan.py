@@ -12,7 +12,9 @@ import json
 import os
 import sys
 
+from fastdecode.model.hf_cache import looks_like_repo_id
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
+from fastdecode.sizing.fidelity import fidelity, fidelity_line
 from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
 from fastdecode.sizing.link_report import link_line, link_report
 from fastdecode.sizing.model import predict
@@ -64,8 +66,8 @@ def add_hardware_options(p: argparse.ArgumentParser):
                                        "hardware)")
     src.add_argument("--gpu-profile", help=f"GPU preset ({', '.join(GPU_PRESETS)}) or a JSON file "
                      "with name, peak_tflops, mem_bw_GBps, mem_GB (default: the profile's S-worker)")
-    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}) or an HF config.json "
-                                     "(default: the profile's model)")
+    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}), an HF config.json or model "
+                                     "directory, or an org/name in the local HF cache (default: the profile's model)")
     src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s "
                                                   "(default: the profile's measurement; needed without one)")
     src.add_argument("--cpu-mem", type=float, help=f"memory of one R-worker, GB (default: {measured}"
@@ -100,10 +102,14 @@ def _model(name: str) -> ModelDims:
     if name in MODEL_PRESETS:
         return MODEL_PRESETS[name]
     path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    label = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isfile(path) and looks_like_repo_id(name):         # org/name: its config in the local HF cache
+        from fastdecode.model.source import resolve_model
+        path, label = os.path.join(resolve_model(name).path, "config.json"), name
     if not os.path.isfile(path):
         raise PlanError(f"unknown model {name!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor a config.json")
     try:
-        return ModelDims.from_hf_config(_load_json(path), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return ModelDims.from_hf_config(_load_json(path), name=label)
     except KeyError as e:
         raise PlanError(f"{path}: missing {e}") from None
 
@@ -270,9 +276,10 @@ def run(args) -> int:
         print(f"fastdecode plan: error: {e}", file=sys.stderr)
         return 2
     pick = rows[0] if args.batch else next(r for r in rows if r["batch"] == knee)
+    fid = fidelity(prof.s_worker.device, pick["bound"], prof.source == "measured")
     if args.json:
         out = {**pick, "knee_batch": knee, "model": prof.model.name, "s_worker": prof.s_worker.device,
-               "profile_source": prof.source}
+               "profile_source": prof.source, "fidelity": fid}
         if not args.batch:
             out["sweep"] = rows
         print(json.dumps(out, indent=1))
@@ -299,6 +306,7 @@ def run(args) -> int:
         print(f"step latency {r['step_latency_s'] * 1e3:.1f} ms (depth 1: {r['step_latency_depth1_s'] * 1e3:.1f} ms), "
               f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_depth1']:,.0f} at depth 1), "
               f"{r['step_latency_s'] * 1e3:.1f} ms/token per sequence; bound: {r['bound']}")
+        print(fidelity_line(fid, r["bound"]))
         return 0
     print(f"{'batch':>7} {'E(B)':>6} {'P need':>6} {'P':>5} {'S ms':>8} {'R ms':>8} {'link ms':>8} "
           f"{'step ms':>9} {'tokens/s':>10} {'bound':>8}")
@@ -307,6 +315,7 @@ def run(args) -> int:
               f"{r['s_layer_s'] * 1e3:>8.3f} {r['r_layer_s'] * 1e3:>8.3f} {r['link_layer_s'] * 1e3:>8.3f} "
               f"{r['step_latency_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10,.0f} {r['bound']:>8}"
               + ("  <- knee" if r["batch"] == knee else ""))
+    print(f"at the knee (batch {knee}): " + fidelity_line(fid, pick["bound"]))
     return 0
 
 

@@ -1,0 +1,96 @@
+"""The SLURM scripts' --help and --dry-run, without SLURM: the node layout and the exact launch
+command, in a pretend allocation (FD_DRY_*) or an allocation a stand-in scontrol describes."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+
+import pytest
+from conftest import REPO
+
+SINGLE = os.path.join(REPO, "scripts", "slurm", "fastdecode-single.sbatch")
+HETJOB = os.path.join(REPO, "scripts", "slurm", "fastdecode-hetjob.sbatch")
+NO_SLURM = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_HET_SIZE", "SLURM_RESTART_COUNT", "SLURM_HOSTFILE")
+
+
+def run(script: str, *args: str, env: dict | None = None, tmp_path=None) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in NO_SLURM and not k.startswith("FD_")}
+    full.update(TMPDIR=str(tmp_path), FD_BIND="numactl", **(env or {}))
+    return subprocess.run(["bash", script, *args], capture_output=True, text=True, env=full, cwd=tmp_path, timeout=60)
+
+
+@pytest.mark.parametrize("script", [SINGLE, HETJOB])
+def test_help_and_a_wrong_argument(script, tmp_path):
+    proc = run(script, "--help", tmp_path=tmp_path)
+    assert proc.returncode == 0 and "--dry-run" in proc.stdout and "FD_MODEL" in proc.stdout, proc.stderr
+    assert "docs/cluster.md" in proc.stdout
+    proc = run(script, "--bogus", tmp_path=tmp_path)
+    assert proc.returncode == 2 and "unknown argument '--bogus'" in proc.stderr
+
+
+def layout(stdout: str) -> list[str]:
+    return [" ".join(line.split()) for line in stdout.splitlines() if line.startswith("  rank ")]
+
+
+def launch(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("launch: "))
+
+
+def test_single_pretend_allocation(tmp_path):
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path,
+               env=dict(FD_DRY_NODES="gpu1 cpu1 cpu2", FD_DRY_SOCKETS="2", FD_DRY_CORES="8", FD_MODEL="/m/llama",
+                        FD_INPUT="in put.jsonl", FD_EXTRA_ARGS="--max-batch 4096"))
+    assert proc.returncode == 0, proc.stderr
+    assert layout(proc.stdout) == [
+        "rank 0 gpu1 S-worker (the GPU)",
+        "rank 1 cpu1 R-worker, 8 threads, bound to socket/NUMA node 0",
+        "rank 2 cpu1 R-worker, 8 threads, bound to socket/NUMA node 1",
+        "rank 3 cpu2 R-worker, 8 threads, bound to socket/NUMA node 0",
+        "rank 4 cpu2 R-worker, 8 threads, bound to socket/NUMA node 1"]
+    hosts = os.path.join(tmp_path, "fastdecode-hosts.dry-run")
+    assert f"hosts file {hosts}: gpu1 cpu1 cpu1 cpu2 cpu2" in proc.stdout
+    assert launch(proc.stdout) == (
+        'launch: srun --mpi=pmix --ntasks=5 --distribution=arbitrary --cpu-bind=none --label bash -c "$RANK_WRAPPER" '
+        "fastdecode-rank fastdecode generate -m /m/llama -i in\\ put.jsonl -o results.jsonl --r-threads 8 "
+        "--max-batch 4096")
+    assert "exec numactl --cpunodebind=$numa --membind=$numa" in proc.stdout
+    assert not os.path.exists(hosts)                      # nothing left behind, nothing submitted
+
+
+def test_single_in_an_allocation_reads_it_from_scontrol(tmp_path):
+    # a stand-in scontrol for an allocation of n[1-2] whose GPU is on n2: rank 0 goes there
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "scontrol"
+    fake.write_text("""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") if [ "$3" = "n[1-2]" ]; then echo n1; echo n2; else echo "$3"; fi ;;
+  "show job") echo "   Nodes=n1 CPU_IDs=0-3 Mem=0 GRES="; echo "   Nodes=n2 CPU_IDs=0-3 Mem=0 GRES=gpu:1(IDX:0)" ;;
+  "show node") echo "NodeName=$3 Sockets=1 CoresPerSocket=4" ;;
+  "show config") echo "TaskPlugin = task/none" ;;
+esac
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = dict(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n[1-2]",
+               FD_MPI_LAUNCHER="srun", FD_SRUN_MPI="pmi2")
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "pretend" not in proc.stdout
+    assert layout(proc.stdout) == ["rank 0 n2 S-worker (the GPU)",
+                                   "rank 1 n1 R-worker, 4 threads, bound to socket/NUMA node 0"]
+    assert launch(proc.stdout) == ('launch: srun --mpi=pmi2 --ntasks=2 --distribution=arbitrary --label bash -c '
+                                   '"$RANK_WRAPPER" fastdecode-rank fastdecode generate -m smollm2-135m -i '
+                                   'requests.jsonl -o results.jsonl --r-threads 4')
+
+
+def test_hetjob_pretend_allocation(tmp_path):
+    proc = run(HETJOB, "--dry-run", tmp_path=tmp_path,
+               env=dict(FD_DRY_GPU_NODE="g1", FD_DRY_NODES="c1 c2 c3", FD_DRY_SOCKETS="1", FD_DRY_CORES="32",
+                        FD_SRUN_MPI="pmi2"))
+    assert proc.returncode == 0, proc.stderr
+    assert layout(proc.stdout) == ["rank 0 g1 S-worker (the GPU)"] + [
+        f"rank {i} c{i} R-worker, 32 threads, bound to socket/NUMA node 0" for i in (1, 2, 3)]
+    assert launch(proc.stdout) == ('launch: srun --het-group=0,1 --mpi=pmi2 --cpu-bind=none --label bash -c '
+                                   '"$RANK_WRAPPER" fastdecode-rank fastdecode generate -m smollm2-135m -i '
+                                   'requests.jsonl -o results.jsonl --r-threads 32')
