@@ -69,9 +69,6 @@ ROWS = (
     VllmArg("pipeline_parallel_size", noop=(1,), flag=int,
             why="the S-worker runs every layer; fastdecode pipelines mini-batches between the S-worker and "
                 "the R-workers instead (pipeline_depth, --pipeline-depth)"),
-    VllmArg("gpu_memory_utilization", noop=(0.9,), flag=float,
-            why="the S-worker's GPU holds the weights and activations only; the KV cache lives on the "
-                "R-workers (rworker_mem, --rworker-mem, sets its size)"),
     VllmArg("quantization", noop=(None,), flag=str,
             why="the S-worker's weights run in dtype (float32, bfloat16 or float16); quantized weights are "
                 "not supported"),

@@ -109,6 +109,24 @@ def test_stdin_in_stdout_out(three, tmp_path):
     assert os.listdir(work) == [] and os.listdir(scratch) == []           # no '-' file, no summary, no scratch
 
 
+def test_stdin_into_a_file_resumes_on_the_rerun(three, tmp_path):
+    """-i - spools stdin to a new scratch file each run; the output is bound to stdin ("-"), not to
+    that file: the rerun with the same lines finds them answered (not another input), and one with
+    a line changed serves that line alone again."""
+    out = tmp_path / "out.jsonl"
+    cmd, env = fastdecode_cmd(["generate", "-i", "-", "-o", str(out), "--quiet"])
+    first = subprocess.run(cmd, input=three.read_bytes(), capture_output=True, env=env, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr.decode()[-2000:]
+    again = subprocess.run(cmd, input=three.read_bytes(), capture_output=True, env=env, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    assert "already answered" in again.stderr.decode()
+    changed = LINES[:2] + [batch_line("r2", {"prompt": "Item 2: a different", "max_tokens": 3, "temperature": 0})]
+    third = subprocess.run(cmd, input="".join(x + "\n" for x in changed).encode(), capture_output=True, env=env,
+                           cwd=tmp_path, timeout=300)
+    assert third.returncode == 0, third.stderr.decode()[-2000:]
+    assert [r["custom_id"] for r in read_output(str(out))] == ["r0", "r1", "r2"]
+
+
 def test_summary_of_stdout_rows_goes_to_a_named_file(three, tmp_path):
     summary = tmp_path / "run.json"
     cmd, env = fastdecode_cmd(["generate", "-i", str(three), "-o", "-", "--quiet", "--summary-json", str(summary)])

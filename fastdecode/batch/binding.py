@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from fastdecode.batch.filemode import fsync_dir, open_like
 from fastdecode.batch.sidefiles import fingerprints_path, real
+from fastdecode.batch.stdio import input_identity
 
 FORMAT = "fastdecode request fingerprints"
 VERSION = 1
@@ -31,7 +32,7 @@ class ForeignOutput(ValueError):
 
 
 def header_bytes(input_path: str) -> bytes:
-    return (json.dumps({"format": FORMAT, "version": VERSION, "input": real(input_path)}) + "\n").encode()
+    return (json.dumps({"format": FORMAT, "version": VERSION, "input": input_identity(input_path)}) + "\n").encode()
 
 
 def read_header(path: str) -> tuple[dict, int] | None:
@@ -75,8 +76,9 @@ def check(output: str, input_path: str, overwrite: bool) -> None:
         raise ForeignOutput(f"output {output} holds rows but no record of the requests they answer ({record} "
                             f"{what}): it was not written by this fastdecode, or the record was removed; {restart}")
     made_from = found[0]["input"]
-    if made_from != real(input_path):
-        raise ForeignOutput(f"output {output} was made from input {made_from}, not {real(input_path)}: its rows "
+    given = input_identity(input_path)
+    if made_from != given:
+        raise ForeignOutput(f"output {output} was made from input {made_from}, not {given}: its rows "
                             f"answer that file's lines; {restart}")
 
 
@@ -86,7 +88,7 @@ class Recorder:
     def __init__(self, output: str, input_path: str, fresh: bool):
         self.path = path = fingerprints_path(output)
         found = None if fresh else read_header(path)
-        if found is None or found[0]["input"] != real(input_path):
+        if found is None or found[0]["input"] != input_identity(input_path):
             with open_like(path, real(output)) as f:
                 f.write(header_bytes(input_path))
                 f.flush()

@@ -23,6 +23,17 @@ STDOUT_NAMES = ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
 _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+# a stream spooled to a scratch file -> the name the job was given ("-" for stdin, a FIFO's path):
+# what the output's record names as its input, the same on every rerun (batch/binding.py)
+STREAM_INPUTS: dict[str, str] = {}
+
+
+def input_identity(path: str) -> str:
+    """The input an output is bound to: its real path, or the stream it was spooled from."""
+    real = os.path.realpath(path)
+    return STREAM_INPUTS.get(real, real)
+
+
 def rows_to_stdout(output: str) -> bool:
     return output in STDOUT_NAMES
 
@@ -43,7 +54,9 @@ def take_streams(args) -> None:
     scratch = None
     if args.input in STDIN_NAMES or _is_pipe(args.input):
         scratch = _scratch_dir(args.index_dir)
+        given = "-" if args.input in STDIN_NAMES else os.path.realpath(args.input)
         args.input = _spool(args.input, os.path.join(scratch, "input.jsonl"))
+        STREAM_INPUTS[os.path.realpath(args.input)] = given
     else:
         _check_input_kind(args.input)
     if rows_to_stdout(args.output):

@@ -82,6 +82,8 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
     per step and large prefill chunks; the chunk is capped so that its activations (about
     hidden*6 + intermediate*3 values per token, the largest live at once) take at most a quarter
     of the free device memory."""
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if not 1 <= args.pipeline_depth <= MAX_MINIBATCHES:
         raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {args.pipeline_depth}")
     cuda = device.type == "cuda"
