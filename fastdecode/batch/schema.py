@@ -151,7 +151,7 @@ def _short(value: Any) -> str:
 
 def add_limit_options(parser) -> None:
     """generate's flags for what one request line may ask for (Limits, EngineArgs.max_request_mem)."""
-    from fastdecode.cli import bytes_arg, positive_int
+    from fastdecode.engine_options import bytes_arg, positive_int
     d = Limits()
     g = parser.add_argument_group("request limits (a line over one gets a 400 request_too_large)")
     g.add_argument("--max-n", type=positive_int, default=d.max_n, help=f"samples per prompt (default {d.max_n})")

@@ -15,7 +15,7 @@ from fastdecode.sizing.plan import KV_DTYPES, PlanError, add_hardware_options, b
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from fastdecode.cli import positive_float, positive_int
+    from fastdecode.engine_options import positive_float, positive_int
     p = subparsers.add_parser("simulate", help="simulate a job: tokens/s, latency, utilisation from a profile",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_hardware_options(p)

@@ -21,7 +21,7 @@ def _default(name: str) -> str:
 
 
 def add_parser(sub, add_engine_options) -> argparse.ArgumentParser:
-    from fastdecode.cli import bytes_arg, positive_int
+    from fastdecode.engine_options import bytes_arg, positive_int
 
     def int_list(text: str) -> list[int]:
         return [positive_int(x) for x in text.split(",")]
@@ -70,7 +70,7 @@ def settings_of(args, cuda: bool):
 
 def run_s_worker(args, comm) -> int:
     """Rank 0 of `fastdecode profile`: build the engine, say how long it will take, measure, write."""
-    from fastdecode.cli import engine_args
+    from fastdecode.engine_options import engine_args
     from fastdecode.engine.args import resolve_device
     from fastdecode.engine.llm_engine import LLMEngine
     from fastdecode.sizing.estimate import estimate, estimate_line
