@@ -68,6 +68,7 @@ CHECKS: dict[str, Callable[[str], str | None]] = {
     "FASTDECODE_RESERVE_PAGES": ON_OFF,
     "FASTDECODE_FUSED": one_of("auto", "0", "1"),
     "FASTDECODE_PAGED_ATTN": one_of("auto", "torch", "triton", fold=True),
+    "FASTDECODE_DEVICE_TIER": one_of("torch", fold=True),
     "FASTDECODE_NO_SUPERVISOR": ON_OFF,
     "FASTDECODE_INJECT_FAULT": fault_spec,
 }
