@@ -10,6 +10,7 @@ through `generate` (the summary counts the hits; a resumed job shares too)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -301,3 +302,20 @@ def test_generate_reports_hits_and_a_resumed_job_still_shares(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(stats.read_text())["summary"]["prefix_hits"] == len(QUESTIONS) - 3
     assert [r["response"]["body"]["choices"] for r in read_output(str(out))] == rows["shared"]
+
+
+def test_shared_prefixes_in_the_device_tier_give_the_unshared_tokens(tmp_path, unshared):
+    """The GPU's tier (its torch code here) holding every sequence (local mode's store gets 1 byte):
+    members fork whole pages of the tier's own, which it refcounts, and read them once."""
+    (tmp_path / "req.json").write_text(json.dumps(mpi_requests()))
+    kwargs = {"kv_dtype": "fp32", "dtype": "float32", "device": "cpu", "max_batch": 16, "quiet": True,
+              "rworker_mem": 1, "device_kv_memory": 256 << 20}
+    env = dict(os.environ, FASTDECODE_DEVICE_TIER="torch")
+    proc = subprocess.run([sys.executable, f"{REPO}/tests/mpi_scripts/generate_ids.py", str(tmp_path / "req.json"),
+                           str(tmp_path / "out.json"), json.dumps(kwargs)],
+                          capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["placed"][0] == 0 and got["placed"][-1] > 0 and got["outputs"] == unshared[0]
+    assert got["prefix"]["prefix_hits"] == len(QUESTIONS) + 2 + 3 - 1          # one donor, in the tier
+    assert got["kv_saved_bytes_peak"][-1] > 0                                  # the tier's shared pages
