@@ -158,6 +158,28 @@ def test_chunked_prefill_under_mpiexec_gives_the_unchunked_tokens(tmp_path, unch
     assert got["workers"] == 2 and [o[0] for o in got["outputs"]] == unchunked
 
 
+def test_chunked_prefill_beside_the_device_tier_gives_the_unchunked_tokens(tmp_path, unchunked):
+    """The GPU's tier (its torch code here) and 2 R-workers, each holding some (2 sequences' room on
+    each R-worker): a mixed step's decode rows split between the tiers while prompt chunks continue
+    in both."""
+    import os
+    import subprocess
+    import sys
+    reqs = [{"prompt_ids": p, "params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}} for p in prompts()]
+    (tmp_path / "req.json").write_text(json.dumps(reqs))
+    two_seqs = 2 * 64 * 45 * 1024                       # two sequences of up to 64 tokens, fp32 smollm2-135m
+    kwargs = {"kv_dtype": "fp32", "dtype": "float32", "device": "cpu", "max_batch": 8, "max_num_batched_tokens": 13,
+              "rworker_mem": two_seqs, "device_kv_memory": 64 << 20}
+    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, f"{REPO}/tests/mpi_scripts/generate_ids.py",
+                           str(tmp_path / "req.json"), str(tmp_path / "out.json"), json.dumps(kwargs)],
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env=dict(os.environ, FASTDECODE_DEVICE_TIER="torch"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["placed"][-1] > 0 and sum(got["placed"][:-1]) > 0, got["placed"]
+    assert [o[0] for o in got["outputs"]] == unchunked
+
+
 # ---------------------------------------------------------------------------- a rank dies mid-stream
 
 def test_an_rworker_killed_mid_prefill_stream_is_named_and_nothing_finished_is_lost(tmp_path):
