@@ -79,6 +79,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
                         "with AVX512-BF16 prefills ~3x as fast: docs/tuning.md)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the projections' weights in float8_e4m3fn with per-channel scales, half of bf16's "
+                        "bytes (vLLM's flag); GEMMs in fp8 on GPUs with fp8 (sm89+), elsewhere the weights "
+                        "dequantize at each use. An fp8 checkpoint (compressed-tensors, fbgemm_fp8) is served "
+                        "fp8 without it. Embeddings, norms and the LM head stay in --dtype")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8"],
                    help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16; int8: "
                         "per-token scales, about half of bf16's bytes read per token: docs/tuning.md)")
@@ -236,9 +241,12 @@ def check_model(args) -> None:
     budget holds --max-batch decode rows."""
     from fastdecode.engine.args import check_batch_budget, default_max_batch, resolve_device
     from fastdecode.model.config import ConfigError
+    from fastdecode.model.quantization import weight_format
     from fastdecode.model.source import read_config, resolve_model
     try:
-        read_config(resolve_model(args.model)).resolve_max_model_len(getattr(args, "max_model_len", None))
+        source = resolve_model(args.model)
+        read_config(source).resolve_max_model_len(getattr(args, "max_model_len", None))
+        weight_format(getattr(args, "quantization", None), source)     # an fp8 checkpoint's scales, too
     except ConfigError as e:
         raise UsageError(str(e)) from None
     budget = getattr(args, "max_num_batched_tokens", None)
