@@ -57,14 +57,15 @@ class Fp8Path:
 
 
 _paths: dict[tuple, Fp8Path] = {}
-_forced: list[str] = []
+_forced: list[Fp8Path] = []
 
 
 @contextlib.contextmanager
-def forced_path(kind: str):
-    """Run every fp8 GEMM in the block by `kind` ("rowwise", "tensorwise", "dequant"), whatever the
-    device: tests and benchmarks (torch's CPU _scaled_mm runs the rowwise form in float32)."""
-    _forced.append(kind)
+def forced_path(path: str | Fp8Path):
+    """Run every fp8 GEMM in the block by `path` (or a kind: "rowwise", "tensorwise", "dequant"),
+    whatever the device: tests and benchmarks (torch's CPU _scaled_mm runs the rowwise form in
+    float32)."""
+    _forced.append(path if isinstance(path, Fp8Path) else Fp8Path(path, "forced"))
     try:
         yield
     finally:
@@ -75,7 +76,7 @@ def path_for(device: torch.device, dtype: torch.dtype) -> Fp8Path:
     """The fp8 GEMM path of `device` for activations in `dtype` (probed once; call it before a
     CUDA graph capture)."""
     if _forced:
-        return Fp8Path(_forced[-1], "forced")
+        return _forced[-1]
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -152,15 +153,6 @@ def quantize_tokens(x: torch.Tensor, amax_ub: float | None, triton_quant: bool) 
     return q, s.unsqueeze(-1)
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    if device not in _ONES:
-        _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return _ONES[device]
-
-
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                path: Fp8Path | None = None) -> torch.Tensor:
     """x: [n, K] in the activation dtype, w: [N, K] -> x @ W^T (+ bias) [n, N] in x's dtype."""
@@ -180,7 +172,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if path.kind == "rowwise":
         y = torch._scaled_mm(xq, wt, scale_a=xs, scale_b=w.scale.unsqueeze(0), out_dtype=x.dtype)
     else:
-        one = _one(x.device)
+        one = torch.ones((), dtype=torch.float32, device=x.device)   # made per call: safe inside a graph capture
         y = torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
         y = y[0] if isinstance(y, tuple) else y
         y = (y * xs * w.scale).to(x.dtype)                                 # [n, N]
