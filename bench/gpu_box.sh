@@ -150,6 +150,12 @@ tiers8k)     # issue 42: the same at 8,192-token prompts
     stage tiers8k 280 $PY bench/e2e/tiers_bench.py --label $BOX-8k --model random:llama-3-8b --device cuda \
         --configs card=1: card+14=15: --prompts 64 --prompt-len 8192 --gen 256 --max-batch 64 \
         --extra "--dtype bfloat16 --kv-dtype bf16" --launcher "$LAUNCHER" --vocab 128000 --hf --timeout 250 ;;
+fp8layer)    # issue 45: fp8 weights on the card: the fp8 tests on CUDA (torch._scaled_mm, the Triton per-token
+             # quantization against the torch code, fp8 GEMMs inside CUDA graphs), then Llama-3-70B's layer in fp8 against bf16 at B = 1,024 and
+             # 8,192 (target >= 1.6x), the four GEMMs alone and the quantization's share (bench/gpu/fp8_layer_bench.py)
+    stage fp8tests 100 $PY -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fused_ops.py \
+        tests/test_layer_graphs.py -k "fp8 or scaled"
+    stage fp8layer 200 $PY bench/gpu/fp8_layer_bench.py --label $BOX --batches 1024 8192 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

@@ -116,14 +116,16 @@ def check_model(args) -> None:
     and servable, --max-model-len fits it, and a chunked-prefill budget holds --max-batch decode rows."""
     from fastdecode.engine.args import check_batch_budget, default_max_batch, resolve_device
     from fastdecode.model.config import ConfigError
+    from fastdecode.model.quantization import weight_format
     from fastdecode.model.source import read_config, resolve_model
     from fastdecode.vllm_args import check_flags
     refused = check_flags(args)
     if refused:
         raise UsageError(refused)
     try:
-        config = read_config(resolve_model(args.model, args.revision))
-        config.resolve_max_model_len(getattr(args, "max_model_len", None))
+        source = resolve_model(args.model, args.revision)
+        read_config(source).resolve_max_model_len(getattr(args, "max_model_len", None))
+        weight_format(getattr(args, "quantization", None), source)     # an fp8 checkpoint's scales, too
         if args.tokenizer:
             resolve_model(args.tokenizer, args.tokenizer_revision)
         elif args.tokenizer_revision:

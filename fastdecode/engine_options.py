@@ -73,6 +73,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
                         "with AVX512-BF16 prefills ~3x as fast: docs/tuning.md)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the projections' weights in float8_e4m3fn with per-channel scales, half of bf16's "
+                        "bytes (vLLM's flag); GEMMs in fp8 on GPUs with fp8 (sm89+), elsewhere the weights "
+                        "dequantize (once at load on a CPU, at each use on older GPUs). An fp8 checkpoint (compressed-tensors, fbgemm_fp8) is served "
+                        "fp8 without it. Embeddings, norms and the LM head stay in --dtype")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8"],
                    help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16; int8: "
                         "per-token scales, about half of bf16's bytes read per token: docs/tuning.md)")

@@ -66,10 +66,8 @@ def test_the_error_line_comes_first_and_alone(capsys):
 @pytest.mark.parametrize("flag, needle", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported by fastdecode: the S-worker runs on "
                                       "one GPU"),
-    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 is not supported by fastdecode: the S-worker's "
-                                          "GPU holds the weights"),
-    (["--quantization", "fp8"], "--quantization fp8 is not supported by fastdecode: the S-worker's weights run in "
-                                "dtype"),
+    (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1], got '1.5'"),
+    (["--quantization", "int4"], "argument --quantization/-q: invalid choice: 'int4'"),
     (["--trust-remote-code"], "--trust-remote-code is not supported by fastdecode: fastdecode runs its own"),
     (["--enforce-eager", "--cuda-graphs"], "--enforce-eager contradicts --cuda-graphs"),
 ])

@@ -167,3 +167,20 @@ def test_model_layer_fused_vs_torch():
         xf, xp = fused.post_attn(layer, xf, o), plain.post_attn(layer, xp, o)
         assert rel(xf, xp) < 3e-2
     assert rel(fused.logits(xf), plain.logits(xp)) < 3e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,ub", [(1, 64, None), (9, 5000, None), (4, 200, 3.0)])
+def test_quantize_fp8_rows(dtype, n, k, ub):
+    """One scale per row as fp8.quantize_rows computes it, the rows across several column tiles
+    (k = 5000 > 4096), the activation bound. Under the interpreter the kernel writes the scaled
+    values in float32 (its own float32 -> e4m3 cast is not the GPU's) and torch casts them."""
+    from fastdecode.model.fp8 import E4M3, quantize_rows
+    x = rand(n, k, dtype=dtype, scale=5.0)
+    x[0, 0] = 40.0                                   # an outlier: the bound clips it to +-448
+    q_ref, s_ref = quantize_rows(x, ub)
+    out = torch.full((n, k), float("nan"), device=DEVICE) if INTERPRETED else None
+    q, s = tri.quantize_fp8_rows(x, ub, out)
+    assert torch.equal(s, s_ref)
+    q = q.to(E4M3) if INTERPRETED else q
+    assert q.dtype == E4M3 and torch.equal(q.float(), q_ref.float())

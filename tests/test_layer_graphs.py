@@ -19,9 +19,11 @@ from fastdecode.model.layer_graphs import MIN_BUCKET, LayerGraphs, bucket_rows
 
 SMALL = "random:llama-3-8b:layers=3:hidden=256:heads=8:kv_heads=2:head_dim=32:intermediate=512:vocab=1000"
 
-DEVICES = [pytest.param("cpu", id="cpu-eager")] + [
-    pytest.param("cuda", id="cuda-captured", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                      reason="needs a CUDA GPU"))]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# (device, --quantization): fp8 weights run their GEMMs inside the graphs too (fp8.linear)
+DEVICES = [pytest.param("cpu", None, id="cpu-eager"), pytest.param("cpu", "fp8", id="cpu-eager-fp8"),
+           pytest.param("cuda", None, id="cuda-captured", marks=NO_CUDA),
+           pytest.param("cuda", "fp8", id="cuda-captured-fp8", marks=NO_CUDA)]
 
 
 @given(st.integers(1, 100_000))
@@ -49,8 +51,8 @@ def _final_states(runner, model, seqs):
     return [s.seq_id for s in ordered], tokens, torch.cat(seen), torch.cat(wire)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_graph_path_matches_the_plain_path(device):
+@pytest.mark.parametrize("device,quantization", DEVICES)
+def test_graph_path_matches_the_plain_path(device, quantization):
     from fastdecode.engine.args import EngineArgs
     from fastdecode.engine.harness import fake_sequences
     from fastdecode.engine.llm_engine import LLMEngine
@@ -58,7 +60,7 @@ def test_graph_path_matches_the_plain_path(device):
     from fastdecode.rpart.loopback import LoopbackBackend
 
     dtype = "float32" if device == "cpu" else "bfloat16"
-    engine = LLMEngine(EngineArgs(model=SMALL, device=device, dtype=dtype, max_batch=4096))
+    engine = LLMEngine(EngineArgs(model=SMALL, device=device, dtype=dtype, max_batch=4096, quantization=quantization))
     m, c = engine.model, engine.config
     loop = LoopbackBackend(c.num_heads, c.head_dim, m.device, m.dtype)
     graphs = LayerGraphs(m, max_rows=256, capture=device == "cuda")

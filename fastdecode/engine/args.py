@@ -21,6 +21,8 @@ class EngineArgs:
     tokenizer_revision: str | None = None   # its revision, as `revision`
     device: str = "auto"              # auto | cpu | cuda[:i]
     dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    quantization: str | None = None   # None | "fp8": the projections' weights in e4m3 (vLLM's name; an fp8
+                                      # checkpoint is served fp8 either way; model/quantization.py)
     kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16 | int8
     attn_probs: str = "fp32"          # fp32 | bf16: R-workers may round attention probabilities to bf16
                                       # for the PV product (V in token pairs) where their tune finds it faster

@@ -24,6 +24,7 @@ from fastdecode.model.config import ModelConfig
 from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.llama import LlamaSPart
 from fastdecode.model.names import ServedModel, served_model
+from fastdecode.model.quantization import WeightFormat, say_fp8, weight_format
 from fastdecode.model.source import ModelSource, read_config, resolve_model
 from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
 from fastdecode.model.weights import load_weights, source_digest
@@ -44,6 +45,7 @@ class LLMEngine:
         self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
         self.device = resolve_device(args.device)
         self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
+        self.weight_format: WeightFormat = weight_format(args.quantization, self.source)
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.kv_dtype)
         self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
         self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
@@ -55,9 +57,10 @@ class LLMEngine:
         world = comm.Get_size() if comm is not None else 1
         self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, world,
                                 self.layout[0] if self.layout else 1)
-        weights = load_weights(self.source, self.config, self.dtype, self.device)
+        weights = load_weights(self.source, self.config, self.dtype, self.device, self.weight_format)
         self.model = LlamaSPart(self.config, weights, self.device, self.dtype, max_model_len=self.max_model_len)
         del weights
+        say_fp8(self.weight_format, self.model)
         self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
         self.checks = RequestChecks(self.config.vocab_size, self.max_model_len, self.eos_ids,
                                     self.tokenizer.encode_text, args.max_logprobs, args.max_request_mem)

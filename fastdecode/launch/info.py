@@ -67,6 +67,7 @@ def collect() -> dict:
         else:
             info["device_kv_tier"] = ("a CPU S-worker beside R-workers keeps KV in its in-process store, a share of "
                                       "its node's memory, used where it pays (--device-kv-memory, --no-device-kv)")
+        info["fp8_weights"] = fp8_line(torch)
     except ImportError:
         info["torch"] = "not installed (R-worker-only node)"
     return info
@@ -189,10 +190,19 @@ def kv_bytes_line(model: str = "smollm2-135m") -> str:
     return f"{model}: " + ", ".join(f"{dt} {b / 1024:.1f} KiB" for dt, b in per.items()) + " (int8: scales included)"
 
 
+def fp8_line(torch) -> str:
+    """What --quantization fp8 does on this machine's S-worker device (the probe of model/fp8_gemm.py)."""
+    from fastdecode.model.fp8_gemm import path_for
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return f"--quantization fp8 on {device}: " + path_for(device, dtype).describe(dtype)
+
+
 def model_info(model: str, revision: str | None = None) -> dict:
     """The architecture of `model` (a path, a cached HF repo id, an embedded name or a random: spec)
     as a job would serve it: read from its config alone; ConfigError if fastdecode does not serve it."""
     from fastdecode.model.config import SUPPORTED_ARCHS
+    from fastdecode.model.quantization import info_line
     from fastdecode.model.source import read_config, resolve_model
     source = resolve_model(model, revision)
     c = read_config(source)
@@ -203,6 +213,7 @@ def model_info(model: str, revision: str | None = None) -> dict:
             "model_attention": variants or "full attention on every layer",
             "model_kv_bytes_per_token": ", ".join(f"{dt} {c.kv_bytes_per_token(dt) / 1024:.1f} KiB"
                                                   for dt in ("bf16", "int8")),
+            "model_weights": info_line(source, c),
             "model_families_served": ", ".join(sorted(SUPPORTED_ARCHS))}
 
 

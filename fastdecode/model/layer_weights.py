@@ -4,13 +4,15 @@ routed experts of a mixture-of-experts layer stacked per expert (moe.py).
 
 Checkpoints store these fused or not by family: Phi-3's qkv_proj and gate_up_proj already are;
 Mixtral's experts sit under block_sparse_moe, the Qwen MoE families' under mlp; either may come
-per expert or, written by transformers v5, fused.
+per expert or, written by transformers v5, fused. A projection may be a tensor or an fp8 weight
+(fp8.py): fusing concatenates rows, and with them an fp8 weight's per-row scales.
 """
 from __future__ import annotations
 
 import torch
 
 from fastdecode.model.config import ModelConfig
+from fastdecode.model.fp8 import Fp8Weight, cat_out
 
 
 def norm_weight(config: ModelConfig, w: torch.Tensor) -> torch.Tensor:
@@ -19,8 +21,9 @@ def norm_weight(config: ModelConfig, w: torch.Tensor) -> torch.Tensor:
     return 1.0 + w.float() if config.gemma_norms else w
 
 
-def layer_weights(config: ModelConfig, w: dict[str, torch.Tensor], i: int) -> dict:
-    """Layer i's weights (w: HF names -> tensors on the device in the activation dtype).
+def layer_weights(config: ModelConfig, w: dict, i: int) -> dict:
+    """Layer i's weights (w: HF names -> tensors on the device in the activation dtype, or
+    Fp8Weight for fp8 projections).
 
     Shapes: h = hidden, Hq/Hkv = query/KV heads, D = head_dim, I = intermediate."""
     c = config
@@ -29,7 +32,7 @@ def layer_weights(config: ModelConfig, w: dict[str, torch.Tensor], i: int) -> di
     if a + "qkv_proj.weight" in w:                                      # Phi-3: fused in the checkpoint
         w_qkv, b_qkv = w[a + "qkv_proj.weight"], w.get(a + "qkv_proj.bias")
     else:
-        w_qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+        w_qkv = cat_out([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         b_qkv = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]) \
             if c.qkv_bias else None
     layer = {
@@ -53,17 +56,17 @@ def layer_weights(config: ModelConfig, w: dict[str, torch.Tensor], i: int) -> di
     return layer
 
 
-def dense_mlp(w: dict[str, torch.Tensor], p: str) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_mlp(w: dict, p: str) -> tuple:
     """(gate|up [2I, h], down [h, I]) of a gated MLP."""
     m = p + "mlp."
     if m + "gate_up_proj.weight" in w:                                  # Phi-3: fused, gate rows first
         gate_up = w[m + "gate_up_proj.weight"]
     else:
-        gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        gate_up = cat_out([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
     return gate_up.contiguous(), w[m + "down_proj.weight"]
 
 
-def moe_layer(c: ModelConfig, w: dict[str, torch.Tensor], p: str):
+def moe_layer(c: ModelConfig, w: dict, p: str):
     """The routed experts (and Qwen2-MoE's gated shared expert) of the layer under prefix p."""
     from fastdecode.model.moe import MoESpec, SparseMoE, stack_experts  # only MoE models need it
 
@@ -75,3 +78,16 @@ def moe_layer(c: ModelConfig, w: dict[str, torch.Tensor], p: str):
                    fp32_routing_weights=c.model_type == "mixtral")
     return SparseMoE(spec, s["router"], s["gate_up"], s["down"], s.get("shared_gate_up"), s.get("shared_down"),
                      s.get("shared_gate"))
+
+
+def fp8_weights(layers: list[dict]):
+    """Every Fp8Weight of the layers: projections, dense MLPs' and routed and shared experts'."""
+    for layer in layers:
+        for v in layer.values():
+            if isinstance(v, tuple):                                    # dense MLP (gate_up, down)
+                parts = v
+            elif hasattr(v, "gate_up"):                                  # SparseMoE
+                parts = (v.gate_up, v.down, v.shared_gate_up, v.shared_down)
+            else:
+                parts = (v,)
+            yield from (p for p in parts if isinstance(p, Fp8Weight))

@@ -6,7 +6,8 @@ activation dtype (qwen) or kept in float32 until after the scale (mixtral). The 
 grouped GEMMs over the batch's routed rows: the n*k (row, expert) assignments are sorted by
 expert, the rows gathered once, each expert's slice multiplied by its own weights (one
 `grouped_mm` call on a CUDA bf16 S-worker, else one GEMM per busy expert), and the scaled
-results scatter-added back into their rows.
+results scatter-added back into their rows. fp8 experts (fp8.py: stacked e4m3 weights with
+per-row scales) run one fp8 GEMM per busy expert; the router stays in the activation dtype.
 
 Shapes: n = rows, h = hidden, E = experts, k = top-k, I = expert intermediate,
 Is = shared expert intermediate.
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from fastdecode.model.fp8 import Fp8Weight, cat_out, linear, stack
 
 _ACTS = {
     "silu": F.silu,
@@ -42,8 +45,10 @@ def _grouped_mm_fn():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def _grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """CUDA bf16 on sm80+, with the 16-byte row alignment the kernel needs for both GEMMs."""
+def _grouped_mm_supported(x: torch.Tensor, gate_up) -> bool:
+    """CUDA bf16 on sm80+, with the 16-byte row alignment the kernel needs for both GEMMs (not fp8 experts)."""
+    if isinstance(gate_up, Fp8Weight):
+        return False
     if _grouped_mm_fn() is None or x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
     if gate_up.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
@@ -55,13 +60,13 @@ def _grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
 class SparseMoE:
     """One layer's routed experts (and qwen2_moe's gated shared expert) on one device.
 
-    Weights are used as given: the caller puts them on the device and in the activation dtype.
-    `use_grouped_mm`: None picks `grouped_mm` where supported; True/False forces a path.
+    Weights are used as given: the caller puts them on the device and in the activation dtype
+    (the experts and the shared expert may be Fp8Weight). `use_grouped_mm`: None picks
+    `grouped_mm` where supported; True/False forces a path.
     """
 
-    def __init__(self, spec: MoESpec, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                 shared_gate: torch.Tensor | None = None):
+    def __init__(self, spec: MoESpec, router: torch.Tensor, gate_up, down,
+                 shared_gate_up=None, shared_down=None, shared_gate: torch.Tensor | None = None):
         if spec.act not in _ACTS:
             raise ValueError(f"MoE activation {spec.act!r} not supported (have {sorted(_ACTS)})")
         E, h = router.shape
@@ -145,17 +150,24 @@ class SparseMoE:
         bounds = [0] + torch.cumsum(counts, 0).tolist()                     # one host sync
         busy = [(e, bounds[e], bounds[e + 1]) for e in range(len(counts)) if bounds[e + 1] > bounds[e]]
         gu = xs.new_empty((m, two_i))                                       # [m, 2I]
+        fp8 = isinstance(self.gate_up, Fp8Weight)
         for e, s, t in busy:
-            torch.matmul(xs[s:t], self.gate_up[e].t(), out=gu[s:t])
+            if fp8:
+                gu[s:t] = linear(xs[s:t], self.gate_up[e])
+            else:
+                torch.matmul(xs[s:t], self.gate_up[e].t(), out=gu[s:t])
         act = self._swiglu(gu)                                              # [m, I]
         ys = xs.new_empty(xs.shape)                                         # [m, h]
         for e, s, t in busy:
-            torch.matmul(act[s:t], self.down[e].t(), out=ys[s:t])
+            if fp8:
+                ys[s:t] = linear(act[s:t], self.down[e])
+            else:
+                torch.matmul(act[s:t], self.down[e].t(), out=ys[s:t])
         return ys
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         # qwen2_moe's always-on expert, scaled by sigmoid(x . shared_gate): [n, h] -> [n, h]
-        y = F.linear(self._swiglu(F.linear(x, self.shared_gate_up)), self.shared_down)
+        y = linear(self._swiglu(linear(x, self.shared_gate_up)), self.shared_down)
         if self.shared_gate is not None:
             y = torch.sigmoid(F.linear(x, self.shared_gate)) * y            # [n, 1] * [n, h]
         return y
@@ -192,8 +204,8 @@ def _stack_per_expert(weights: dict, p: str, num_experts: int, used: list[str]):
                                          for k in weights) else "qwen"]
     parts = [[_take(weights, f"{p}experts.{e}.{name}.weight", used, f" (expert {e} of {num_experts})")
               for e in range(num_experts)] for name in names]
-    gate, up, down = (torch.stack(t) for t in parts)                     # [E, I, h], [E, I, h], [E, h, I]
-    return torch.cat([gate, up], dim=1), down                           # [E, 2I, h], [E, h, I]
+    gate, up, down = (stack(t) for t in parts)                          # [E, I, h], [E, I, h], [E, h, I]
+    return cat_out([gate, up]), down                                    # [E, 2I, h], [E, h, I]
 
 
 def stack_experts(weights: dict[str, torch.Tensor], prefix: str, num_experts: int, *,
@@ -216,7 +228,7 @@ def stack_experts(weights: dict[str, torch.Tensor], prefix: str, num_experts: in
         gate_up = _take(weights, p + "experts.gate_up_proj", used)       # [E, 2I, h]
         down = _take(weights, p + "experts.down_proj", used)             # [E, h, I]
         h = out["router"].shape[1]
-        if gate_up.dim() != 3 or gate_up.shape[0] != num_experts or gate_up.shape[2] != h:
+        if len(gate_up.shape) != 3 or gate_up.shape[0] != num_experts or gate_up.shape[2] != h:
             raise ValueError(f"MoE weights: {p}experts.gate_up_proj is {tuple(gate_up.shape)}, "
                              f"expected [E={num_experts}, 2I, h={h}]")
     else:
@@ -224,8 +236,8 @@ def stack_experts(weights: dict[str, torch.Tensor], prefix: str, num_experts: in
     out["gate_up"], out["down"] = gate_up, down
     s = p + "shared_expert."
     if s + "gate_proj.weight" in weights:
-        out["shared_gate_up"] = torch.cat([_take(weights, s + "gate_proj.weight", used),
-                                           _take(weights, s + "up_proj.weight", used)])  # [2Is, h]
+        out["shared_gate_up"] = cat_out([_take(weights, s + "gate_proj.weight", used),
+                                         _take(weights, s + "up_proj.weight", used)])    # [2Is, h]
         out["shared_down"] = _take(weights, s + "down_proj.weight", used)                # [h, Is]
     if p + "shared_expert_gate.weight" in weights:
         out["shared_gate"] = _take(weights, p + "shared_expert_gate.weight", used)       # [1, h]

@@ -8,7 +8,9 @@ they return. Families differ in what those steps do (ModelConfig says which): Ge
 Gemma 3), partial RoPE (Phi-3), per-layer RoPE (Gemma 3), soft-capped logits (Gemma 2), a GeGLU
 MLP, mixture-of-experts MLPs. Numerics follow HF transformers (norms and RoPE in float32, where
 HF rounds) so greedy outputs match it in float32; the elementwise passes of the Llama-style
-families run as fused kernels on a CUDA S-worker in bf16/fp16 (ops.py).
+families run as fused kernels on a CUDA S-worker in bf16/fp16 (ops.py). Every projection goes
+through fp8.linear, so a layer's weights may be fp8 (`--quantization fp8`, fp8.py) with no
+change here.
 
 Shapes: n = rows in the call (sequences in decode, prompt tokens in prefill), h = hidden,
 Hq/Hkv = query/KV heads, D = head_dim, V = vocabulary.
@@ -18,9 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastdecode.model import fp8_gemm
 from fastdecode.model import prompt_attention as pa
 from fastdecode.model.config import ModelConfig
-from fastdecode.model.layer_weights import layer_weights, norm_weight
+from fastdecode.model.fp8 import Fp8Weight, linear
+from fastdecode.model.layer_weights import fp8_weights, layer_weights, norm_weight
 from fastdecode.model.ops import SPartOps, apply_rope, gemma_rms_norm_torch, pack, rms_norm_torch
 from fastdecode.model.rope import Rope, RopeTable
 
@@ -29,11 +33,15 @@ class SPart:
     """Weights and dense compute of one model on one device. max_model_len: the job's context
     (RoPE kinds that depend on it: longrope's short or long factors)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, weights: dict, device, dtype: torch.dtype,
                  max_model_len: int | None = None):
         c = self.config = config
         self.device, self.dtype = torch.device(device), dtype
+        # (an Fp8Weight moves to the device and stays e4m3)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items() if k != "rope_freqs"}
+        self.fp8 = any(isinstance(v, Fp8Weight) for v in w.values())
+        # the fp8 GEMM path is probed now, before any CUDA graph capture could meet the probe
+        self.fp8_path = fp8_gemm.path_for(self.device, dtype) if self.fp8 else None
         self.embed = w["model.embed_tokens.weight"]                       # [V, h]
         self.lm_head = self.embed if c.tie_word_embeddings else w["lm_head.weight"]
         self.final_norm = norm_weight(c, w["model.norm.weight"])          # [h]
@@ -42,6 +50,9 @@ class SPart:
             if c.gemma_norms else None
         self.layers = [layer_weights(c, w, i) for i in range(c.num_layers)]
         del w
+        if self.fp8 and self.fp8_path.keep_dense:
+            for weight in fp8_weights(self.layers):
+                weight.keep_dense(dtype)
         self.rope = Rope(c, self.device, max_model_len, weights.get("rope_freqs"))
         self.scale = c.attn_scale or c.head_dim ** -0.5
         self.ops = SPartOps(self.device, dtype, c.hidden_size)
@@ -106,12 +117,12 @@ class SPart:
     def qkv_proj(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
         h = self._norm(x, L["ln1"])
-        return F.linear(h, L["w_qkv"], L["b_qkv"])                        # [n, (Hq + 2 Hkv) D]
+        return linear(h, L["w_qkv"], L["b_qkv"])                          # [n, (Hq + 2 Hkv) D]
 
     def post_attn(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: [n, h], o: [n, Hq, D] attention output -> next layer's residual stream [n, h]."""
         c, L = self.config, self.layers[layer]
-        attn = F.linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"], L["b_o"])   # [n, h]
+        attn = linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"], L["b_o"])     # [n, h]
         if c.gemma_norms:              # norms on both sides of attention and of the MLP
             x = x + self._norm(attn, L["ln2"])
             return x + self._norm(self._mlp(L, self._norm(x, L["ln_pre_ff"])), L["ln_post_ff"])
@@ -122,7 +133,7 @@ class SPart:
         """h: [n, h] normed -> the layer's MLP (gated dense, or routed experts) [n, h]."""
         if isinstance(L["mlp"], tuple):
             gate_up, down = L["mlp"]                                       # [2I, h], [h, I]
-            return F.linear(self.ops.act_mul(F.linear(h, gate_up), self.config.hidden_act), down)
+            return linear(self.ops.act_mul(linear(h, gate_up), self.config.hidden_act), down)
         return L["mlp"](h)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -137,3 +137,45 @@ def rope_pack(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offsets: 
     warps = 4 if hq * d <= 4096 else 8
     _rope_pack_kernel[(n,)](qkv, cos, sin, offsets, out, hq, hkv, D=d, HALF_P2=p2(d // 2),
                             HQ_P2=p2(hq), HKV_P2=p2(hkv), V_P2=p2(hkv * d), num_warps=warps)
+
+
+# ----------------------------------------------------------------------------- fp8 rows (activations)
+
+@triton.jit
+def _quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, amax_ub, min_amax, HAS_UB: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    # one row of x [n, K]: s = max(min(max|x|, ub), min_amax) / 448, q = clamp(x / s, +-448) -> q's dtype
+    row = tl.program_id(0).to(tl.int64)
+    src = x_ptr + row * K
+    peak = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(src + cols, mask=cols < K, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, tl.abs(x))
+    amax = tl.max(peak, axis=0)
+    if HAS_UB:
+        amax = tl.minimum(amax, amax_ub)
+    # divisions rounded as torch's (div_rn), so q matches the torch code's before the e4m3 cast
+    s = tl.math.div_rn(tl.maximum(amax, min_amax), 448.0)
+    for start in range(0, K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(src + cols, mask=cols < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0)
+        tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+    tl.store(s_ptr + row, s)
+
+
+def quantize_fp8_rows(x: torch.Tensor, amax_ub: float | None = None,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [n, K] contiguous -> (q [n, K] float8_e4m3fn, scales [n] float32): one scale per row,
+    as fp8.quantize_rows. `out` may be a float32 [n, K] buffer instead (tests under the
+    interpreter, whose float32 -> e4m3 cast is not the GPU's: they cast the values themselves)."""
+    from fastdecode.model.fp8 import E4M3, E4M3_MAX, MIN_AMAX
+    assert E4M3_MAX == 448.0
+    n, k = x.shape
+    q = out if out is not None else torch.empty(n, k, dtype=E4M3, device=x.device)
+    s = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n:
+        _quantize_fp8_rows_kernel[(n,)](x, q, s, k, float(amax_ub or 0.0), MIN_AMAX, HAS_UB=amax_ub is not None,
+                                        BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=8)
+    return q, s

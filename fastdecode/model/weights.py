@@ -3,7 +3,8 @@
 HF directories load straight from safetensors. GGUF files are dequantized with the `gguf`
 package once, un-permuted (llama.cpp stores Llama's Q/K rows interleaved for its RoPE), Gemma's
 norms given back their HF meaning (llama.cpp stores 1 + w), and cached as float32 safetensors under the cache dir keyed by the file's SHA-256, so a warm load
-is an mmap.
+is an mmap. With fp8 weights (`--quantization fp8`, or an fp8 checkpoint) the projections come
+as Fp8Weight (quantization.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from fastdecode.model.config import ConfigError, ModelConfig
+from fastdecode.model.fp8 import Fp8Weight
 from fastdecode.model.gguf_meta import CONFIG_TENSORS, TOP_NAMES, block_names
+from fastdecode.model.quantization import WeightCollector, WeightFormat, is_projection
 from fastdecode.model.source import ModelSource, cache_dir
 
 
@@ -107,48 +110,57 @@ def _ensure_gguf_cache(source: ModelSource, config: ModelConfig) -> str:
     return path
 
 
-def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """N(0, 0.02) weights (norms 1) made on the device: benchmark models of a real shape."""
+def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0,
+                   keep=None) -> dict[str, torch.Tensor]:
+    """N(0, 0.02) weights (norms 1) made on the device: benchmark models of a real shape.
+    keep(name, tensor): what to store for each as it is made (default: the tensor)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     c = config
+    w = {}
+
+    def put(name, t):
+        w[name] = keep(name, t) if keep is not None else t
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
 
-    w = {"model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size),
-         "model.norm.weight": torch.ones(c.hidden_size, device=device, dtype=dtype),
-         "lm_head.weight": rnd(c.vocab_size, c.hidden_size)}
+    put("model.embed_tokens.weight", rnd(c.vocab_size, c.hidden_size))
+    put("model.norm.weight", torch.ones(c.hidden_size, device=device, dtype=dtype))
+    put("lm_head.weight", rnd(c.vocab_size, c.hidden_size))
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = torch.ones(c.hidden_size, device=device, dtype=dtype)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(c.hidden_size, device=device, dtype=dtype)
-        w[p + "self_attn.q_proj.weight"] = rnd(c.q_size, c.hidden_size)
-        w[p + "self_attn.k_proj.weight"] = rnd(c.kv_size, c.hidden_size)
-        w[p + "self_attn.v_proj.weight"] = rnd(c.kv_size, c.hidden_size)
-        w[p + "self_attn.o_proj.weight"] = rnd(c.hidden_size, c.q_size)
-        w[p + "mlp.gate_proj.weight"] = rnd(c.intermediate_size, c.hidden_size)
-        w[p + "mlp.up_proj.weight"] = rnd(c.intermediate_size, c.hidden_size)
-        w[p + "mlp.down_proj.weight"] = rnd(c.hidden_size, c.intermediate_size)
+        put(p + "input_layernorm.weight", torch.ones(c.hidden_size, device=device, dtype=dtype))
+        put(p + "post_attention_layernorm.weight", torch.ones(c.hidden_size, device=device, dtype=dtype))
+        put(p + "self_attn.q_proj.weight", rnd(c.q_size, c.hidden_size))
+        put(p + "self_attn.k_proj.weight", rnd(c.kv_size, c.hidden_size))
+        put(p + "self_attn.v_proj.weight", rnd(c.kv_size, c.hidden_size))
+        put(p + "self_attn.o_proj.weight", rnd(c.hidden_size, c.q_size))
+        put(p + "mlp.gate_proj.weight", rnd(c.intermediate_size, c.hidden_size))
+        put(p + "mlp.up_proj.weight", rnd(c.intermediate_size, c.hidden_size))
+        put(p + "mlp.down_proj.weight", rnd(c.hidden_size, c.intermediate_size))
     return w
 
 
 def load_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """All parameters by HF name, in `dtype` on `device`."""
+                 device: str | torch.device = "cpu", fmt: WeightFormat | None = None) -> dict:
+    """All parameters by HF name, in `dtype` on `device`; with an fp8 `fmt` the projections as
+    Fp8Weight (quantization.py: quantized as they load, or the checkpoint's own)."""
+    fmt = fmt or WeightFormat()
+    collect = WeightCollector(fmt, dtype, device)
     if source.kind == "random":
-        return random_weights(config, dtype, device)
+        return random_weights(config, dtype, device, keep=lambda name, t: (
+            Fp8Weight.quantize(t) if fmt.quantize_at_load and is_projection(name) else t))
     if source.kind == "gguf":
         files = [_ensure_gguf_cache(source, config)]
     else:
         files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
-    weights = {}
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
                 ours = our_name(config, name)
                 if ours is not None:
-                    weights[ours] = st.get_tensor(name).to(device=device, dtype=dtype)
-    return weights
+                    collect.add(name, ours, st.get_tensor(name))
+    return collect.finish()
 
 
 def our_name(config: ModelConfig, name: str) -> str | None:
