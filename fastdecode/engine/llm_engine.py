@@ -1,7 +1,6 @@
 """LLMEngine: requests in, finished requests out; `step()` = schedule -> run -> postprocess."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import sys
@@ -13,11 +12,12 @@ import torch
 from fastdecode.engine import continuation, rpart_setup
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
 from fastdecode.engine.kv_tiers import choose_tier
+from fastdecode.engine.outputs import request_output
 from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
 from fastdecode.engine.rpart_setup import OutOfMemory
 from fastdecode.engine.runner import ModelRunner
-from fastdecode.engine.sampling_params import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from fastdecode.engine.sampling_params import RequestMetrics, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
 from fastdecode.model.config import ModelConfig
@@ -405,38 +405,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ outputs
 
     def output_of(self, req: Request) -> RequestOutput:
-        """vLLM's RequestOutput; with detokenize=False no text (empty, and logprobs without decoded tokens)."""
-        outs = []
-        p = req.params
-        for s in req.sequences:
-            if not p.detokenize:
-                text = ""
-            elif isinstance(s.stop_reason, str):
-                text = s.text
-            else:
-                text = self.tokenizer.decode(s.output_ids, p.skip_special_tokens, p.spaces_between_special_tokens)
-            out = CompletionOutput(s.sample_index, text, list(s.output_ids), s.finish_reason, s.stop_reason)
-            if p.logprobs is not None:
-                out.logprobs = [self._position_logprobs(tok, entry, p.detokenize)
-                                for tok, entry in zip(s.output_ids, s.logprobs)]
-                out.cumulative_logprob = float(sum(entry[0] for entry in s.logprobs))
-            outs.append(out)
-        result = RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs,
-                               metrics=dataclasses.replace(req.metrics) if req.metrics else None)
-        if req.prompt_logprobs is not None:
-            result.prompt_logprobs = [None] + [self._position_logprobs(tok, entry, p.detokenize)
-                                               for tok, entry in zip(req.prompt_ids[1:], zip(*req.prompt_logprobs))]
-        return result
-
-    def _position_logprobs(self, token: int, entry: tuple, detokenize: bool = True) -> dict[int, Logprob]:
-        """vLLM's per-position dict: the sampled token, then the top ones by rank (one entry if it is among them)."""
-        chosen, rank, top_ids, top = entry
-        text = self.tokenizer.token_text if detokenize else (lambda t: None)
-        found = {token: Logprob(float(chosen), int(rank), text(token))}
-        for r, (t, lp) in enumerate(zip(top_ids.tolist(), top.tolist()), start=1):
-            if t not in found:
-                found[t] = Logprob(lp, r, text(t))
-        return found
+        """vLLM's RequestOutput of a finished request (engine/outputs.py)."""
+        return request_output(req, self.tokenizer)
 
     def close(self) -> None:
         self.backend.close()

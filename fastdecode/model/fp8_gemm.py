@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastdecode.model.fp8 import Fp8Weight, quantize_rows
+from fastdecode.model.fp8_format import Fp8Weight, quantize_rows
 
 FP8_CAPABILITY = (8, 9)       # Ada and Hopper and later: fp8 tensor cores
 ALIGN = 16                    # the fp8 GEMM's K and N must be multiples of it

@@ -170,7 +170,7 @@ def quantize_fp8_rows(x: torch.Tensor, amax_ub: float | None = None,
     """x: [n, K] contiguous -> (q [n, K] float8_e4m3fn, scales [n] float32): one scale per row,
     as fp8.quantize_rows. `out` may be a float32 [n, K] buffer instead (tests under the
     interpreter, whose float32 -> e4m3 cast is not the GPU's: they cast the values themselves)."""
-    from fastdecode.model.fp8 import E4M3, E4M3_MAX, MIN_AMAX
+    from fastdecode.model.fp8_format import E4M3, E4M3_MAX, MIN_AMAX
     assert E4M3_MAX == 448.0
     n, k = x.shape
     q = out if out is not None else torch.empty(n, k, dtype=E4M3, device=x.device)
