@@ -60,7 +60,7 @@ def make_backend(eng, comm) -> RBackend:
         tier = DeviceKVTier(eng.config, eng.kv_dtype, size, eng.device, variants, page_tokens=page)
     elif eng.tier.kind == "local":
         tier = LocalBackend(eng.config, eng.kv_dtype, eng.args.s_threads or eng.s_cores,
-                            eng.tier.capacity_bytes, asynchronous=True, bf16_probs=bf16_probs, variants=variants)
+                            eng.tier.capacity_bytes, asynchronous=False, bf16_probs=bf16_probs, variants=variants)
         tier.workers[0].tier = "local (in-process store)"
     else:
         return others
@@ -126,9 +126,10 @@ def tier_summary(eng) -> dict:
 def learn_tier_base(eng, stats, weight: float = TIER_BASE_WEIGHT) -> None:
     """What a decode step's S-part takes besides the tier's attention (an exponential average):
     the time a sequence on the S-worker's own tier waits for before its attention counts."""
-    s_part = eng.runner.last_s_time
-    if eng.tier.kind == "device":          # its attention ran on the S-part's own stream
-        s_part -= stats.attend_s[eng.tier_index]
+    # the tier's attention ran on the S-part's own critical path (a GPU's compute stream, or the
+    # CPU S-worker's own thread, in turn with the S-part: two busy threads on its cores would spin
+    # against each other), so the S-part's time holds it: taken out
+    s_part = eng.runner.last_s_time - stats.attend_s[eng.tier_index]
     base, t = eng.placement.base_s, eng.tier_index
     base[t] = max(s_part, 0.0) if eng.placement.overflow_only[t] or base[t] == 0 \
         else (1 - weight) * base[t] + weight * max(s_part, 0.0)
