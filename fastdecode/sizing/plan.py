@@ -330,7 +330,9 @@ SPLIT_WHY = {BALANCED: "the two sides of the step end together",
 
 def _split_line(r: dict) -> str:
     """Where the batch's KV lives: the S-worker's tier and the R-workers, and why there."""
-    gb = lambda x: f"{x / 1e9:,.1f} GB"    # noqa: E731
+    def gb(x: float) -> str:
+        return f"{x / 1e9:,.1f} GB"
+
     why = "a GPU-only engine" if not r["rworkers"] else SPLIT_WHY[r["tier_split"]]
     return (f"split: {r['tier_sequences']:,} sequences ({gb(r['tier_kv_bytes'])} of KV) on the S-worker's tier "
             f"(it holds {r['tier_capacity_sequences']:,}), {r['rworker_sequences']:,} ({gb(r['rworker_kv_bytes'])}) "
