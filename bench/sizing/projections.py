@@ -13,8 +13,9 @@
     (bench/gpu/results/gpu_only_h100-box.json), the GPU's own memory-bound ceiling for any GPU-only
     engine (KV beside the weights in HBM, each step reading both), and a stated throughput for a
     tuned GPU-only engine (an outside figure, not measured here). Each point runs the best of a few
-    batch limits: 4,096 and 16,384, the most sequences the GPU alone ran at once, and the batch
-    `plan` (the sizing model) finds best for that many sockets.
+    batch limits: the batch `plan` (the sizing model) finds best for that many sockets, and 4,096
+    and 16,384, at the pipeline depth (1 or 2) `plan` finds best there; and the card alone's own
+    batch and depth, so that no socket count can run below it.
 All hardware and prices are stated below (assumptions, not measurements); docs/projections.md.
 
     python3 bench/sizing/projections.py     # writes bench/sizing/results/projections.{json,png}
@@ -130,12 +131,15 @@ def h100_profile(spec: dict, max_batch: int):
     return prof
 
 
-def plan_best_batch(prof, sockets: int, mean_prompt: float, mean_output: float) -> int:
-    """The batch at which `plan` (the sizing model, the same stated hardware) says this many sockets
-    and the tier give the most tokens/s: where the two sides of the step end together, or memory."""
+def plan_best(prof, sockets: int, mean_prompt: float, mean_output: float) -> tuple[int, int]:
+    """(batch, pipeline depth) at which `plan` (the sizing model, the same stated hardware) says this
+    many sockets and the tier give the most tokens/s: where the two sides of the step end together,
+    or memory. Depth 1 where nothing is left to overlap (the card alone: a second mini-batch only
+    repeats the S-part's launch floor)."""
     gen, prompt = max(int(mean_output), 1), int(mean_prompt)
-    preds = [predict(prof, b, gen, prompt, rworkers=sockets) for b in PLAN_SWEEP]
-    return max(preds, key=lambda p: p.tokens_per_s).batch_run
+    preds = [predict(prof, b, gen, prompt, rworkers=sockets, depth=d) for b in PLAN_SWEEP for d in (1, 2)]
+    best = max(preds, key=lambda p: p.tokens_per_s)
+    return best.batch_run, best.pipeline_depth
 
 
 def gpu_only_ceiling(model: str, mean_prompt: float, mean_output: float, gpu=H100, weight_bytes: float = 2,
@@ -162,29 +166,34 @@ def gpu_only_ceiling(model: str, mean_prompt: float, mean_output: float, gpu=H10
             "output_tokens_per_s": round(mean_output / wall_per_req, 1), "token_latency_s": round(step, 5)}
 
 
-def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone_limit: int | None = None) -> dict:
+def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone: tuple[int, int] | None = None) -> dict:
     """The best of the batch limits (module docstring) for this many sockets beside the tier: a
-    smaller limit leaves the tier more of the card (the activations' reserve shrinks with it)."""
-    limits = set(spec.get("batches", BATCHES))
+    smaller limit leaves the tier more of the card (the activations' reserve shrinks with it).
+    gpu_alone: (the most sequences the card alone ran at once, its pipeline depth)."""
     mean_prompt, mean_output = float(trace.prompt_len.mean()), float(trace.output_len.mean())
-    if not sockets and h100_profile(spec, min(limits)).device_tier is None:
+    top = max(spec.get("batches", BATCHES))
+    if not sockets and h100_profile(spec, top).device_tier is None:
         return {"workload": name, "sockets": 0, "output_tokens_per_s": None, "batch_limit": None,
                 "note": "no KV tier fits beside the weights and the activations: the card alone runs nothing"}
-    limits.add(plan_best_batch(h100_profile(spec, max(limits)), sockets, mean_prompt, mean_output))
-    if gpu_alone_limit:
-        limits.add(gpu_alone_limit)
-    best, row, tried = None, None, []
-    for batch in sorted(limits):
-        if row is not None and row["running_max"] < 0.9 * row["batch_limit"]:
-            break            # memory, not the limit, held the last batch: a higher limit only shrinks the tier
-        tried.append(batch)
-        s = run_sim(h100_profile(spec, batch), trace, sockets, batch, prefill_tokens=PREFILL_TOKENS)
-        row = {"batch_limit": batch, "output_tokens_per_s": s["output_tokens_per_s"],
+    batch, depth = plan_best(h100_profile(spec, top), sockets, mean_prompt, mean_output)
+    # (limit, depth): plan's best, the larger limits at its depth, and the card alone's own batch and depth
+    candidates = {(batch, depth)} | {(b, depth) for b in spec.get("batches", BATCHES)}
+    if gpu_alone:
+        candidates.add(gpu_alone)
+    best, tried, held = None, [], {}
+    for batch, depth in sorted(candidates):
+        if held.get(depth, batch) < batch:
+            continue         # memory, not the limit, held a smaller limit's batch: a higher one only shrinks the tier
+        tried.append([batch, depth])
+        s = run_sim(h100_profile(spec, batch), trace, sockets, batch, depth=depth, prefill_tokens=PREFILL_TOKENS)
+        row = {"batch_limit": batch, "pipeline_depth": depth, "output_tokens_per_s": s["output_tokens_per_s"],
                "token_latency_p50_s": s["token_latency_p50_s"], "token_latency_p99_s": s["token_latency_p99_s"],
                "s_utilisation": s["utilisation"]["s_worker"], "r_bubble": s["r_bubble_fraction"],
                "s_bubble": s["s_bubble_fraction"], "bound": s["bound"], "running_mean": s["running_mean"],
                "running_max": s["running_max"], "tier_kv_share": s["tier_kv_share"],
                "tier_utilisation": s["utilisation"]["device_tier"]}
+        if s["running_max"] < 0.9 * batch:
+            held[depth] = batch
         if best is None or (row["output_tokens_per_s"] or 0) > best["output_tokens_per_s"]:
             best = row
     dollars = GPU_HOUR + sockets * SOCKET_HOUR
@@ -201,7 +210,8 @@ def h100_cluster(requests: int, only: list[str]) -> dict:
                                 seed=1)
         rows = []
         for p in SOCKETS:
-            rows.append(h100_point(name, spec, p, trace, rows[0].get("running_max") if rows else None))
+            alone = (rows[0]["running_max"], rows[0]["pipeline_depth"]) if rows and rows[0].get("running_max") else None
+            rows.append(h100_point(name, spec, p, trace, alone))
             r = rows[-1]
             print(f"{name} {p} sockets: " + (r.get("note") or f"{r['output_tokens_per_s']:.0f} tok/s (limit "
                   f"{r['batch_limit']}), p50 {r['token_latency_p50_s']:.3f} s, {r['bound']}"), flush=True)
