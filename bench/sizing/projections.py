@@ -14,8 +14,8 @@
     engine (KV beside the weights in HBM, each step reading both), and a stated throughput for a
     tuned GPU-only engine (an outside figure, not measured here). Each point runs the best of a few
     batch limits: the batch `plan` (the sizing model) finds best for that many sockets, and 4,096
-    and 16,384, at the pipeline depth (1 or 2) `plan` finds best there; and the card alone's own
-    batch and depth, so that no socket count can run below it.
+    and 16,384, at the pipeline depth (1 or 2) `plan` finds best there; and, where none of those
+    reaches the card alone, its own batch and depth, so that no socket count runs below it.
 All hardware and prices are stated below (assumptions, not measurements); docs/projections.md.
 
     python3 bench/sizing/projections.py     # writes bench/sizing/results/projections.{json,png}
@@ -166,24 +166,27 @@ def gpu_only_ceiling(model: str, mean_prompt: float, mean_output: float, gpu=H10
             "output_tokens_per_s": round(mean_output / wall_per_req, 1), "token_latency_s": round(step, 5)}
 
 
-def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone: tuple[int, int] | None = None) -> dict:
+def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone: dict | None = None) -> dict:
     """The best of the batch limits (module docstring) for this many sockets beside the tier: a
     smaller limit leaves the tier more of the card (the activations' reserve shrinks with it).
-    gpu_alone: (the most sequences the card alone ran at once, its pipeline depth)."""
+    gpu_alone: the card alone's row; where no other limit reaches its tokens/s, its own batch and
+    depth are run too (a slow point: a small batch is many steps)."""
     mean_prompt, mean_output = float(trace.prompt_len.mean()), float(trace.output_len.mean())
     top = max(spec.get("batches", BATCHES))
     if not sockets and h100_profile(spec, top).device_tier is None:
         return {"workload": name, "sockets": 0, "output_tokens_per_s": None, "batch_limit": None,
                 "note": "no KV tier fits beside the weights and the activations: the card alone runs nothing"}
     batch, depth = plan_best(h100_profile(spec, top), sockets, mean_prompt, mean_output)
-    # (limit, depth): plan's best, the larger limits at its depth, and the card alone's own batch and depth
-    candidates = {(batch, depth)} | {(b, depth) for b in spec.get("batches", BATCHES)}
+    # (limit, depth): plan's best, and the larger limits at its depth
+    candidates = sorted({(batch, depth)} | {(b, depth) for b in spec.get("batches", BATCHES)})
     if gpu_alone:
-        candidates.add(gpu_alone)
+        candidates.append((gpu_alone["running_max"], gpu_alone["pipeline_depth"]))
     best, tried, held = None, [], {}
-    for batch, depth in sorted(candidates):
+    for i, (batch, depth) in enumerate(candidates):
         if held.get(depth, batch) < batch:
             continue         # memory, not the limit, held a smaller limit's batch: a higher one only shrinks the tier
+        if gpu_alone and i == len(candidates) - 1 and best["output_tokens_per_s"] >= gpu_alone["output_tokens_per_s"]:
+            break            # the card alone's batch is needed only where nothing else reached it
         tried.append([batch, depth])
         s = run_sim(h100_profile(spec, batch), trace, sockets, batch, depth=depth, prefill_tokens=PREFILL_TOKENS)
         row = {"batch_limit": batch, "pipeline_depth": depth, "output_tokens_per_s": s["output_tokens_per_s"],
@@ -210,8 +213,7 @@ def h100_cluster(requests: int, only: list[str]) -> dict:
                                 seed=1)
         rows = []
         for p in SOCKETS:
-            alone = (rows[0]["running_max"], rows[0]["pipeline_depth"]) if rows and rows[0].get("running_max") else None
-            rows.append(h100_point(name, spec, p, trace, alone))
+            rows.append(h100_point(name, spec, p, trace, rows[0] if rows and rows[0].get("running_max") else None))
             r = rows[-1]
             print(f"{name} {p} sockets: " + (r.get("note") or f"{r['output_tokens_per_s']:.0f} tok/s (limit "
                   f"{r['batch_limit']}), p50 {r['token_latency_p50_s']:.3f} s, {r['bound']}"), flush=True)
@@ -341,7 +343,7 @@ def plot(doc: dict, path: str) -> None:
             c.axhline(w["gpu_only_ceiling"]["tokens_per_dollar"], ls="--", color=line.get_color(), lw=1)
     b.axhline(TUNED_GPU_ONLY_8B, ls=":", color="k", lw=1, label="tuned GPU-only 8B (stated)")
     b.set(xscale="log", yscale="log", xlabel="CPU sockets", ylabel="output tokens/s",
-          title="(b) one H100 + sockets (dash-dot: the H100 alone, dashed: GPU-only ceiling)")
+          title="(b) one H100 + sockets (dash-dot: H100 alone; dashed: ceiling)")
     c.set(xscale="log", yscale="log", xlabel="CPU sockets", ylabel="output tokens per $",
           title=f"per dollar (GPU \\${GPU_HOUR:.2f}/h, socket \\${SOCKET_HOUR:.2f}/h)")
     for ax in (b, c):
