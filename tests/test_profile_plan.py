@@ -14,7 +14,7 @@ def test_profile_under_mpi_then_plan(tmp_path):
     prof = tmp_path / "profile.json"
     proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,8,32", "--r-bytes", "8M",
                            "--r-seqs", "16", "--repeats", "2", "--kv-dtype", "bf16", "--prompt-lens", "16,64",
-                           "--max-prefill-tokens", "256"], ranks=3, timeout=600)
+                           "--max-prefill-tokens", "256", "--device-kv"], ranks=3, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(prof.read_text())
     assert data["schema"] == "fastdecode-profile/1"
@@ -38,7 +38,7 @@ def test_profile_under_mpi_then_plan(tmp_path):
     assert all(len(t) == len(link["message_bytes"]) for t in link["worker_message_time_s"])
     assert link["message_time_s"] in link["worker_message_time_s"] and link["concurrent_Bps"] > 0
     assert data["kv_dtype_bytes"] == 2 and data["model"]["num_layers"] == 30
-    # the CPU S-worker's own store beside the R-workers (--device-kv, the default): kept apart, off the link
+    # the CPU S-worker's own store beside the R-workers (--device-kv): kept apart, off the link
     tier = data["device_tier"]
     assert tier["kind"] == "local" and tier["capacity_bytes"] > 0 and tier["seconds_per_kv_byte"] > 0
     assert tier["kernel_seconds_per_kv_byte"] > 0

@@ -9,7 +9,7 @@ the largest batch that fits (--hf). Writes bench/e2e/results/tiers_<label>.json 
 
     # dev box: the hybrid (-n 2) against all on the R-worker (-n 2 --no-device-kv) and local mode
     python3 bench/e2e/tiers_bench.py --label devbox-2core --configs local=1: \\
-        remote=2:--no-device-kv hybrid=2:
+        remote=2:--no-device-kv hybrid=2:--device-kv
     # GPU box: 0 and 14 R-workers (the card alone, the card + 14 cores) against HF
     python3 bench/e2e/tiers_bench.py --label h100-box --model random:llama-3-8b --device cuda \\
         --configs card=1: card+14=15: --prompt-len 4096 --prompts 256 --gen 256 --hf
