@@ -211,6 +211,39 @@ def test_tiered_backend_gives_each_side_its_rows():
     assert tiered.tier.pool.pages_in_use == 0 and tiered.others.store.num_seqs() == 0
 
 
+def test_a_tier_without_rows_in_a_minibatch_is_not_called_to_attend():
+    """A mini-batch with no tier rows leaves the tier out of submit and wait (an empty call would
+    still wake its kernel's threads beside the S-part's); the step still counts it in the stats."""
+    c = tiny_config()
+    calls = []
+
+    class Recording(LocalBackend):
+        def decode_submit(self, layer, mb, packed):
+            calls.append(("submit", layer, mb, packed.numel()))
+            return super().decode_submit(layer, mb, packed)
+
+        def decode_wait(self, layer, mb):
+            calls.append(("wait", layer, mb))
+            return super().decode_wait(layer, mb)
+
+    tier = Recording(c, "fp32", 1, 1 << 22, asynchronous=False)
+    tiered = TieredBackend(tiny_local(c), tier)
+    rows = np.array([5, 5, 5], dtype=np.int64)
+    k = torch.ones(3, 2, 16)
+    tiered.prefill_begin(rows, [3, 0])
+    for layer in range(2):
+        tiered.prefill_layer(layer, k, k)
+    tiered.prefill_end()
+    tiered.decode_begin([(np.array([5]), [1, 0])], 2)
+    for layer in range(2):
+        buf = tiered.decode_buffer(layer, 0, 8 * 16, torch.device("cpu"), torch.float32)
+        buf.copy_(pack(torch.ones(1, 4, 16), torch.ones(1, 2, 16), torch.ones(1, 2, 16)))
+        tiered.decode_submit(layer, 0, buf)
+        assert tiered.decode_wait(layer, 0).shape == (1, 4, 16)
+    stats = tiered.decode_end()
+    assert calls == [] and len(stats.kv_bytes) == 2 and stats.kv_bytes[1] == 0
+
+
 # ----------------------------------------------------------------------------- placement across tiers
 
 class Seq:

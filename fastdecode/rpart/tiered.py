@@ -109,14 +109,15 @@ class TieredBackend(RBackend):
         n_head, _ = self._mb_rows[mb]
         split = n_head * self._elems
         self.others.decode_submit(layer, mb, packed[:split])        # leaves first: its round trip is the longer
-        self.tier.decode_submit(layer, mb, packed[split:])
+        if self._mb_rows[mb][1]:            # an empty call would still wake the tier's kernel threads
+            self.tier.decode_submit(layer, mb, packed[split:])
 
     def decode_wait(self, layer, mb):
         n_head, n_tail = self._mb_rows[mb]
+        if not n_tail:
+            return self.others.decode_wait(layer, mb)                 # [n_head, Hq, D]
         o_tier = self.tier.decode_wait(layer, mb)                     # [n_tail, Hq, D]
         o_head = self.others.decode_wait(layer, mb)                   # [n_head, Hq, D]
-        if not n_tail:
-            return o_head
         if not n_head:
             return o_tier
         return torch.cat([o_head, o_tier.to(device=o_head.device, dtype=o_head.dtype)])
