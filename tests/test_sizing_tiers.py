@@ -205,7 +205,7 @@ def test_plan_flags_state_replace_or_drop_the_tier(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--no-device-kv", "--device-kv-gb", "5"], "--no-device-kv with"),
-    (["--device-kv-gbps", "0"], "--device-kv-gbps must be > 0"),
+    (["--device-kv-gbps", "0"], "--device-kv-gbps must be a finite number > 0"),
     (["--no-device-kv", "--rworkers", "0"], "at least one R-worker"),
     (["--rworkers", "-1"], "--rworkers must be >= 0"),
 ])
