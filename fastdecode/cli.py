@@ -267,9 +267,18 @@ def validate_model(args) -> None:
         raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
 
 
+def validate_profile(args) -> None:
+    if args.tensor_parallel_size > 1:
+        raise UsageError(f"fastdecode profile measures one S-rank, not --tensor-parallel-size "
+                         f"{args.tensor_parallel_size}: profile with 1 and give the profile to `fastdecode plan "
+                         f"--tensor-parallel-size {args.tensor_parallel_size}`, which splits its S-part and adds "
+                         f"the collectives over --tp-link-gbps")
+    validate_model(args)
+
+
 def cmd_profile(args) -> int:
     from fastdecode.sizing.profile_cli import run_s_worker
-    return run_job(args, validate_model, run_s_worker)
+    return run_job(args, validate_profile, run_s_worker)
 
 
 def cmd_plan(args) -> int:

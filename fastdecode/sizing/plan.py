@@ -19,6 +19,8 @@ from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec,
 from fastdecode.sizing.link_report import link_line, link_report
 from fastdecode.sizing.model import predict
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
+from fastdecode.sizing.tensor_parallel import add_options as add_tp_options
+from fastdecode.sizing.tensor_parallel import sizing_from_args, weight_bytes_per_gpu, with_tensor_parallel
 from rworker.protocol.kvformat import kv_elem_bytes
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
@@ -83,6 +85,7 @@ def add_hardware_options(p: argparse.ArgumentParser):
                      help=f"S<->R link bandwidth, GB/s (default: {measured}{STATED_LINK_BW_GBPS:g})")
     src.add_argument("--link-latency", type=float,
                      help=f"S<->R one-way latency, us (default: {measured}{STATED_LINK_LATENCY_US:g})")
+    add_tp_options(p)
     return src
 
 
@@ -136,11 +139,12 @@ def build_profile(args) -> Profile:
         if missing:
             raise PlanError(f"give --profile, or stated hardware (missing {' '.join(missing)})")
         model = _model(args.model)
-        return stated_profile(_gpu(args.gpu_profile), model, args.cpu_bw,
+        return with_tensor_parallel(stated_profile(_gpu(args.gpu_profile), model, args.cpu_bw,
                               args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
                               call_overhead_us=overhead,
                               kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
-                              shared_cost_ratio=args.shared_cost_ratio or 1.0, **stated_link)
+                              shared_cost_ratio=args.shared_cost_ratio or 1.0, **stated_link),
+                                    sizing_from_args(args), _gpu(args.gpu_profile))
     try:
         prof = Profile.from_dict(_load_json(args.profile))
     except (TypeError, KeyError, ValueError) as e:
@@ -171,7 +175,7 @@ def build_profile(args) -> Profile:
             latency_s=prof.link.latency_s if args.link_latency is None else args.link_latency * 1e-6)
     if args.kv_dtype:
         prof.kv_dtype_bytes = kv_elem_bytes(args.kv_dtype, prof.model.head_dim)
-    return prof
+    return with_tensor_parallel(prof, sizing_from_args(args), _gpu(args.gpu_profile) if args.gpu_profile else None)
 
 
 def _check(args) -> None:
@@ -223,7 +227,7 @@ def _row(prof: Profile, batch: int, args) -> dict:
     return row
 
 
-def _header(prof: Profile, knee: int, depth: int) -> list[str]:
+def _header(prof: Profile, knee: int, depth: int, args=None) -> list[str]:
     m, w, link = prof.model, prof.r_workers[0], prof.link
     kvb = m.kv_bytes_per_token_layer(prof.kv_dtype_bytes)
     lines = [f"model {m.name}: {m.num_layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, "
@@ -239,8 +243,12 @@ def _header(prof: Profile, knee: int, depth: int) -> list[str]:
              + (f"; to all at once {link.concurrent_Bps / 1e9:.3g} GB/s" if link.concurrent_Bps else "")
              + (f", {link.hop_s * 1e6:.0f} us of hand-offs per layer in a mini-batch's chain" if link.hop_s else "")]
     mem = prof.s_worker.mem_bytes
-    if mem and m.weight_bytes() > mem:
-        lines.append(f"warning: weights {m.weight_bytes() / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")
+    tp = sizing_from_args(args) if args is not None else None
+    weights = weight_bytes_per_gpu(m, tp) if tp is not None and tp.active else m.weight_bytes()
+    if tp is not None and tp.active:
+        lines.append(f"S-worker: {tp.describe()}: {weights / 1e9:.1f} GB of weights per GPU")
+    if mem and weights > mem:
+        lines.append(f"warning: weights {weights / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")
     return lines
 
 
@@ -284,7 +292,7 @@ def run(args) -> int:
             out["sweep"] = rows
         print(json.dumps(out, indent=1))
         return 0
-    print("\n".join(_header(prof, knee, args.pipeline_depth)))
+    print("\n".join(_header(prof, knee, args.pipeline_depth, args)))
     print(_target_line(args))
     if args.batch:
         r = pick
