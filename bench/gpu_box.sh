@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup pagedattn tiertests tiers tiers8k families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup pagedattn tiertests tiers tiers8k fp8layer families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
@@ -14,7 +14,9 @@
 #           tokens: the card alone and with 14 R-workers against HF generate (target >= 1.5x HF).
 #   call 2: tiers8k prefill (~9 min, issue 42): the 8,192-token prompts; prefill through the tier
 #           against the S-part alone (target >= 0.5; 0.02-0.31 before the tier).
-#   call 3: linkfid2 (~9 min, issue 34): the five link-fidelity groups the first box run had no
+#   call 3: fp8layer (~5 min, issue 45, never run on a card): the fp8 tests on CUDA (_scaled_mm, the
+#           Triton per-token quantization, fp8 in CUDA graphs), then Llama-3-70B's layer fp8 vs bf16.
+#   call 4: linkfid2 (~9 min, issue 34): the five link-fidelity groups the first box run had no
 #           time for (50 Mbit/s, 100 Mbit/s with 2 R-workers, 10 GbE KV-heavy, the two held out),
 #           appended to link_fidelity_h100-box-16core.json. Needs root, iproute2 and MPICH's Hydra:
 #           the image has Open MPI and no `ip`/`tc`, so carry `.whl` (the mpich and mpi4py wheels:

@@ -98,11 +98,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="kernel threads per R-worker (default: the physical cores it may use)")
     p.add_argument("--rworker-mem", type=bytes_arg, default=None,
                    help="KV-cache bytes per R-worker, e.g. 64G (default: available memory less a reserve)")
-    p.add_argument("--device-kv", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--device-kv", action=argparse.BooleanOptionalAction, default=None,
                    help="the S-worker keeps some sequences' KV in its own memory and attends to them itself "
                         "(its GPU's, or on a CPU S-worker beside R-workers its in-process store), the R-workers "
                         "the rest; each sequence goes where its step ends earliest, from the tiers' measured "
-                        "speeds (default); --no-device-kv puts all KV on the R-workers")
+                        "speeds. Default: on for a GPU S-worker, off for a CPU one (its attention would run in "
+                        "turn with the dense layers on the same cores); --no-device-kv puts all KV on the "
+                        "R-workers")
     p.add_argument("--device-kv-memory", type=_size_or_auto, default=None,
                    help="bytes of the S-worker's own KV tier, e.g. 40G (default auto: on a GPU what is free "
                         "after the weights and the activations' reserve, under --gpu-memory-utilization; on a "

@@ -75,7 +75,9 @@ def test_vllm_flags_without_a_meaning_exit_2_naming_why(three, tmp_path, flag, n
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == f"fastdecode: error: {needle}" or needle in proc.stderr.strip().splitlines()[0], \
         proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    # argparse's own refusals add the one hint line; fastdecode's checks say it in one
+    assert proc.stderr.strip().splitlines()[1:] in ([], ["fastdecode generate: `fastdecode generate --help` lists "
+                                                         "the options"]), proc.stderr
 
 
 def test_vllm_flags_at_their_defaults_are_accepted():
@@ -227,4 +229,4 @@ def test_one_mpi_rank_says_it_runs_local_mode(three, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fastdecode: one MPI rank: local mode, the R-part runs in this process (no R-workers)" in proc.stderr
     alone = run_fastdecode(["generate", "-i", str(three), "-o", str(tmp_path / "p.jsonl")], timeout=300)
-    assert alone.returncode == 0 and "local mode" not in alone.stderr
+    assert alone.returncode == 0 and "one MPI rank" not in alone.stderr

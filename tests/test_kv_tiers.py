@@ -237,7 +237,6 @@ def test_placement_sends_each_sequence_where_its_step_ends_earliest():
     p.set_speeds([100.0, 1000.0])
     p.base_s[1] = 1.0
     chosen = [p.place(Seq(i, 50, 100)) for i in range(30)]
-    r_finish, t_finish = [], []
     k = m = 0
     for w in chosen:                       # replay by hand: each choice was the earlier finish
         r_next, t_next = (k + 1) * 1.0, 1.0 + (m + 1) * 0.1
@@ -276,6 +275,12 @@ def test_tier_choice_rules(monkeypatch):
     monkeypatch.delenv("FASTDECODE_DEVICE_TIER", raising=False)
     assert choose_tier(False, None, cpu, "fp32", 3, 3).why_off == "--no-device-kv"
     assert choose_tier(True, None, cpu, "fp32", 1, 1).kind == ""                      # local mode: the store is all
+    # a CPU S-worker beside R-workers: off by default (its attention would take the S-part's cores),
+    # on where asked for by --device-kv or by a size
+    auto = choose_tier(None, None, cpu, "fp32", 3, 3)
+    assert auto.kind == "" and "--device-kv turns it on" in auto.why_off
+    assert choose_tier(True, None, cpu, "fp32", 3, 3).kind == "local"
+    assert choose_tier(None, 1 << 30, cpu, "fp32", 3, 3).kind == "local"
     beside = choose_tier(True, 1 << 30, cpu, "fp32", 3, 3)
     assert (beside.kind, beside.capacity_bytes) == ("local", 1 << 30)
     with pytest.raises(ConfigError, match="more than this machine's memory"):

@@ -109,9 +109,11 @@ def test_a_404_row_is_retried_by_a_rerun():
     """A wrong model name depends on the command line (-m, --served-model-name), not the line alone:
     a rerun serves the line again rather than keeping the 404 (resume.py's retryable errors)."""
     from fastdecode.batch.responses import error_line
-    from fastdecode.batch.resume import PRIMARY, classify_row
+    from fastdecode.batch.resume import row_code
     row = error_line("x", "model_not_found", "The model `gpt-4` does not exist", status=404)
-    assert classify_row(json.dumps(row).encode()) == ("x", PRIMARY, "model_not_found", False)
+    assert row_code(json.dumps(row).encode()) == ("model_not_found", False)          # not done: served again
+    bad = error_line("y", "invalid_prompt", "empty prompt", status=400)
+    assert row_code(json.dumps(bad).encode()) == ("invalid_prompt", True)            # the line alone decides
 
 
 def test_mpi_job_checks_the_model_and_serves_prompt_lists(tmp_path):

@@ -294,10 +294,11 @@ def test_generate_reports_hits_and_a_resumed_job_still_shares(tmp_path):
     assert rows["shared"] == rows["plain"]
     assert summaries["shared"]["prefix_hits"] == len(QUESTIONS) - 1 and summaries["plain"]["prefix_hits"] == 0
     assert summaries["shared"]["prefix_kv_bytes_saved"] > 0 and not summaries["plain"]["prefix_sharing"]
-    first, out, stats = tmp_path / "first.jsonl", tmp_path / "resumed.jsonl", tmp_path / "resumed.stats.json"
-    write_input(first, QUESTIONS[:2])
-    for path, extra in ((first, []), (inp, ["--stats-json", str(stats)])):     # the second run resumes
-        proc = run_fastdecode(["generate", "-i", str(path), "-o", str(out), "--kv-dtype", "fp32", "--quiet"] + extra,
+    # the same input file, first with its two first lines (a job stopped there), then whole: resumed
+    grown, out, stats = tmp_path / "grown.jsonl", tmp_path / "resumed.jsonl", tmp_path / "resumed.stats.json"
+    for questions, extra in ((QUESTIONS[:2], []), (QUESTIONS, ["--stats-json", str(stats)])):
+        write_input(grown, questions)
+        proc = run_fastdecode(["generate", "-i", str(grown), "-o", str(out), "--kv-dtype", "fp32", "--quiet"] + extra,
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(stats.read_text())["summary"]["prefix_hits"] == len(QUESTIONS) - 3

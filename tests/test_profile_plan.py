@@ -14,7 +14,7 @@ def test_profile_under_mpi_then_plan(tmp_path):
     prof = tmp_path / "profile.json"
     proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,8,32", "--r-bytes", "8M",
                            "--r-seqs", "16", "--repeats", "2", "--kv-dtype", "bf16", "--prompt-lens", "16,64",
-                           "--max-prefill-tokens", "256"], ranks=3, timeout=600)
+                           "--max-prefill-tokens", "256", "--device-kv"], ranks=3, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(prof.read_text())
     assert data["schema"] == "fastdecode-profile/1"
@@ -38,13 +38,20 @@ def test_profile_under_mpi_then_plan(tmp_path):
     assert all(len(t) == len(link["message_bytes"]) for t in link["worker_message_time_s"])
     assert link["message_time_s"] in link["worker_message_time_s"] and link["concurrent_Bps"] > 0
     assert data["kv_dtype_bytes"] == 2 and data["model"]["num_layers"] == 30
+    # the CPU S-worker's own store beside the R-workers (--device-kv): kept apart, off the link
+    tier = data["device_tier"]
+    assert tier["kind"] == "local" and tier["capacity_bytes"] > 0 and tier["seconds_per_kv_byte"] > 0
+    assert tier["kernel_seconds_per_kv_byte"] > 0
     plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "128", "--batch", "32",
                            "--rworkers", "2", "--json"], timeout=120)
     assert plan.returncode == 0, plan.stderr
     out = json.loads(plan.stdout)
-    for key in ("rworkers_needed", "step_latency_s", "tokens_per_s", "bound", "kv_tokens_capacity"):
+    for key in ("rworkers_needed", "step_latency_s", "tokens_per_s", "bound", "kv_tokens_capacity",
+                "tier_sequences", "rworker_sequences", "tier_split"):
         assert key in out
     assert out["bound"] in ("S", "R", "link", "capacity")
+    assert out["tier_sequences"] + out["rworker_sequences"] == out["batch_run"] == 32
+    assert out["device_tier"]["kind"] == "local"
     assert abs(out["tokens_per_s"] * out["step_latency_s"] - 32) < 1e-6 * 32   # B tokens per step
 
 
@@ -69,12 +76,36 @@ def test_local_profile_has_no_link_table_and_plans(local_profile):
     """Local mode (no MPI): the R-part reads the S-part's arrays, so the link is free and
     untabulated; the profile must still be one that plan accepts."""
     prof, _ = local_profile
-    link = json.loads(prof.read_text())["link"]
+    data = json.loads(prof.read_text())
+    link = data["link"]
+    assert data["device_tier"] is None                 # -n 1 on a CPU: the in-process store is the whole R-part
     assert link["message_bytes"] == link["message_time_s"] == []
     assert link["hop_s"] == 0                           # no hand-offs between ranks
     plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "32", "--batch", "8", "--json"], timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["bound"] in ("S", "R")
+
+
+def test_a_device_tier_beside_local_modes_store_is_profiled_apart(tmp_path):
+    """-n 1 with the GPU's tier (its torch code on this CPU): the host's store is the R-part, in
+    this process (local mode: no link, no hand-offs), and the tier is timed and kept apart."""
+    prof = tmp_path / "tiered.json"
+    proc = run_fastdecode(["profile", "-o", str(prof), "--batches", "1,4", "--r-bytes", "2M", "--r-seqs", "4",
+                           "--repeats", "1", "--prompt-lens", "16", "--max-prefill-tokens", "64",
+                           "--device-kv-memory", "32M"], timeout=600, env={"FASTDECODE_DEVICE_TIER": "torch"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(prof.read_text())
+    assert [w["name"].split("@")[0] for w in data["r_workers"]] == ["rank0"]
+    tier = data["device_tier"]
+    assert tier["kind"] == "device" and tier["name"].startswith("device") and not tier["frees_windows"]
+    assert 0 < tier["capacity_bytes"] <= 32 << 20 and tier["seconds_per_kv_byte"] > 0
+    assert data["link"]["message_bytes"] == [] and data["link"]["hop_s"] == 0
+    assert "S-worker's own KV tier device" in proc.stderr
+    plan = run_fastdecode(["plan", "--profile", str(prof), "--context", "32", "--batch", "8", "--rworkers", "0",
+                           "--json"], timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    out = json.loads(plan.stdout)
+    assert out["rworker_sequences"] == 0 and out["tier_sequences"] == out["batch_run"] > 0
 
 
 def test_profile_keeps_to_the_rworker_memory(tmp_path):

@@ -113,7 +113,7 @@ def test_cli_takes_a_profile_and_plans_flags(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--trace", "/nonexistent/t.jsonl"], "cannot read trace /nonexistent/t.jsonl"),
     (["--prompt-len", "uniform:5"], "--prompt-len"),
-    (["--link-bw", "-1"], "--link-bw must be > 0"),
+    (["--link-bw", "-1"], "--link-bw must be a finite number > 0"),
 ])
 def test_cli_errors_exit_2_naming_the_input(capsys, argv, message):
     assert main(["simulate", *STATED, *argv]) == 2

@@ -310,7 +310,7 @@ def test_plan_prices_the_kv_reservation(tmp_path, capsys):
     ["--model", "llama-7b"],                                          # no hardware
     [*STATED, "--batch", "0"],
     [*STATED, "--context", "-5"],
-    [*STATED, "--rworkers", "0"],
+    [*STATED, "--rworkers", "0", "--no-device-kv"],                  # no KV anywhere (0 with a tier: GPU-only)
     [*STATED, "--cpu-bw", "-1"],
     ["--gpu-profile", "no-such-gpu", "--model", "llama-7b", "--cpu-bw", "100"],
     ["--gpu-profile", "a10", "--model", "no-such-model", "--cpu-bw", "100"],

@@ -151,7 +151,7 @@ def test_profile_keeps_every_workers_table_and_the_slowest_heads_it():
     rows = [table(5e-6, 2e9), table(8e-6, 0.5e9), table(6e-6, 1e9)]
     together = [1e-3 + 3 * b / 0.6e9 for b in sizes[-2:]]     # the S-worker's path: 0.6 GB/s in all
     backend = SimpleNamespace(ping=lambda s, repeats: rows, ping_all=lambda s, repeats: together,
-                              workers=[SimpleNamespace(rank=i + 1, host=f"n{i + 1}") for i in range(3)])
+                              workers=[SimpleNamespace(rank=i + 1, host=f"n{i + 1}", tier="") for i in range(3)])
     link = profile_link(SimpleNamespace(backend=backend, device=torch.device("cpu")), sizes, 1, log=lambda m: None)
     assert link.worker_names == ["rank1@n1", "rank2@n2", "rank3@n3"]
     assert link.worker_message_time_s == rows

@@ -9,7 +9,7 @@ import pytest
 
 from fastdecode.sizing import plan
 from fastdecode.sizing.model import held_tokens, predict, rworkers_needed, sequences_on_worker
-from fastdecode.sizing.profile import profile_r_workers
+from fastdecode.sizing.profile import profile_workers
 from fastdecode.sizing.schema import MODEL_PRESETS, LinkProfile, Profile, RWorkerProfile, SWorkerProfile
 from rworker.bench import measure_attention
 from rworker.kvstore import KVStore
@@ -161,10 +161,11 @@ def test_profile_takes_the_ratio_from_the_kernel_timing_where_there_is_one():
     raw = {"rank": 0, "host": "h", "threads": 1, "bandwidth_GBps": 10.0, "call_overhead_s": 1e-5,
            "seconds_per_kv_byte": 1e-10, "capacity_bytes": 1e9, "samples": [(1, 1.0)]}
     for extra, ratio in (({"shared_cost_ratio": 0.3}, 0.3), ({}, 1.0)):   # an old store answers without it
-        backend = SimpleNamespace(workers=[SimpleNamespace(rank=0, page_tokens=32)],
+        backend = SimpleNamespace(workers=[SimpleNamespace(rank=0, page_tokens=32, tier="")],
                                   profile_workers=lambda seqs, target, extra=extra: [{**raw, **extra}])
         engine = SimpleNamespace(backend=backend, config=SimpleNamespace(num_layers=2))
-        assert profile_r_workers(engine, 8, 1 << 20, log=lambda *_: None)[0].shared_cost_ratio == ratio
+        r_workers, tier = profile_workers(engine, 8, 1 << 20, log=lambda *_: None)
+        assert r_workers[0].shared_cost_ratio == ratio and tier is None
 
 
 # ---- the kernel timing

@@ -4,13 +4,18 @@
     EPYC sockets and link, and its fitted attention bandwidth and per-call cost): Llama-7B/13B,
     1-8 sockets, fixed lengths, the stabilized schedule; scaling efficiency against the figures
     published for that setting (72.8%, 84.1%, 37.6%/75.9%) and against the analytic model.
-(b) One H100 S-worker with 4-64 CPU sockets: Llama-3-8B and Llama-3-70B on a chat-like workload
-    (prompts ~1k tokens, outputs ending between 128 and 1,024 tokens) and Llama-3-8B at 32k
-    context; tokens/s, per-token latency and tokens/s per dollar, against GPU-only serving on the
-    same H100: HF `generate` measured on the GPU box (bench/gpu/results/gpu_only_h100-box.json),
-    the GPU's own memory-bound ceiling for any GPU-only engine (KV beside the weights in HBM, each
-    step reading both), and a stated throughput for a tuned GPU-only engine (an outside figure,
-    not measured here).
+(b) One H100 S-worker with 0 and 4-64 CPU sockets: Llama-3-8B and Llama-3-70B on a chat-like
+    workload (prompts ~1k tokens, outputs ending between 128 and 1,024 tokens), Llama-3-8B at 32k
+    context and with long generations; tokens/s, per-token latency and tokens/s per dollar. The
+    S-worker keeps what its tier holds in the card's memory (the hybrid), so 0 sockets is
+    fastdecode as a GPU-only engine, and each socket count is set against it and against GPU-only
+    serving on the same H100: HF `generate` measured on the GPU box
+    (bench/gpu/results/gpu_only_h100-box.json), the GPU's own memory-bound ceiling for any GPU-only
+    engine (KV beside the weights in HBM, each step reading both), and a stated throughput for a
+    tuned GPU-only engine (an outside figure, not measured here). Each point runs the best of a few
+    batch limits: the batch `plan` (the sizing model) finds best for that many sockets, and 4,096
+    and 16,384, at the pipeline depth (1 or 2) `plan` finds best there; and, where none of those
+    reaches the card alone, its own batch and depth, so that no socket count runs below it.
 All hardware and prices are stated below (assumptions, not measurements); docs/projections.md.
 
     python3 bench/sizing/projections.py     # writes bench/sizing/results/projections.{json,png}
@@ -35,7 +40,8 @@ from fastdecode.sim.core import SimConfig, simulate  # noqa: E402
 from fastdecode.sim.costs import costs_of  # noqa: E402
 from fastdecode.sim.report import summary  # noqa: E402
 from fastdecode.sim.trace import Trace, synthetic_trace  # noqa: E402
-from fastdecode.sizing.hardware import GPU_PRESETS, stated_profile  # noqa: E402
+from fastdecode.sizing.hardware import TIER_ATTN_EFF, GPU_PRESETS, stated_profile, stated_tier  # noqa: E402
+from fastdecode.sizing.model import predict  # noqa: E402
 from fastdecode.sizing.schema import MODEL_PRESETS  # noqa: E402
 
 # ---- (b) stated hardware and prices (assumptions; change them here)
@@ -47,13 +53,18 @@ LINK_GBPS, LINK_US = 25.0, 3.0    # 200 Gb/s InfiniBand per R-worker node, MPI o
 PCIE_GBPS = 50.0                  # the S-worker's device<->host copies each way (PCIe 5 x16, pinned)
 GPU_HOUR, SOCKET_HOUR = 3.00, 1.50  # $ per hour: an H100's share of a GPU node; a socket's share of a CPU node
 TUNED_GPU_ONLY_8B = 12500.0       # output tokens/s, a tuned GPU-only engine, Llama-3-8B bf16, one H100, short prompts
-SOCKETS = [4, 8, 16, 32, 64]
+PREFILL_TOKENS = 32768            # --max-prefill-tokens (generate's default on a card this size)
+# the S-worker's own KV tier: 0.9 of the card less the weights and the activations' reserve at the
+# batch limit (generate's default sizing), read at TIER_ATTN_EFF of the bandwidth (assumed: not yet measured)
+SOCKETS = [0, 4, 8, 16, 32, 64]
 BATCHES = [4096, 16384]
+PLAN_SWEEP = sorted({int(round(8 * 1.25 ** i)) for i in range(35)})   # 8 .. 19,722: the batches `plan` weighs
 WORKLOADS = {
     "llama-3-8b chat": dict(model="llama-3-8b", prompt="lognormal:1024:0.5", output="uniform:128:1024",
                             max_tokens=1024),
     # bf16 weights (141 GB) fit no 80 GB card: the GPU-only ceiling takes fp8 weights and KV and 95%
-    # of the memory; the S-worker would need fp8 weights too (not built: its time is bf16's)
+    # of the memory; the S-worker would need fp8 weights too (not built: its time is bf16's), and its
+    # tier is what fp8 weights would leave in 95% of the card, holding bf16 KV
     "llama-3-70b chat": dict(model="llama-3-70b", prompt="lognormal:1024:0.5", output="uniform:128:1024",
                              max_tokens=1024, gpu_only=dict(weight_bytes=1, kv_bytes=1, usable=0.95)),
     "llama-3-8b 32k": dict(model="llama-3-8b", prompt="uniform:30000:32000", output="uniform:128:512",
@@ -106,11 +117,29 @@ def paper_setting() -> list[dict]:
 
 # ---------------------------------------------------------------- (b) one H100 and many sockets
 
-def h100_profile(model: str):
-    prof = stated_profile(H100, MODEL_PRESETS[model], SOCKET_READ_GBPS, SOCKET_MEM_GB, LINK_GBPS, LINK_US,
-                          cpu_attn_eff=KERNEL_EFF)
+def h100_profile(spec: dict, max_batch: int):
+    """The stated H100 with sockets, and its own KV tier as generate would size it at this batch limit."""
+    model = MODEL_PRESETS[spec["model"]]
+    only = spec.get("gpu_only", {})
+    weights = None if "weight_bytes" not in only else \
+        model.weight_bytes() / model.dtype_bytes * only["weight_bytes"]
+    tier = stated_tier(H100, model, utilization=only.get("usable", 0.9), weight_bytes=weights, max_batch=max_batch,
+                       max_prefill_tokens=PREFILL_TOKENS)
+    prof = stated_profile(H100, model, SOCKET_READ_GBPS, SOCKET_MEM_GB, LINK_GBPS, LINK_US,
+                          cpu_attn_eff=KERNEL_EFF, device_tier=tier)
     prof.link.device_d2h_Bps = prof.link.device_h2d_Bps = PCIE_GBPS * 1e9
     return prof
+
+
+def plan_best(prof, sockets: int, mean_prompt: float, mean_output: float) -> tuple[int, int]:
+    """(batch, pipeline depth) at which `plan` (the sizing model, the same stated hardware) says this
+    many sockets and the tier give the most tokens/s: where the two sides of the step end together,
+    or memory. Depth 1 where nothing is left to overlap (the card alone: a second mini-batch only
+    repeats the S-part's launch floor)."""
+    gen, prompt = max(int(mean_output), 1), int(mean_prompt)
+    preds = [predict(prof, b, gen, prompt, rworkers=sockets, depth=d) for b in PLAN_SWEEP for d in (1, 2)]
+    best = max(preds, key=lambda p: p.tokens_per_s)
+    return best.batch_run, best.pipeline_depth
 
 
 def gpu_only_ceiling(model: str, mean_prompt: float, mean_output: float, gpu=H100, weight_bytes: float = 2,
@@ -137,20 +166,42 @@ def gpu_only_ceiling(model: str, mean_prompt: float, mean_output: float, gpu=H10
             "output_tokens_per_s": round(mean_output / wall_per_req, 1), "token_latency_s": round(step, 5)}
 
 
-def h100_point(name: str, spec: dict, sockets: int, trace: Trace) -> dict:
-    prof = h100_profile(spec["model"])
-    best = None
-    for batch in spec.get("batches", BATCHES):     # a limit above the request count changes nothing
-        s = run_sim(prof, trace, sockets, batch)
-        row = {"batch_limit": batch, "output_tokens_per_s": s["output_tokens_per_s"],
+def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone: dict | None = None) -> dict:
+    """The best of the batch limits (module docstring) for this many sockets beside the tier: a
+    smaller limit leaves the tier more of the card (the activations' reserve shrinks with it).
+    gpu_alone: the card alone's row; where no other limit reaches its tokens/s, its own batch and
+    depth are run too (a slow point: a small batch is many steps)."""
+    mean_prompt, mean_output = float(trace.prompt_len.mean()), float(trace.output_len.mean())
+    top = max(spec.get("batches", BATCHES))
+    if not sockets and h100_profile(spec, top).device_tier is None:
+        return {"workload": name, "sockets": 0, "output_tokens_per_s": None, "batch_limit": None,
+                "note": "no KV tier fits beside the weights and the activations: the card alone runs nothing"}
+    batch, depth = plan_best(h100_profile(spec, top), sockets, mean_prompt, mean_output)
+    # (limit, depth): plan's best, and the larger limits at its depth
+    candidates = sorted({(batch, depth)} | {(b, depth) for b in spec.get("batches", BATCHES)})
+    if gpu_alone:
+        candidates.append((gpu_alone["running_max"], gpu_alone["pipeline_depth"]))
+    best, tried, held = None, [], {}
+    for i, (batch, depth) in enumerate(candidates):
+        if held.get(depth, batch) < batch:
+            continue         # memory, not the limit, held a smaller limit's batch: a higher one only shrinks the tier
+        if gpu_alone and i == len(candidates) - 1 and best["output_tokens_per_s"] >= gpu_alone["output_tokens_per_s"]:
+            break            # the card alone's batch is needed only where nothing else reached it
+        tried.append([batch, depth])
+        s = run_sim(h100_profile(spec, batch), trace, sockets, batch, depth=depth, prefill_tokens=PREFILL_TOKENS)
+        row = {"batch_limit": batch, "pipeline_depth": depth, "output_tokens_per_s": s["output_tokens_per_s"],
                "token_latency_p50_s": s["token_latency_p50_s"], "token_latency_p99_s": s["token_latency_p99_s"],
                "s_utilisation": s["utilisation"]["s_worker"], "r_bubble": s["r_bubble_fraction"],
-               "s_bubble": s["s_bubble_fraction"], "bound": s["bound"], "running_mean": s["running_mean"]}
+               "s_bubble": s["s_bubble_fraction"], "bound": s["bound"], "running_mean": s["running_mean"],
+               "running_max": s["running_max"], "tier_kv_share": s["tier_kv_share"],
+               "tier_utilisation": s["utilisation"]["device_tier"]}
+        if s["running_max"] < 0.9 * batch:
+            held[depth] = batch
         if best is None or (row["output_tokens_per_s"] or 0) > best["output_tokens_per_s"]:
             best = row
     dollars = GPU_HOUR + sockets * SOCKET_HOUR
-    return {"workload": name, "sockets": sockets, **best, "dollars_per_hour": dollars,
-            "tokens_per_dollar": round(best["output_tokens_per_s"] * 3600 / dollars, 0)}
+    return {"workload": name, "sockets": sockets, **best, "limits_tried": tried,
+            "dollars_per_hour": dollars, "tokens_per_dollar": round(best["output_tokens_per_s"] * 3600 / dollars, 0)}
 
 
 def h100_cluster(requests: int, only: list[str]) -> dict:
@@ -162,11 +213,14 @@ def h100_cluster(requests: int, only: list[str]) -> dict:
                                 seed=1)
         rows = []
         for p in SOCKETS:
-            rows.append(h100_point(name, spec, p, trace))
-            print(f"{name} {p} sockets: {rows[-1]['output_tokens_per_s']:.0f} tok/s, "
-                  f"p50 {rows[-1]['token_latency_p50_s']:.3f} s, {rows[-1]['bound']}", flush=True)
+            rows.append(h100_point(name, spec, p, trace, rows[0] if rows and rows[0].get("running_max") else None))
+            r = rows[-1]
+            print(f"{name} {p} sockets: " + (r.get("note") or f"{r['output_tokens_per_s']:.0f} tok/s (limit "
+                  f"{r['batch_limit']}), p50 {r['token_latency_p50_s']:.3f} s, {r['bound']}"), flush=True)
+        tier = h100_profile(spec, rows[0]["batch_limit"] or max(spec.get("batches", BATCHES))).device_tier
         out[name] = {"spec": spec, "trace_mean_prompt": round(float(trace.prompt_len.mean()), 1),
                      "trace_mean_output": round(float(trace.output_len.mean()), 1),
+                     "device_tier_GB": round(tier.capacity_bytes / 1e9, 1) if tier else 0.0,
                      "fastdecode": rows}
     return out
 
@@ -182,12 +236,21 @@ def add_peers(doc: dict) -> None:
         if ceiling["fits"]:
             ceiling["tokens_per_dollar"] = round(ceiling["output_tokens_per_s"] * 3600 / GPU_HOUR, 0)
         w["gpu_only_ceiling"] = ceiling
-        peers = {"ceiling": ceiling.get("output_tokens_per_s") or 0.0}
+        # the card alone: fastdecode as a GPU-only engine (None where nothing fits beside the weights)
+        alone = next((r for r in w["fastdecode"] if r["sockets"] == 0), {}).get("output_tokens_per_s")
+        peers = {"gpu_alone": alone, "ceiling": ceiling.get("output_tokens_per_s") or 0.0}
         if name == "llama-3-8b chat":
             peers["tuned"] = TUNED_GPU_ONLY_8B
         for row in w["fastdecode"]:
+            tps = row["output_tokens_per_s"]
+            if tps is None:
+                continue
+            row["x_ceiling"] = round(tps / peers["ceiling"], 2) if peers["ceiling"] else None
+            row["x_gpu_alone"] = round(tps / alone, 2) if alone else None
+            if not row["sockets"]:
+                continue
             row["break_even_socket_dollars"] = {k: break_even_socket_price(row, v) for k, v in peers.items()}
-            row["x_ceiling"] = round(row["output_tokens_per_s"] / peers["ceiling"], 2) if peers["ceiling"] else None
+            row["gain_per_socket"] = round((tps - (alone or 0.0)) / row["sockets"], 1)   # tokens/s each socket adds
     doc["paper_gpu_only"] = []
     for (model, L), rows in _group_points(doc["paper_setting"]).items():
         ceiling = gpu_only_ceiling(model, 1, L, gpu=paper.GPU)
@@ -233,7 +296,8 @@ def main(argv=None) -> None:
         return
     gpu_only = load_json(os.path.join(REPO, "bench", "gpu", "results", "gpu_only_h100-box.json"))
     doc = {"date": time.strftime("%Y-%m-%d"),
-           "stated": {"gpu": "h100 preset", "socket_read_GBps": SOCKET_READ_GBPS, "kernel_eff": KERNEL_EFF,
+           "stated": {"gpu": "h100 preset", "device_tier_attn_eff": TIER_ATTN_EFF,
+                      "socket_read_GBps": SOCKET_READ_GBPS, "kernel_eff": KERNEL_EFF,
                       "socket_mem_GB": SOCKET_MEM_GB, "link_GBps": LINK_GBPS, "link_latency_us": LINK_US,
                       "pcie_GBps": PCIE_GBPS, "gpu_dollars_per_hour": GPU_HOUR,
                       "socket_dollars_per_hour": SOCKET_HOUR, "tuned_gpu_only_8b_tokens_per_s": TUNED_GPU_ONLY_8B},
@@ -265,20 +329,25 @@ def plot(doc: dict, path: str) -> None:
     a.set(xlabel="CPU sockets", ylabel="scaling efficiency", title="(a) published setting (stars: published)")
     a.legend(fontsize=7)
     for name, w in doc["h100"].items():
-        xs = [r["sockets"] for r in w["fastdecode"]]
-        line, = b.plot(xs, [r["output_tokens_per_s"] for r in w["fastdecode"]], "o-", label=f"{name}")
+        rows = [r for r in w["fastdecode"] if r["sockets"]]
+        alone = next((r for r in w["fastdecode"] if not r["sockets"]), {"output_tokens_per_s": None})
+        xs = [r["sockets"] for r in rows]
+        line, = b.plot(xs, [r["output_tokens_per_s"] for r in rows], "o-", label=f"{name}")
+        if alone["output_tokens_per_s"]:
+            b.axhline(alone["output_tokens_per_s"], ls="-.", color=line.get_color(), lw=1)
+            c.axhline(alone["tokens_per_dollar"], ls="-.", color=line.get_color(), lw=1)
         if w["gpu_only_ceiling"].get("fits"):
             b.axhline(w["gpu_only_ceiling"]["output_tokens_per_s"], ls="--", color=line.get_color(), lw=1)
-        c.plot(xs, [r["tokens_per_dollar"] for r in w["fastdecode"]], "o-", color=line.get_color(), label=name)
+        c.plot(xs, [r["tokens_per_dollar"] for r in rows], "o-", color=line.get_color(), label=name)
         if w["gpu_only_ceiling"].get("fits"):
             c.axhline(w["gpu_only_ceiling"]["tokens_per_dollar"], ls="--", color=line.get_color(), lw=1)
     b.axhline(TUNED_GPU_ONLY_8B, ls=":", color="k", lw=1, label="tuned GPU-only 8B (stated)")
     b.set(xscale="log", yscale="log", xlabel="CPU sockets", ylabel="output tokens/s",
-          title="(b) one H100 + sockets (dashed: GPU-only ceiling)")
+          title="(b) one H100 + sockets (dash-dot: H100 alone; dashed: ceiling)")
     c.set(xscale="log", yscale="log", xlabel="CPU sockets", ylabel="output tokens per $",
           title=f"per dollar (GPU \\${GPU_HOUR:.2f}/h, socket \\${SOCKET_HOUR:.2f}/h)")
     for ax in (b, c):
-        ax.set_xticks(SOCKETS, [str(p) for p in SOCKETS])
+        ax.set_xticks([p for p in SOCKETS if p], [str(p) for p in SOCKETS if p])
         ax.minorticks_off()
     b.legend(fontsize=7)
     c.legend(fontsize=7)

@@ -54,7 +54,8 @@ class EngineArgs:
                                       # (prefilled and stored once; engine/prefix_cache.py)
     prefix_kept_tokens: int = 8192    # most shared-prefix tokens whose K/V the S-worker keeps for members'
                                       # prefills (past it, a prompt prefills in full)
-    device_kv: bool = True            # the S-worker keeps KV of its own beside the R-workers (engine/kv_tiers.py)
+    device_kv: bool | None = None     # the S-worker keeps KV of its own beside the R-workers (engine/kv_tiers.py);
+                                      # None: auto (a GPU S-worker does, a CPU one does not)
     device_kv_memory: int | None = None   # its bytes (None: auto, what is free on its device or node)
     gpu_memory_utilization: float = 0.9   # GPU S-worker: the fraction of the card the job may fill (vLLM's)
     tensor_parallel_size: int = 1     # S-worker ranks (0..T-1), each with 1/T of every layer on its own GPU

@@ -4,9 +4,11 @@
   weights are in, less the activations' reserve, under `--gpu-memory-utilization` of the card
   (vLLM's habit); in local mode (`-n 1`) the host's own store sits beside it for what the card
   cannot hold.
-- CPU S-worker beside R-workers: the in-process AVX-512 store (rpart/local.py), by default an equal
-  share of its node's memory with the R-workers there. In local mode (`-n 1`) that store already
-  is the whole R-part.
+- CPU S-worker beside R-workers: off unless asked for (--device-kv or --device-kv-memory): its
+  attention runs in turn with the dense layers on the same cores and memory bus, so it gains only
+  where the S-part is small beside the KV (docs/results.md measures it). Asked for, it is the
+  in-process AVX-512 store (rpart/local.py), by default an equal share of its node's memory with the
+  R-workers there. In local mode (`-n 1`) that store already is the whole R-part.
 Placement (sched/placement.py) then sends each sequence where the step ends earliest, from the
 tiers' measured speeds: a tier that does not pay on a machine holds nothing.
 """
@@ -39,12 +41,13 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def choose_tier(enabled: bool, asked: int | None, device: torch.device, kv_dtype: str, world: int,
+def choose_tier(enabled: bool | None, asked: int | None, device: torch.device, kv_dtype: str, world: int,
                 ranks_here: int) -> TierChoice:
-    """The tier of a job: `enabled` False is --no-device-kv; `asked` --device-kv-memory (None: auto);
+    """The tier of a job: `enabled` False is --no-device-kv, True --device-kv, None auto; `asked`
+    --device-kv-memory (None: auto);
     `ranks_here` the ranks on the S-worker's node (itself included). Raises ConfigError where an
     asked size cannot be met (checked again against free memory once the weights are in)."""
-    if not enabled:
+    if enabled is False:
         return TierChoice("", 0, "--no-device-kv")
     if device.type == "cuda" or os.environ.get(TORCH_TIER_ENV, "").strip() == "torch":
         if kv_dtype not in TIER_KV_DTYPES:
@@ -59,6 +62,9 @@ def choose_tier(enabled: bool, asked: int | None, device: torch.device, kv_dtype
         return TierChoice("device", asked)
     if world <= 1:
         return TierChoice("", 0, "local mode: the in-process store is the whole R-part")
+    if enabled is None and asked is None:
+        return TierChoice("", 0, "a CPU S-worker's attention would run in turn with its dense layers; "
+                                 "--device-kv turns it on")
     if asked is not None:
         import psutil
         total = psutil.virtual_memory().total

@@ -49,7 +49,7 @@ def make_backend(eng, comm) -> RBackend:
     elif eng.tier.kind == "local":
         from fastdecode.rpart.local import LocalBackend
         size = tp.group.min_int(eng.tier.capacity_bytes) if tp is not None else eng.tier.capacity_bytes
-        tier = LocalBackend(tier_config, eng.kv_dtype, eng.args.s_threads or eng.s_cores, size, asynchronous=True,
+        tier = LocalBackend(tier_config, eng.kv_dtype, eng.args.s_threads or eng.s_cores, size, asynchronous=False,
                             bf16_probs=eng.args.attn_probs == "bf16", variants=variants)
         tier.workers[0].tier = "local (in-process store)"
     else:
@@ -170,9 +170,10 @@ def tier_summary(eng) -> dict:
 def learn_tier_base(eng, stats, weight: float = TIER_BASE_WEIGHT) -> None:
     """What a decode step's S-part takes besides the tier's attention (an exponential average):
     the time a sequence on the S-worker's own tier waits for before its attention counts."""
-    s_part = eng.runner.last_s_time
-    if eng.tier.kind == "device":          # its attention ran on the S-part's own stream
-        s_part -= stats.attend_s[eng.tier_index]
+    # the tier's attention ran on the S-part's own critical path (a GPU's compute stream, or the
+    # CPU S-worker's own thread, in turn with the S-part: two busy threads on its cores would spin
+    # against each other), so the S-part's time holds it: taken out
+    s_part = eng.runner.last_s_time - stats.attend_s[eng.tier_index]
     base, t = eng.placement.base_s, eng.tier_index
     base[t] = max(s_part, 0.0) if eng.placement.overflow_only[t] or base[t] == 0 \
         else (1 - weight) * base[t] + weight * max(s_part, 0.0)

@@ -35,7 +35,7 @@ INT_FIELDS = {
     "vocab_size": (1, 1 << 22),
     "max_position_embeddings": (2, 1 << 24),
     "original_max_position_embeddings": (2, 1 << 24),
-    "sliding_window": (1, 1 << 24),
+    "sliding_window": (0, 1 << 24),          # 0 (or null): no window, as HF writes where no layer slides
     "num_experts": (1, 1 << 12),
     "num_local_experts": (1, 1 << 12),
     "num_experts_per_tok": (1, 1 << 12),

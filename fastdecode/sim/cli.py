@@ -4,6 +4,9 @@ from a profile (measured, or stated hardware as `plan` takes it) and a request t
     fastdecode simulate --profile profile.json --trace requests.jsonl --rworkers 2 -o sim.json --plot sim.png
     fastdecode simulate --model llama-2-7b --gpu-profile a10 --cpu-bw 150 --rworkers 4 \\
         --requests 2000 --prompt-len lognormal:512:0.5 --output-len uniform:64:512 --max-batch 512
+    fastdecode simulate --model llama-3-8b --gpu-profile h100 --rworkers 0 --requests 500   # GPU-only
+
+The S-worker's own KV tier is the profile's (a stated GPU's by default; plan's --device-kv flags).
 """
 from __future__ import annotations
 
@@ -12,6 +15,16 @@ import json
 import sys
 
 from fastdecode.sizing.plan import KV_DTYPES, PlanError, add_hardware_options, build_profile, check_hardware
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,8 +48,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     help="Poisson arrivals, requests/s (default: all queued at the start, a batch job)")
     wl.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths and arrivals (default 0)")
     job = p.add_argument_group("the job (generate's flags of the same names)")
-    job.add_argument("--rworkers", type=positive_int, default=None,
-                     help="R-workers (default: as many as the profile measured)")
+    job.add_argument("--rworkers", type=_nonneg_int, default=None,
+                     help="R-workers; 0 with the S-worker's own tier: a GPU-only engine (default: as many as the "
+                          "profile measured)")
     job.add_argument("--pipeline-depth", type=positive_int, default=2, help="mini-batches in flight (default 2)")
     job.add_argument("--max-batch", type=positive_int, default=None,
                      help="most sequences decoding at once (default 256 for a CPU S-worker, 4096 otherwise)")
@@ -68,7 +82,9 @@ def _trace(args):
 
 def _config(args, prof):
     from fastdecode.sim.core import SimConfig
-    rworkers = args.rworkers or len(prof.r_workers)
+    rworkers = len(prof.r_workers) if args.rworkers is None else args.rworkers
+    if rworkers == 0 and prof.device_tier is None:
+        raise PlanError("--rworkers 0 needs the S-worker's own KV tier (the profile has none, or --no-device-kv)")
     max_batch = args.max_batch or (256 if prof.s_worker.device.startswith("cpu") else 4096)
     return SimConfig(rworkers=rworkers, depth=args.pipeline_depth, schedule=args.schedule, max_batch=max_batch,
                      max_prefill_tokens=args.max_prefill_tokens, target_batch=args.target_batch,
@@ -91,7 +107,7 @@ def simulate_args(args) -> dict:
     setting = {k: v for k, v in asdict(cfg).items() if k not in ("use_numba", "max_steps")}
     setting["pipeline_depth"] = setting.pop("depth")
     setting.update(model=prof.model.name, s_worker=prof.s_worker.device, profile_source=prof.source,
-                   trace=args.trace)
+                   trace=args.trace, device_tier=asdict(prof.device_tier) if prof.device_tier is not None else None)
     return document(run, trace, setting)
 
 
@@ -102,8 +118,11 @@ def _print(doc: dict) -> None:
           f"{s['wall_s']:.2f} s: {s['output_tokens_per_s']:.1f} tokens/s")
     if s["token_latency_p50_s"] is not None:
         print(f"per-token latency p50 {s['token_latency_p50_s'] * 1e3:.2f} ms, p99 {s['token_latency_p99_s'] * 1e3:.2f} ms")
-    print(f"utilisation: S-worker {u['s_worker']:.0%}, R-workers "
-          + ", ".join(f"{x:.0%}" for x in u["r_workers"]) + f", link out {u['link_out']:.0%} back {u['link_back']:.0%}")
+    print(f"utilisation: S-worker {u['s_worker']:.0%}"
+          + (f" (its KV tier's attention {u['device_tier']:.0%}, holding {s['tier_kv_share']:.0%} of the KV)"
+             if s["tier_kv_share"] else "")
+          + ", R-workers " + (", ".join(f"{x:.0%}" for x in u["r_workers"]) or "none")
+          + f", link out {u['link_out']:.0%} back {u['link_back']:.0%}")
     if s["decode_s"]:
         print(f"decode bubbles: S idle {s['s_bubble_fraction']:.0%}, R idle {s['r_bubble_fraction']:.0%} "
               f"of decode time; bound: {s['bound']}; {s['running_mean']:.1f} sequences running on average")

@@ -8,6 +8,11 @@ while the chunk stays within it), each sampling its first token at the prefill's
 running sequence decodes one token (fastdecode/sim/kernel.py times it); a sequence ends when it
 has generated its trace's output length, and a controller that learns lengths hears of it.
 A request joins the queue at its arrival time; with nothing to run, time skips to the next.
+
+With the S-worker's own KV tier (the profile's device_tier) placement is the engine's across
+tiers: the workers' speeds set from the profile, the tier's `base_s` learnt from each decode step's
+S-part time as LLMEngine._learn_tier_base learns it (a CPU S-worker's own store takes only what the
+R-workers have no room for until then), and the tier's attention on the S side of the step.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from fastdecode.sim.trace import Trace
 
 @dataclass(slots=True)
 class SimConfig:
-    rworkers: int = 1
+    rworkers: int = 1               # 0: a GPU-only engine on the S-worker's own tier
     depth: int = 2                  # --pipeline-depth
     schedule: str = "fifo"          # fifo | stabilized
     max_batch: int = 256
@@ -68,9 +73,10 @@ class _Seq:
 @dataclass(slots=True)
 class SimRun:
     """Per step [T]: end time, rows decoded, tokens sampled, admitted, waiting, prefill and decode
-    seconds, S busy in the decode, each R-worker's busy [T, P] and KV tokens held [T, P], link busy
-    each way. Per request [n]: admission step and finish time (-1: never). Token gaps as (seconds,
-    how many) pairs: each is the time between two consecutive tokens of one sequence."""
+    seconds, S busy in the decode (the tier's attention included), each R-worker's busy [T, P] and
+    KV tokens held [T, P], link busy each way, the S-worker's tier's attention and KV tokens held
+    (0 without one). Per request [n]: admission step and finish time (-1: never). Token gaps as
+    (seconds, how many) pairs: each is the time between two consecutive tokens of one sequence."""
     steps: dict = field(default_factory=dict)
     admitted_step: np.ndarray | None = None
     finish_s: np.ndarray | None = None
@@ -80,18 +86,26 @@ class SimRun:
 
 
 STEP_KEYS = ("t_s", "active", "tokens", "admitted", "waiting", "prefill_s", "decode_s", "s_time_s",
-             "link_out_s", "link_back_s")
+             "link_out_s", "link_back_s", "tier_busy_s", "tier_kv_tokens")
+TIER_BASE_WEIGHT = 0.3           # LLMEngine._learn_tier_base's exponential average
 
 
 def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
-    if cfg.rworkers < 1 or cfg.depth < 1 or cfg.max_batch < 1 or cfg.max_prefill_tokens < 1:
-        raise ValueError("rworkers, depth, max_batch and max_prefill_tokens must be >= 1")
+    tier = costs.tier
+    if cfg.rworkers < (0 if tier >= 0 else 1) or cfg.depth < 1 or cfg.max_batch < 1 or cfg.max_prefill_tokens < 1:
+        raise ValueError("rworkers (0 only with the S-worker's own tier), depth, max_batch and max_prefill_tokens "
+                         "must be >= 1")
+    if cfg.rworkers != costs.rworkers:
+        raise ValueError(f"the costs are for {costs.rworkers} R-workers, the job has {cfg.rworkers}")
     if cfg.max_batch >= costs.s_table.size:
         raise ValueError(f"max_batch {cfg.max_batch} exceeds the cost tables ({costs.s_table.size - 1})")
-    n, P = len(trace), cfg.rworkers
+    n, P, W = len(trace), cfg.rworkers, costs.num_workers
     step_fn = step_function(cfg.use_numba)
     controller = make_admission(cfg)
-    placement = Placement(costs.workers(P), int(costs.kv_bytes_token), policy="full")
+    placement = Placement(costs.workers(), int(costs.kv_bytes_token), policy="full")
+    if tier >= 0:           # as LLMEngine sets it up: measured speeds, the tier's S-part time still unknown
+        placement.set_speeds(costs.speeds())
+        placement.overflow_only[tier] = costs.profile.device_tier.kind == "local"
     capacity = placement.total_capacity_tokens()
     order = np.lexsort((np.arange(n), trace.arrival_s))          # FIFO: by arrival, then trace order
     seqs = [_Seq(i + 1, int(trace.prompt_len[i]), int(trace.max_tokens[i])) for i in range(n)]
@@ -109,7 +123,8 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
         new = _admit(controller, placement, seqs, trace, order[nxt:end], running, cfg, step, capacity)
         nxt += len(new)
         admitted_step[new] = step
-        prefill = costs.prefill_s(trace.prompt_len[new]) if new else 0.0
+        sent = np.array([seqs[i].worker != tier for i in new], bool)
+        prefill = costs.prefill_s(trace.prompt_len[new], sent) if new else 0.0
         for i in new:
             seqs[i].generated = 1
         done_now = [i for i in new if trace.output_len[i] <= 1]
@@ -119,16 +134,20 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
         gen = np.array([seqs[i].generated for i in running], np.int64)
         worker = np.array([seqs[i].worker for i in running], np.int64)
         kv = trace.prompt_len[idx] + gen                                   # [m] tokens attended
-        res = step_fn(kv, costs.read_tokens(kv), idx + 1, worker, cfg.depth, P, costs.layers, costs.s_table,
+        res = step_fn(kv, costs.read_tokens(kv), idx + 1, worker, cfg.depth, W, costs.layers, costs.s_table,
                       float(costs.head_table[idx.size]), costs.r_token_s, costs.r_call_s, costs.out_bytes_row,
-                      costs.back_bytes_row, costs.link, costs.msg_bytes, costs.msg_time)
+                      costs.back_bytes_row, costs.link, costs.msg_bytes, costs.msg_time, tier)
         decode = float(res[0])
+        tier_busy = float(res[4 + tier]) if tier >= 0 else 0.0
+        if tier >= 0 and idx.size:
+            _learn_tier_base(placement, tier, float(res[1]) - tier_busy)
         t_end = now + prefill + decode
         if old:
             gaps.append((t_end - now, old))
         if idx.size > old:
             gaps.append((decode, idx.size - old))
-        kv_held.append(np.bincount(worker, weights=kv, minlength=P))
+        held = np.bincount(worker, weights=kv, minlength=W)
+        kv_held.append(held[:P])
         for i in running:
             seqs[i].generated += 1
         finished = done_now + [i for i in running if seqs[i].generated >= trace.output_len[i]]
@@ -138,16 +157,26 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
             controller_observe(controller, seqs[i].generated, trace.output_len[i] < trace.max_tokens[i])
         running = [i for i in running if seqs[i].generated < trace.output_len[i]]
         for k, v in zip(STEP_KEYS, (t_end, idx.size, idx.size + len(new), len(new), end - nxt, prefill, decode,
-                                    float(res[1]), float(res[2]), float(res[3]))):
+                                    float(res[1]), float(res[2]), float(res[3]), tier_busy,
+                                    float(held[tier]) if tier >= 0 else 0.0)):
             rec[k].append(v)
         r_busy.append(res[4:4 + P])
         now = t_end
     steps = {k: np.asarray(v) for k, v in rec.items()}
-    steps["r_busy_s"] = np.asarray(r_busy).reshape(-1, P)          # [T, P]
-    steps["kv_tokens"] = np.asarray(kv_held).reshape(-1, P)        # [T, P]
+    steps["r_busy_s"] = np.asarray(r_busy, np.float64).reshape(len(r_busy), P)      # [T, P]
+    steps["kv_tokens"] = np.asarray(kv_held, np.float64).reshape(len(kv_held), P)  # [T, P]
     g = np.asarray(gaps, dtype=np.float64).reshape(-1, 2)
     return SimRun(steps=steps, admitted_step=admitted_step, finish_s=finish_s, gap_s=g[:, 0],
                   gap_count=g[:, 1].astype(np.int64), admission=controller.describe())
+
+
+def _learn_tier_base(placement: Placement, tier: int, s_part: float, weight: float = TIER_BASE_WEIGHT) -> None:
+    """LLMEngine._learn_tier_base: the S-part's time of a decode step (without the tier's attention)
+    as the tier's base, an exponential average after the first."""
+    base = placement.base_s
+    base[tier] = max(s_part, 0.0) if placement.overflow_only[tier] or base[tier] == 0 \
+        else (1 - weight) * base[tier] + weight * max(s_part, 0.0)
+    placement.overflow_only[tier] = False
 
 
 def controller_observe(controller, generated: int, stopped: bool) -> None:

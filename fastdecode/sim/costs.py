@@ -3,7 +3,8 @@
 The same readings `fastdecode plan` makes (fastdecode/sizing/model.py): the S-part of one layer
 at a batch (SWorkerProfile.layer_time), the LM head, an R-worker's seconds per KV byte read and
 per call, the link's time by message size (plus a GPU's device<->host copies), the hand-off per
-layer, and prefill per prompt token by prompt length and chunk.
+layer, and prefill per prompt token by prompt length and chunk. The S-worker's own KV tier, where
+the profile has one, is one more worker after the R-workers (`tier`), as in the engine.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ class Costs:
     layers: int
     s_table: np.ndarray         # [max_batch + 1] seconds of one layer's S-part at each mini-batch size
     head_table: np.ndarray      # [max_batch + 1] LM head + sampling of a step at each batch
-    r_token_s: np.ndarray       # [P] seconds per KV token read, one layer
-    r_call_s: np.ndarray        # [P] seconds per attention call
+    r_token_s: np.ndarray       # [W] seconds per KV token read, one layer (W = P R-workers, then the tier)
+    r_call_s: np.ndarray        # [W] seconds per attention call
     out_bytes_row: float        # Q, K, V of one row, one layer, S -> R
     back_bytes_row: float       # attention output of one row, one layer, R -> S
     link: np.ndarray            # [6] latency s, bandwidth B/s, device d2h B/s, h2d B/s, hop s, 0
@@ -30,6 +31,12 @@ class Costs:
     windows: np.ndarray         # [layers] sliding window per layer (0: full); empty: all full
     kv_bytes_token: float       # K and V of one token over every layer (what placement reserves)
     profile: Profile
+    rworkers: int = 0           # P
+    tier: int = -1              # the S-worker's own tier's worker index (P), -1: none
+
+    @property
+    def num_workers(self) -> int:
+        return self.rworkers + (self.tier >= 0)
 
     def read_tokens(self, kv_len: np.ndarray) -> np.ndarray:
         """[n] tokens read per layer, averaged over the layers: a windowed layer reads its window."""
@@ -39,8 +46,9 @@ class Costs:
         w = np.where(self.windows > 0, self.windows, np.inf)[None, :]          # [1, L]
         return np.minimum(kv[:, None], w).mean(axis=1)
 
-    def prefill_s(self, prompt_lens: np.ndarray) -> float:
-        """Seconds to prefill these prompts as one chunk (one step's admissions)."""
+    def prefill_s(self, prompt_lens: np.ndarray, sent: np.ndarray | None = None) -> float:
+        """Seconds to prefill these prompts as one chunk (one step's admissions); `sent` [n] marks
+        those whose K, V leave for an R-worker (default all; the tier's are written in place)."""
         sw, m = self.profile.s_worker, self.profile.model
         chunk = float(prompt_lens.sum())
         if sw.prefill_prompt_len:
@@ -49,18 +57,30 @@ class Costs:
         # stated hardware: the dense layers at the best efficiency measured (as `plan`), and the
         # prompts' K, V over the link
         best = max(b / t for b, t in zip(sw.batch_grid, sw.layer_time_s))
-        kv = chunk * self.kv_bytes_token
+        kv = float(prompt_lens[sent].sum() if sent is not None else chunk) * self.kv_bytes_token
         return chunk * m.num_layers / best + kv / self.link[1]
 
-    def workers(self, count: int) -> list:
-        """What placement reads of each R-worker (fastdecode/sched/placement.py)."""
-        return [SimpleNamespace(capacity_bytes=int(w.capacity_bytes), page_tokens=max(int(w.page_tokens), 1))
-                for w in self.profile.workers(count)]
+    def workers(self) -> list:
+        """What placement reads of each worker (fastdecode/sched/placement.py): the R-workers, then
+        the S-worker's own tier."""
+        tier = [self.profile.device_tier] if self.tier >= 0 else []
+        return [SimpleNamespace(capacity_bytes=int(w.capacity_bytes), page_tokens=max(int(w.page_tokens), 1),
+                                frees_windows=getattr(w, "frees_windows", True))
+                for w in self.profile.workers(self.rworkers) + tier]
+
+    def speeds(self) -> list[float]:
+        """Each worker's speed as the engine's placement measures it at start-up: KV tokens (all
+        layers) per second of its kernel alone (engine/kv_tiers.py measured_speeds)."""
+        tier = [self.profile.device_tier] if self.tier >= 0 else []
+        return [1.0 / (self.kv_bytes_token * (w.kernel_seconds_per_kv_byte or w.seconds_per_kv_byte))
+                for w in self.profile.workers(self.rworkers) + tier]
 
 
 def costs_of(profile: Profile, rworkers: int, max_batch: int) -> Costs:
+    """The costs of a job on `rworkers` R-workers (the profile's, repeated) and the profile's own
+    S-worker tier, if it has one."""
     m, sw = profile.model, profile.s_worker
-    workers = profile.workers(rworkers)
+    workers = profile.workers(rworkers) + ([profile.device_tier] if profile.device_tier is not None else [])
     kv_tok = m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     grid = np.arange(max_batch + 1)
     s_table = np.array([0.0] + [sw.layer_time(b) for b in grid[1:]])
@@ -76,4 +96,4 @@ def costs_of(profile: Profile, rworkers: int, max_batch: int) -> Costs:
                  msg_bytes=np.asarray(link.message_bytes, np.float64), msg_time=np.asarray(link.message_time_s,
                                                                                             np.float64),
                  windows=np.asarray(m.windows, np.float64), kv_bytes_token=float(kv_tok * m.num_layers),
-                 profile=profile)
+                 profile=profile, rworkers=rworkers, tier=rworkers if profile.device_tier is not None else -1)

@@ -10,6 +10,11 @@ them (its own queue, first come first served), the outputs back over the link, t
 sampling. Resources: the S-worker, the link out, the link back (full duplex: a message each way
 can be in flight at once) and each R-worker, each serving one task at a time. Tasks reach every
 resource in the order the loops below visit them, so the loops are the event order.
+
+The S-worker's own KV tier (rpart/tiered.py) is one more worker, `tier`, whose rows never cross
+the link: once a mini-batch's S-part is done its R-workers' rows leave, then the S-worker attends
+the tier's rows itself (its call overhead plus its seconds per token read) while they are away,
+and the mini-batch goes on when both are back.
 """
 from __future__ import annotations
 
@@ -44,13 +49,15 @@ def link_time(nbytes: float, latency: float, bandwidth: float, msg_bytes: np.nda
 def decode_step(kv_len: np.ndarray, read_tokens: np.ndarray, seq_id: np.ndarray, worker: np.ndarray,
                 depth: int, num_workers: int, layers: int, s_table: np.ndarray, head_s: float,
                 r_token_s: np.ndarray, r_call_s: np.ndarray, out_bytes_row: float, back_bytes_row: float,
-                link: np.ndarray, msg_bytes: np.ndarray, msg_time: np.ndarray) -> np.ndarray:
+                link: np.ndarray, msg_bytes: np.ndarray, msg_time: np.ndarray, tier: int = -1) -> np.ndarray:
     """Times of one decode step over n running rows. kv_len [n] tokens attended (ordering of the
-    split), read_tokens [n] of them read per layer (windows), seq_id [n], worker [n] in 0..P-1;
+    split), read_tokens [n] of them read per layer (windows), seq_id [n], worker [n] in 0..W-1;
     s_table [B+1] S-part seconds of one layer at each mini-batch size; head_s LM head and sampling
-    of the whole batch (shared by the mini-batches by rows); r_token_s [P] seconds per read token
-    per layer, r_call_s [P] per call; link [6] = latency, bandwidth, device d2h and h2d bytes/s
-    (0: none), hop, unused. -> [4 + P]: RESULT_FIELDS, then each R-worker's busy seconds."""
+    of the whole batch (shared by the mini-batches by rows); r_token_s [W] seconds per read token
+    per layer, r_call_s [W] per call; link [6] = latency, bandwidth, device d2h and h2d bytes/s
+    (0: none), hop, unused; tier the worker that is the S-worker's own tier (-1: none).
+    -> [4 + W]: RESULT_FIELDS (s_busy_s: the S-part, the head and the tier's attention), then each
+    worker's busy seconds (the tier's its attention)."""
     n = kv_len.size
     out = np.zeros(4 + num_workers)
     if n == 0:
@@ -58,41 +65,51 @@ def decode_step(kv_len: np.ndarray, read_tokens: np.ndarray, seq_id: np.ndarray,
     mb = snake_split(kv_len, seq_id, depth)
     d = int(mb.max()) + 1
     rows = np.zeros(d, np.int64)
-    r_cost = np.zeros((d, num_workers))        # [d, P] seconds of one layer's attention
+    link_rows = np.zeros(d, np.int64)          # rows that cross the link (not the tier's)
+    r_cost = np.zeros((d, num_workers))        # [d, W] seconds of one layer's attention
     r_rows = np.zeros((d, num_workers), np.int64)
     for i in range(n):
         rows[mb[i]] += 1
+        if worker[i] != tier:
+            link_rows[mb[i]] += 1
         r_cost[mb[i], worker[i]] += read_tokens[i] * r_token_s[worker[i]]
         r_rows[mb[i], worker[i]] += 1
     s_cost, head, t_out, t_back = np.zeros(d), np.zeros(d), np.zeros(d), np.zeros(d)
+    tier_cost = np.zeros(d)
     for m in range(d):
         s_cost[m] = s_table[rows[m]]
         head[m] = head_s * rows[m] / n
-        b_out, b_back = rows[m] * out_bytes_row, rows[m] * back_bytes_row
+        b_out, b_back = link_rows[m] * out_bytes_row, link_rows[m] * back_bytes_row
         t_out[m] = link_time(b_out, link[0], link[1], msg_bytes, msg_time) + (b_out / link[2] if link[2] > 0 else 0.0)
         t_back[m] = link_time(b_back, link[0], link[1], msg_bytes, msg_time) + \
             (b_back / link[3] if link[3] > 0 else 0.0)
         for w in range(num_workers):
             if r_rows[m, w] > 0:
                 r_cost[m, w] += r_call_s[w]
+        if tier >= 0:
+            tier_cost[m] = r_cost[m, tier]
     s_free, out_free, back_free = 0.0, 0.0, 0.0
     r_free = np.zeros(num_workers)
     ready = np.zeros(d)                 # when each mini-batch's attention output is back at the S-worker
     for _layer in range(layers):
         for m in range(d):
             s_free = max(s_free, ready[m]) + s_cost[m]
-            out_free = max(out_free, s_free) + t_out[m]
-            done = out_free
-            for w in range(num_workers):
-                if r_rows[m, w] > 0:
-                    r_free[w] = max(r_free[w], out_free) + r_cost[m, w]
-                    done = max(done, r_free[w])
-            back_free = max(back_free, done) + t_back[m]
-            ready[m] = back_free + link[4]
+            back = s_free
+            if link_rows[m] > 0:        # the R-workers' rows leave first
+                out_free = max(out_free, s_free) + t_out[m]
+                done = out_free
+                for w in range(num_workers):
+                    if r_rows[m, w] > 0 and w != tier:
+                        r_free[w] = max(r_free[w], out_free) + r_cost[m, w]
+                        done = max(done, r_free[w])
+                back_free = max(back_free, done) + t_back[m]
+                back = back_free + link[4]
+            s_free += tier_cost[m]      # then the S-worker attends the tier's rows while they are away
+            ready[m] = max(back, s_free)
     for m in range(d):
         s_free = max(s_free, ready[m]) + head[m]
     out[0] = s_free
-    out[1] = layers * s_cost.sum() + head.sum()
+    out[1] = layers * (s_cost.sum() + tier_cost.sum()) + head.sum()
     out[2] = layers * t_out.sum()
     out[3] = layers * t_back.sum()
     for w in range(num_workers):

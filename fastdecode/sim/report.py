@@ -26,6 +26,7 @@ def summary(run: SimRun, trace: Trace) -> dict:
     r_busy = st["r_busy_s"].sum(axis=0)                               # [P]
     r_max = float(st["r_busy_s"].max(axis=1, initial=0.0).sum()) if t_end.size else 0.0
     prefill = float(st["prefill_s"].sum())
+    kv_all = float(st["kv_tokens"].sum() + st["tier_kv_tokens"].sum())
     done = run.finish_s >= 0
     return {
         "wall_s": _r(wall, 4), "steps": int(t_end.size), "decode_steps": int((st["active"] > 0).sum()),
@@ -42,10 +43,14 @@ def summary(run: SimRun, trace: Trace) -> dict:
         # busy share of the whole wall time (prefill is the S-worker's)
         "utilisation": {"s_worker": _r((s_busy + prefill) / wall, 4) if wall else None,
                         "r_workers": [_r(b / wall, 4) for b in r_busy] if wall else [],
+                        # the S-worker's own tier's attention (inside s_worker's share)
+                        "device_tier": _r(float(st["tier_busy_s"].sum()) / wall, 4) if wall else None,
                         "link_out": _r(float(st["link_out_s"].sum()) / wall, 4) if wall else None,
                         "link_back": _r(float(st["link_back_s"].sum()) / wall, 4) if wall else None},
         "running_mean": _r(float(st["active"][st["active"] > 0].mean()), 2) if decode_s else None,
         "running_max": int(st["active"].max(initial=0)),
+        # where the KV lived: the S-worker's own tier's share of the KV tokens held, over the decode steps
+        "tier_kv_share": _r(float(st["tier_kv_tokens"].sum()) / kv_all, 4) if kv_all else None,
     }
 
 
@@ -62,7 +67,7 @@ def timeline(run: SimRun, bins: int = TIMELINE_BINS) -> list[dict]:
         return np.bincount(which, weights=x, minlength=bins)
 
     span, s_busy = per_bin(step_s), per_bin(st["s_time_s"] + st["prefill_s"])
-    r_max = per_bin(st["r_busy_s"].max(axis=1))
+    r_max = per_bin(st["r_busy_s"].max(axis=1, initial=0.0))
     tokens, rows = per_bin(st["tokens"].astype(np.float64)), per_bin(st["active"].astype(np.float64))
     count = np.bincount(which, minlength=bins)
     out = []
@@ -88,8 +93,12 @@ def step_rows(run: SimRun, max_rows: int = MAX_ROWS) -> tuple[list[dict], int]:
                "prefill_s": _r(prefill), "step_s": _r(prefill + st["decode_s"][i])}
         if st["active"][i]:
             row["s_time_s"] = _r(st["s_time_s"][i])
-            row["r_time_max_s"] = _r(float(st["r_busy_s"][i].max()))
+            row["r_time_max_s"] = _r(float(st["r_busy_s"][i].max(initial=0.0)))
             row["r_busy_s"] = [_r(x) for x in st["r_busy_s"][i]]
+            if st["tier_kv_tokens"][i] or st["tier_busy_s"][i]:
+                row["tier_attend_s"] = _r(st["tier_busy_s"][i])
+        if st["tier_kv_tokens"][i]:
+            row["tier_kv_tokens"] = int(st["tier_kv_tokens"][i])
         rows.append(row)
     return rows, stride
 

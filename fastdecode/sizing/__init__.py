@@ -1,4 +1,5 @@
-"""The sizing model: how many CPU sockets (R-workers) a GPU needs. schema is the profile's
-format, profile and measure take one on the job's machines, hardware builds one from stated
-hardware, model predicts from it, and plan is the `fastdecode plan` command.
+"""The sizing model: how many CPU sockets (R-workers) a GPU needs, and how a batch splits between
+them and the S-worker's own KV tier. schema is the profile's format, profile and measure take one
+on the job's machines, hardware builds one from stated hardware, model predicts from it (split:
+the tier's share, by placement's rule), and plan is the `fastdecode plan` command.
 """

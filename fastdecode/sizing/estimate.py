@@ -21,8 +21,10 @@ from fastdecode.sizing.measure import (
     IN_STEP_STEPS,
     S_PART_MAX_STEPS,
     S_PART_PROMPT,
+    local_mode,
     prefill_grids,
     prompts_that_fit,
+    r_worker_indices,
 )
 from fastdecode.sizing.profile import ProfileSettings, s_part_grid
 from rworker.bench import default_target_bytes
@@ -105,11 +107,12 @@ def estimate(engine: LLMEngine, settings: ProfileSettings) -> tuple[dict[str, fl
     r_part = target / NUMPY_RNG_BYTES_PER_S + 6 * target / ATTEND_BYTES_PER_S     # every worker at once
     link = 0.0
     workers = engine.backend.workers
-    if workers and workers[0].rank != 0:                     # under MPI: the in-step timing, pings, hand-offs
+    if workers and not local_mode(engine):                   # under MPI: the in-step timing, pings, hand-offs
         part = 2 / max(layers, 1)                            # those steps run one or two layers
-        rows = st.r_seqs * len(workers)
+        rows = st.r_seqs * len(workers)                      # the S-worker's own tier is timed in the step too
         r_part += 2 * target * len(workers) / TORCH_RNG_BYTES_PER_S
         r_part += 8 * (IN_STEP_STEPS + 1) * (c.step(rows) * part + 1.5 * target / ATTEND_BYTES_PER_S)
+        workers = [workers[i] for i in r_worker_indices(engine)]     # ... but puts nothing on the link
         link = len(workers) * sum(st.link_sizes) * 2 * max(st.repeats, 5) / LINK_BYTES_PER_S
         if len(workers) > 1:                                 # the two largest to all workers at once
             link += len(workers) * sum(sorted(st.link_sizes)[-2:]) * 2 * max(st.repeats, 5) / LINK_BYTES_PER_S

@@ -1,11 +1,11 @@
 """Stated hardware: a Profile from datasheet figures (a GPU preset, CPU bandwidth and memory,
-a link), for planning before any machine is at hand.
+a link, the S-worker's own KV tier in the GPU's memory), for planning before any machine is at hand.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
+from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile, TierProfile
 from rworker.protocol.kvformat import PAGE_TOKENS
 
 
@@ -69,17 +69,18 @@ def s_worker_from_spec(gpu: GpuSpec, model: ModelDims, grid=DEFAULT_GRID) -> SWo
                           mem_bytes=gpu.mem_GB * 1e9)
 
 
-def stated_profile(gpu: GpuSpec, model: ModelDims, cpu_bw_GBps: float, cpu_mem_GB: float,
+def stated_profile(gpu: GpuSpec, model: ModelDims, cpu_bw_GBps: float | None, cpu_mem_GB: float,
                    link_bw_GBps: float = 12.5, link_latency_us: float = 10.0,
                    cpu_attn_eff: float = 0.66, call_overhead_us: float = 20.0,
                    kv_dtype_bytes: float | None = None, mem_reserve: float = 0.10,
-                   shared_cost_ratio: float = 1.0) -> Profile:
+                   shared_cost_ratio: float = 1.0, device_tier: TierProfile | None = None) -> Profile:
     """A Profile from stated hardware: one R-worker type per CPU socket with `cpu_bw_GBps` read
     bandwidth of which attention reaches `cpu_attn_eff` (0.66: torch SDPA bf16 on the H100 box,
-    docs/design.md, "The sizing model"), and `cpu_mem_GB` of memory less a reserve for the OS and buffers.
+    docs/design.md, "The sizing model"), and `cpu_mem_GB` of memory less a reserve for the OS and buffers
+    (`cpu_bw_GBps` None: no R-worker, a GPU-only engine on `device_tier`).
     A member-token of shared prefix costs `shared_cost_ratio` of a streamed token: 1 unless
     stated (a datasheet does not say how compute-bound the shared pass is)."""
-    for what, v in (("cpu bandwidth", cpu_bw_GBps), ("cpu memory", cpu_mem_GB),
+    for what, v in (("cpu bandwidth", 1.0 if cpu_bw_GBps is None else cpu_bw_GBps), ("cpu memory", cpu_mem_GB),
                     ("link bandwidth", link_bw_GBps), ("cpu efficiency", cpu_attn_eff)):
         if not v > 0:
             raise ValueError(f"{what} must be > 0 (got {v})")
@@ -87,15 +88,69 @@ def stated_profile(gpu: GpuSpec, model: ModelDims, cpu_bw_GBps: float, cpu_mem_G
         raise ValueError("latencies must be >= 0")
     if not 0 < shared_cost_ratio <= 1:
         raise ValueError(f"shared cost ratio must be in (0, 1] (got {shared_cost_ratio})")
-    rw = RWorkerProfile(name=f"cpu-socket-{cpu_bw_GBps:g}GBps",
-                        seconds_per_kv_byte=1.0 / (cpu_bw_GBps * 1e9 * cpu_attn_eff),
-                        call_overhead_s=call_overhead_us * 1e-6,
-                        capacity_bytes=cpu_mem_GB * 1e9 * (1 - mem_reserve), page_tokens=PAGE_TOKENS,
-                        shared_cost_ratio=shared_cost_ratio)
+    if cpu_bw_GBps is None and device_tier is None:
+        raise ValueError("no KV anywhere: state a CPU socket (cpu bandwidth) or a device tier")
+    rw = [] if cpu_bw_GBps is None else [
+        RWorkerProfile(name=f"cpu-socket-{cpu_bw_GBps:g}GBps", seconds_per_kv_byte=1.0 / (cpu_bw_GBps * 1e9 * cpu_attn_eff),
+                       call_overhead_s=call_overhead_us * 1e-6,
+                       capacity_bytes=cpu_mem_GB * 1e9 * (1 - mem_reserve), page_tokens=PAGE_TOKENS,
+                       shared_cost_ratio=shared_cost_ratio)]
     link = LinkProfile(latency_s=link_latency_us * 1e-6, bandwidth_Bps=link_bw_GBps * 1e9)
-    return Profile(model=model, s_worker=s_worker_from_spec(gpu, model), r_workers=[rw], link=link,
-                   kv_dtype_bytes=kv_dtype_bytes or model.dtype_bytes, source="stated",
+    tier = "" if device_tier is None else (f"; device tier {device_tier.capacity_bytes / 1e9:.1f} GB at "
+                                           f"{device_tier.bandwidth() / 1e9:.0f} GB/s")
+    cpu = "no cpu" if cpu_bw_GBps is None else f"cpu {cpu_bw_GBps:g} GB/s x {cpu_attn_eff:g}, {cpu_mem_GB:g} GB"
+    return Profile(model=model, s_worker=s_worker_from_spec(gpu, model), r_workers=rw, link=link,
+                   kv_dtype_bytes=kv_dtype_bytes or model.dtype_bytes, source="stated", device_tier=device_tier,
                    notes=f"gpu {gpu.name}: {gpu.peak_tflops:g} TFLOP/s, {gpu.mem_bw_GBps:g} GB/s; "
-                         f"cpu {cpu_bw_GBps:g} GB/s x {cpu_attn_eff:g}, {cpu_mem_GB:g} GB; "
-                         f"link {link_bw_GBps:g} GB/s, {link_latency_us:g} us")
+                         f"{cpu}; link {link_bw_GBps:g} GB/s, {link_latency_us:g} us{tier}")
 
+
+# the S-worker's own KV tier on a stated GPU (engine/kv_tiers.py sizes the real one)
+TIER_ATTN_EFF = 0.7              # the paged decode kernel's share of the card's read bandwidth: assumed until measured
+TIER_OVERHEAD_US = 10.0          # per attention call: the K/V write and the kernel's launch
+GPU_MEMORY_UTILIZATION = 0.9     # generate's --gpu-memory-utilization default
+ENGINE_MAX_BATCH, ENGINE_MAX_PREFILL = 4096, (8192, 32768)    # generate's defaults on a GPU (engine/args.py)
+
+
+def activation_reserve_bytes(model: ModelDims, free_bytes: float, max_batch: int = ENGINE_MAX_BATCH,
+                             max_prefill_tokens: int | None = None) -> float:
+    """What the engine keeps free for the S-part's activations beside its tier (engine/kv_tiers.py's
+    activation_reserve_bytes; torch-free for `plan`): a prefill chunk's (6·hidden + 3·intermediate
+    values a token) and the decode rows' with their fp32 logits twice. The chunk is generate's
+    default: as many tokens as a quarter of the free memory holds, within 8,192..32,768."""
+    per_token = (6 * model.hidden + 3 * model.intermediate) * model.dtype_bytes
+    if max_prefill_tokens is None:
+        low, high = ENGINE_MAX_PREFILL
+        max_prefill_tokens = int(min(high, max(low, free_bytes // 4 // per_token)))
+    return max_prefill_tokens * per_token + max_batch * (per_token + 8 * model.vocab)
+
+
+def stated_tier_bytes(gpu: GpuSpec, model: ModelDims, utilization: float = GPU_MEMORY_UTILIZATION,
+                      weight_bytes: float | None = None, max_batch: int = ENGINE_MAX_BATCH,
+                      max_prefill_tokens: int | None = None) -> float:
+    """The device tier generate sizes by default on this GPU: utilization x its memory, less the
+    weights (`weight_bytes`, default the model's own dtype) and the activations' reserve (0 where
+    nothing is left)."""
+    weights = model.weight_bytes() if weight_bytes is None else weight_bytes
+    free = gpu.mem_GB * 1e9 - weights
+    reserve = activation_reserve_bytes(model, free, max_batch, max_prefill_tokens)
+    return max(utilization * gpu.mem_GB * 1e9 - weights - reserve, 0.0)
+
+
+def stated_tier(gpu: GpuSpec | None, model: ModelDims, capacity_GB: float | None = None,
+                attn_GBps: float | None = None, **sizing) -> TierProfile | None:
+    """A device tier from stated figures: `capacity_GB` of KV (default: stated_tier_bytes on `gpu`)
+    attended at `attn_GBps` (default: TIER_ATTN_EFF of the GPU's bandwidth); None where nothing
+    fits. `sizing`: stated_tier_bytes's options."""
+    if (capacity_GB is None or attn_GBps is None) and gpu is None:
+        raise ValueError("a device tier needs its size and rate, or a GPU to take them from")
+    for what, v in (("device KV size", capacity_GB), ("device KV bandwidth", attn_GBps)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{what} must be > 0 (got {v})")
+    capacity = capacity_GB * 1e9 if capacity_GB is not None else stated_tier_bytes(gpu, model, **sizing)
+    if capacity <= 0:
+        return None
+    rate = attn_GBps * 1e9 if attn_GBps is not None else TIER_ATTN_EFF * gpu.mem_bw_GBps * 1e9
+    name = f"device ({gpu.name})" if gpu is not None else "device (stated)"
+    return TierProfile(name=name, seconds_per_kv_byte=1.0 / rate, call_overhead_s=TIER_OVERHEAD_US * 1e-6,
+                       capacity_bytes=capacity, kind="device", page_tokens=PAGE_TOKENS, frees_windows=False)

@@ -23,7 +23,7 @@ def free_link(profile: Profile) -> Profile:
 
 
 def link_report(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int, depth: int,
-                shared_prefix: int = 0, prefix_group: int | None = None) -> dict:
+                shared_prefix: int = 0, prefix_group: int | None = None, kv_reserve: str = "full") -> dict:
     """The link's figures for `batch` sequences (what runs) at `depth` (the module docstring):
     link_bound_by (the slowest R-worker's name or the S-worker's path), link_next_side ("S" or
     "R") and link_over_next (per-layer load of the link / of that side), link_exposed_s (what the
@@ -31,7 +31,7 @@ def link_report(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     MAX_HIDE_DEPTH that hides it; None: none does), link_balance_Bps (the bandwidth on the
     bounding path at which the link's load would equal the next side's; None: its latency alone
     exceeds that side)."""
-    share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group)
+    share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group, kv_reserve=kv_reserve)
     free = free_link(profile)
 
     def exposed(k: int) -> tuple[float, float]:
@@ -43,8 +43,9 @@ def link_report(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
         return extra <= HIDDEN_WITHIN * (real - extra)
 
     t = layer_times(profile, batch, gen_len, prompt_len, rworkers, depth, **share)
-    side = "S" if t["s"] >= t["r"] else "R"
-    next_load = max(t["s"], t["r"])
+    s_side = t["s"] + t["tier"]            # the S-part and the S-worker's own tier's attention
+    side = "S" if s_side >= t["r"] else "R"
+    next_load = max(s_side, t["r"])
     room = next_load - t["link_latency_s"]
     return {"link_bound_by": t["link_by"], "link_next_side": side,
             "link_over_next": t["link"] / next_load if next_load > 0 else float("inf"),

@@ -1,10 +1,16 @@
 """The timings behind `fastdecode profile`, each on the job's own engine and machines: the
 S-part per layer (CPU: busy time in the decode step; GPU: device time), prefill per prompt token,
-each R-worker's cost per KV byte and per call inside the decode step, the chain's hand-offs, and a
-GPU's device<->host copy bandwidth.
+each R-worker's (and the S-worker's own KV tier's) cost per KV byte and per call inside the decode
+step, the chain's hand-offs, and a GPU's device<->host copy bandwidth.
+
+The S-worker's own tier is the backend's last worker (rpart/tiered.py), on rank 0 like local
+mode's store: local mode is told by the R-workers (the workers that are not the tier) being rank
+0, and the timings of the S-part and of the chain run on the R-workers only, so that the tier's
+attention, which the model puts on the S side itself, is not counted in them.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -30,6 +36,27 @@ from fastdecode.sizing.schema import Profile
 # chunks of ~8192: 1.5 / 1.7 / 3.2 ms at 512 / 768 / 1024), so a 2x step misprices what lies between.
 PROMPT_GRID = [16, 128, 256, 512, 768, 1024, 1536, 2048]
 MIN_TIMED_S = 1.0               # a timing repeats until it spans this long (shared hosts drift)
+
+
+def r_worker_indices(engine: LLMEngine) -> list[int]:
+    """The backend's workers that are R-workers (or local mode's store): all but the S-worker's own tier."""
+    return [i for i, w in enumerate(engine.backend.workers) if not w.tier]
+
+
+def local_mode(engine: LLMEngine) -> bool:
+    """The R-part runs in this process (no MPI R-worker): no link, no hand-offs. The S-worker's own
+    tier, rank 0 too, does not make a job local."""
+    workers = engine.backend.workers
+    return not any(workers[i].rank for i in r_worker_indices(engine))
+
+
+def r_worker_sequences(engine: LLMEngine, count: int, prompt_len: int, first_id: int):
+    """placed_sequences, spread over the R-workers only (round-robin), the tier left empty."""
+    seqs = placed_sequences(engine, count, prompt_len, first_id)
+    ws = r_worker_indices(engine)
+    for i, s in enumerate(seqs):
+        s.worker = ws[i % len(ws)]
+    return seqs
 
 
 def pcie_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float]:
@@ -102,7 +129,7 @@ def time_s_part(engine: LLMEngine, batch: int, repeats: int = 3, min_timed_s: fl
     """
     m, c = engine.model, engine.config
     runner = ModelRunner(m, engine.backend, engine.eos_ids, depth=1)
-    seqs = placed_sequences(engine, batch, S_PART_PROMPT, SYNTHETIC_SEQ_BASE)
+    seqs = r_worker_sequences(engine, batch, S_PART_PROMPT, SYNTHETIC_SEQ_BASE)
     runner.prefill(seqs)
     x = torch.randn(batch, c.hidden_size, device=m.device).to(m.dtype)
     rows = SamplingBatch([(SamplingParams(temperature=0, max_tokens=1), 0, 0, 0, None)] * batch, m.device)
@@ -142,11 +169,14 @@ def time_prefill(engine: LLMEngine, prompt_len: int, chunk_tokens: int, min_time
 PREFILL_CHUNK_PROMPT = 128      # prompt length of the chunk-size table: the dense part dominates
 
 
-def prompts_that_fit(engine: LLMEngine, prompt_len: int) -> int:
-    """How many `prompt_len`-token prompts the R-workers' memory holds at once, spread round-robin
+def prompts_that_fit(engine: LLMEngine, prompt_len: int, r_workers_only: bool = False) -> int:
+    """How many `prompt_len`-token prompts the workers' memory holds at once, spread round-robin
     as placed_sequences spreads them (every layer's KV, whole pages, a tenth kept free): a prefill chunk
-    the profile times must fit, as a job's chunks do (admission only prefills what fits)."""
+    the profile times must fit, as a job's chunks do (admission only prefills what fits).
+    r_workers_only: spread over the R-workers alone (r_worker_sequences)."""
     c, workers = engine.config, engine.backend.workers
+    if r_workers_only:
+        workers = [workers[i] for i in r_worker_indices(engine)]
     token_bytes = c.kv_bytes_per_token(engine.kv_dtype)
     per_worker = min(int(0.9 * w.capacity_bytes // token_bytes) // (-(-prompt_len // max(w.page_tokens, 1))
                                                                    * max(w.page_tokens, 1)) for w in workers)
@@ -210,8 +240,8 @@ IN_STEP_SHORT = 64           # tokens of context of the short in-step timing
 @torch.inference_mode()
 def _busy_per_call(engine: LLMEngine, seqs_per_worker: int, context: int) -> list[tuple[float, float]]:
     """Per R-worker (KV bytes, busy seconds) of one attention call (one layer, one mini-batch) in
-    the engine's decode steps, every worker holding `seqs_per_worker` sequences of `context`
-    tokens (synthetic K/V shipped as a prefill ships them; no model compute). Steps over one and
+    the engine's decode steps, every worker (the S-worker's own tier too) holding `seqs_per_worker`
+    sequences of `context` tokens (synthetic K/V shipped as a prefill ships them; no model compute). Steps over one and
     over two layers: their difference is one layer's calls, so what a worker pays once per step
     (the control message, its buffers, the stats reply) is not charged to the calls."""
     be, m, c = engine.backend, engine.model, engine.config
@@ -258,7 +288,7 @@ def time_r_part_in_step(engine: LLMEngine, seqs_per_worker: int, target_bytes: i
     `target_bytes` of KV per layer per worker), a line through the two. None in local mode
     (the R-part runs in-process: the kernel's own time is the R-part)."""
     be, c = engine.backend, engine.config
-    if not be.workers or be.workers[0].rank == 0 or c.num_layers < 2:
+    if not be.workers or local_mode(engine) or c.num_layers < 2:
         return None
     token_bytes = c.kv_bytes_per_token(engine.kv_dtype) // c.num_layers
     room = min(w.capacity_bytes for w in be.workers) * 0.8 / (2 * seqs_per_worker * token_bytes)
@@ -286,13 +316,14 @@ def time_chain_hop(engine: LLMEngine, profile: Profile, steps: int = IN_STEP_STE
     progress threads' polling, a device event handed to MPI. Busy times and pings miss them;
     they bound a layer where a mini-batch's work is small (a GPU S-worker at small batch on few
     R-workers). Decode steps at depth 1 (a layer is its chain) of one short sequence per
-    R-worker, over one and over two layers, interleaved: their difference is one layer's chain,
-    less the modelled s + r + link at that size. 0 in local mode (no hand-offs)."""
+    R-worker (none on the S-worker's own tier), over one and over two layers, interleaved: their
+    difference is one layer's chain, less the modelled s + r + link at that size. 0 in local mode
+    (no hand-offs)."""
     be, m, c = engine.backend, engine.model, engine.config
-    if not be.workers or be.workers[0].rank == 0 or c.num_layers < 2:
+    if not be.workers or local_mode(engine) or c.num_layers < 2:
         return 0.0
-    n = be.num_workers
-    seqs = placed_sequences(engine, n, HOP_PROMPT, SYNTHETIC_SEQ_BASE + (2 << 40))
+    n = len(r_worker_indices(engine))
+    seqs = r_worker_sequences(engine, n, HOP_PROMPT, SYNTHETIC_SEQ_BASE + (2 << 40))
     runner = ModelRunner(m, be, engine.eos_ids, depth=1, graphs=engine.runner.graphs)   # as the job runs
     wall = {1: [], 2: []}
     with first_layers(m, 2):
@@ -308,7 +339,8 @@ def time_chain_hop(engine: LLMEngine, profile: Profile, steps: int = IN_STEP_STE
                 wall[layers].append(time.perf_counter() - t)
     engine.free_kv(seqs)
     per_layer = float(np.median(wall[2]) - np.median(wall[1]))
-    modelled = layer_times(profile, n, 2 * HOP_PROMPT, 0, n, 1)["layer"]   # s + r + link, no hop
+    no_tier = dataclasses.replace(profile, device_tier=None)          # these sequences are all on R-workers
+    modelled = layer_times(no_tier, n, 2 * HOP_PROMPT, 0, n, 1)["layer"]   # s + r + link, no hop
     log(f"chain of {n} sequence(s), depth 1: {per_layer * 1e6:.1f} us per layer, the measured parts "
         f"{modelled * 1e6:.1f} us: hand-offs {max(per_layer - modelled, 0.0) * 1e6:.1f} us")
     return max(per_layer - modelled, 0.0)

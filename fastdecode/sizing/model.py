@@ -33,6 +33,16 @@ every further member's heads over them while they sit in cache: ρ = shared_cost
 streamed token (measured by `fastdecode profile`; 1 when not, the conservative case). With
 shared = 0 every formula above is the unshared one; g = 1 gives c = m, the unshared R-part.
 A group the placement splits over R-workers holds a copy on each: not counted.
+
+The S-worker's own KV tier (profile.device_tier; sizing/split.py): B_t of the B sequences live
+in the S-worker's memory and are attended there, on the S side of the step; the R-workers hold
+the other B_R = B - B_t. Per layer and mini-batch (m_t = B_t/depth on the tier, m_R = B_R/depth
+on the R-workers):
+    tier      t = c_t + m_t·K_t·σ_t            (after the S-part, while the R-workers' rows are away)
+    R-part    r as above over m_R sequences; the link carries m_R rows
+    layer     max(depth·(s + t), depth·r, depth·link, s + max(t, r + link + hop))
+Capacity counts both: the tier holds whole worst cases (full) or memory_batch's count (grow) of its
+own pages; a windowed layer is charged in full where the tier keeps its pages (the device tier).
 """
 from __future__ import annotations
 
@@ -44,7 +54,8 @@ import numpy as np
 from fastdecode.sched.admission import memory_batch
 from fastdecode.sched.placement import RESERVE_POLICIES, grow_overhead_tokens
 from fastdecode.sizing.link import mini_batch_link
-from fastdecode.sizing.schema import Profile, RWorkerProfile
+from fastdecode.sizing.schema import Profile, RWorkerProfile, TierProfile
+from fastdecode.sizing.split import NO_TIER, Split, split_batch
 
 
 def held_tokens(worker: RWorkerProfile, gen_len: int, prompt_len: int, kv_reserve: str,
@@ -92,15 +103,27 @@ def sequences_on_worker(capacity_tokens: float, worker: RWorkerProfile, gen_len:
     raise ValueError(f"kv_reserve must be one of {RESERVE_POLICIES}, got {kv_reserve!r}")
 
 
-def sequences_fitting(profile: Profile, workers: list[RWorkerProfile], gen_len: int, prompt_len: int,
+def sequences_fitting(profile: Profile, workers: list[RWorkerProfile | TierProfile], gen_len: int, prompt_len: int,
                       kv_reserve: str, shared_prefix: int = 0, prefix_group: float = 1) -> int:
-    """How many sequences the workers' memory holds at once (sequences_on_worker, summed)."""
+    """How many sequences the workers' memory holds at once (sequences_on_worker, summed). A
+    worker that keeps a windowed layer's pages (the device tier: frees_windows False) is charged
+    that layer in full."""
     m = profile.model
     held = prompt_len + (gen_len if kv_reserve == "full" else gen_len / 2)
-    per_token = m.num_layers * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes) * m.held_fraction(held)
-    return sum(sequences_on_worker(w.capacity_bytes // per_token, w, gen_len, prompt_len, kv_reserve,
-                                   shared_prefix, prefix_group)
+    layer_bytes = m.num_layers * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
+    return sum(sequences_on_worker(w.capacity_bytes // (layer_bytes * (m.held_fraction(held) if getattr(
+                                       w, "frees_windows", True) else 1.0)),
+                                   w, gen_len, prompt_len, kv_reserve, shared_prefix, prefix_group)
                for w in workers)
+
+
+def tier_fit(profile: Profile, gen_len: int, prompt_len: int, kv_reserve: str, shared_prefix: int = 0,
+             prefix_group: float = 1) -> int:
+    """Sequences the S-worker's own tier holds at once (0: the profile has none)."""
+    tier = profile.device_tier
+    if tier is None:
+        return 0
+    return sequences_fitting(profile, [tier], gen_len, prompt_len, kv_reserve, shared_prefix, prefix_group)
 
 
 @dataclass(slots=True)
@@ -125,8 +148,16 @@ class Prediction:
     prefill_s: float                # S-worker prefill per step, amortized (s)
     step_latency_s: float           # one token for every running sequence
     tokens_per_s: float
-    bound: str                      # "S" | "R" | "link" | "capacity"
+    bound: str                      # "S" (the S-part and the tier's attention) | "R" | "link" | "capacity"
     efficiency: float               # E(batch_run / depth) / best E on the grid: S-part utilization
+    # the S-worker's own KV tier (sizing/split.py): the split of batch_run and why it is there
+    tier_sequences: int = 0         # sequences whose KV the tier holds
+    rworker_sequences: int = 0      # on the R-workers
+    tier_kv_bytes: float = 0.0      # KV bytes each side reserves for them (as kv_reserve reserves)
+    rworker_kv_bytes: float = 0.0
+    tier_capacity_sequences: int = 0    # the most the tier holds (0: no tier)
+    tier_split: str = NO_TIER       # balanced | tier full | all on the tier | none on the tier | R-workers full
+    tier_layer_s: float = 0.0       # the tier's attention per layer, summed over the mini-batches (on the S side)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -145,8 +176,8 @@ def _group(batch: float, prefix_group: int | None) -> float:
 
 def _shared_ratio(workers: list[RWorkerProfile]) -> float:
     """The slowest worker's shared_cost_ratio: placement shares the load by bandwidth, so the
-    worker whose shared tokens cost the most finishes last."""
-    return max(_worker_shared_ratio(w) for w in workers)
+    worker whose shared tokens cost the most finishes last (1 without R-workers)."""
+    return max((_worker_shared_ratio(w) for w in workers), default=1.0)
 
 
 def _worker_shared_ratio(w: RWorkerProfile) -> float:
@@ -186,8 +217,44 @@ def _prefill_tokens(batch: float, gen_len: int, prompt_len: float) -> float:
     return batch * prompt_len / gen_len
 
 
+def tier_split(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int, depth: int,
+               shared_prefix: int = 0, prefix_group: int | None = None, kv_reserve: str = "full") -> Split:
+    """How `batch` sequences split between the S-worker's own tier and `rworkers` R-workers, as
+    the engine's placement splits them (sizing/split.py). The batch must fit in the two together."""
+    m = profile.model
+    if profile.device_tier is None:
+        return Split(0, batch, NO_TIER, 0, batch)
+    group = _group(batch, prefix_group)
+    workers = profile.workers(rworkers)
+    r_fit = sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+    t_fit = tier_fit(profile, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+    if not t_fit:
+        return Split(0, batch, NO_TIER, 0, r_fit)
+    mini = batch / depth
+    s_step = m.num_layers * depth * profile.s_worker.layer_time(mini) + profile.s_worker.head_time(batch)
+    tier_bytes, r_bytes = _seq_read_bytes(profile, workers, mini, gen_len, prompt_len, shared_prefix, group, depth)
+    # placement's speeds: each kernel timed alone, as the engine measures them at start-up
+    r_bw = sum(1.0 / (w.kernel_seconds_per_kv_byte or w.seconds_per_kv_byte) for w in workers)
+    t = profile.device_tier
+    return split_batch(batch, s_step, m.num_layers, tier_bytes, t.kernel_seconds_per_kv_byte or t.seconds_per_kv_byte,
+                       r_bytes, r_bw, t_fit, r_fit)
+
+
+def _seq_read_bytes(profile: Profile, workers: list[RWorkerProfile], mini: float, gen_len: int, prompt_len: int,
+                    shared_prefix: int, group: float, depth: int) -> tuple[float, float]:
+    """(on the tier, on the R-workers) the KV bytes one sequence's attention reads per layer, in
+    streamed bytes: the mini-batch's _r_tokens per sequence, a shared prefix at the R-workers'
+    ratio there and at a full read on the tier (its kernel reads every member's pages)."""
+    m = profile.model
+    per_token = m.kv_bytes_per_token_layer(profile.kv_dtype_bytes) * m.read_fraction(_avg_kv_len(gen_len, prompt_len))
+    tier = _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, 1.0, depth) / mini
+    r = _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers), depth) / mini
+    return tier * per_token, r * per_token
+
+
 def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int,
-                depth: int, shared_prefix: int = 0, prefix_group: int | None = None) -> dict:
+                depth: int, shared_prefix: int = 0, prefix_group: int | None = None,
+                kv_reserve: str = "full") -> dict:
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
     r (R-part), link (Q,K,V out + O back: over the slowest R-worker's link or the S-worker's path
     to all of them, sizing/link.py, which the result names as link_by; in the chain out then
@@ -199,23 +266,38 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     is shorter than the chain's hand-offs, `hop`). The step's prompt K, V cross during its
     prefill (prompt_kv_link); on a GPU S-worker the link includes the device<->host copies (PCIe) on both ends of the chain.
     A shared prefix (groups of prefix_group sequences, default the batch) is priced by _r_tokens on
-    the R-part and _own_prompt on the prefill's K, V."""
+    the R-part and _own_prompt on the prefill's K, V.
+    With the S-worker's own tier the batch splits as tier_split says (its memory and the
+    R-workers' as `kv_reserve` reserves them): the tier's attention t follows the S-part on the
+    S side, the R-workers and the link carry the rest (the module docstring)."""
     m = profile.model
     mini = batch / depth
     group = _group(batch, prefix_group)
     workers = profile.workers(rworkers)
+    sp = tier_split(profile, batch, gen_len, prompt_len, rworkers, depth, shared_prefix, prefix_group, kv_reserve)
+    mini_t, mini_r = sp.tier / depth, sp.rworkers / depth
     s = profile.s_worker.layer_time(mini)
-    r = _r_time(profile, workers, _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers), depth),
-                m.read_fraction(_avg_kv_len(gen_len, prompt_len)))
-    out_bytes, back_bytes = mini * m.to_rworker_bytes_per_token(), mini * m.from_rworker_bytes_per_token()
-    path = mini_batch_link(profile.link, workers, out_bytes, back_bytes)
-    device = profile.link.device_time(out_bytes, back_bytes)
-    parts = {"S": s, "R": r, "link": path["load"] + device}
-    chain = s + r + path["s"] + device + profile.link.hop_s
+    read = m.read_fraction(_avg_kv_len(gen_len, prompt_len))
+    r = t = 0.0
+    path = {"s": 0.0, "load": 0.0, "by": "no R-workers", "bytes": 0.0, "latency_s": 0.0}
+    device = 0.0
+    if mini_r > 0:
+        tokens = _r_tokens(mini, gen_len, prompt_len, shared_prefix, group, _shared_ratio(workers), depth)
+        r = _r_time(profile, workers, tokens * (sp.rworkers / batch), read)
+        out_bytes, back_bytes = mini_r * m.to_rworker_bytes_per_token(), mini_r * m.from_rworker_bytes_per_token()
+        path = mini_batch_link(profile.link, workers, out_bytes, back_bytes)
+        device = profile.link.device_time(out_bytes, back_bytes)
+    if mini_t > 0:
+        tier = profile.device_tier
+        t = tier.call_overhead_s + mini_t * _seq_read_bytes(profile, workers, mini, gen_len, prompt_len, shared_prefix,
+                                                            group, depth)[0] * tier.seconds_per_kv_byte
+    parts = {"S": s + t, "R": r, "link": path["load"] + device}
+    round_trip = r + path["s"] + device + profile.link.hop_s if mini_r > 0 else 0.0
+    chain = s + max(t, round_trip)
     layer = max(depth * max(parts.values()), chain)
-    return {"s": depth * s, "r": depth * r, "link": depth * parts["link"], "layer": layer,
+    return {"s": depth * s, "r": depth * r, "link": depth * parts["link"], "tier": depth * t, "layer": layer,
             "bound": max(parts, key=parts.get), "link_by": path["by"], "link_bytes": depth * path["bytes"],
-            "link_latency_s": depth * (path["latency_s"] + device)}
+            "link_latency_s": depth * (path["latency_s"] + device), "split": sp}
 
 
 def prompt_kv_link(profile: Profile, batch: int, gen_len: int, own_prompt: float,
@@ -226,7 +308,7 @@ def prompt_kv_link(profile: Profile, batch: int, gen_len: int, own_prompt: float
     messages follow each other: their latencies overlap, one is paid."""
     m = profile.model
     per_layer = _prefill_tokens(batch, gen_len, own_prompt) * m.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
-    if per_layer <= 0:
+    if per_layer <= 0 or not workers:
         return 0.0
     path = mini_batch_link(profile.link, workers, per_layer, 0.0)
     # the layers' messages follow each other on a busy direction: one latency, N times the bytes
@@ -234,8 +316,10 @@ def prompt_kv_link(profile: Profile, batch: int, gen_len: int, own_prompt: float
 
 
 def kv_tokens_capacity(profile: Profile, rworkers: int) -> float:
+    """KV tokens (all layers) `rworkers` R-workers and the S-worker's own tier hold."""
     per_token = profile.model.num_layers * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
-    return sum(w.capacity_bytes for w in profile.workers(rworkers)) / per_token
+    tier = profile.device_tier.capacity_bytes if profile.device_tier is not None else 0.0
+    return (sum(w.capacity_bytes for w in profile.workers(rworkers)) + tier) / per_token
 
 
 def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
@@ -243,8 +327,13 @@ def rworkers_needed(profile: Profile, batch: int, gen_len: int, prompt_len: int 
                     shared_prefix: int = 0, prefix_group: int | None = None) -> int | None:
     """Fewest R-workers whose R-part per mini-batch is no slower than the S-part (balance) and
     whose memory holds the batch as `kv_reserve` reserves it (capacity). None if no count up to
-    max_workers does (e.g. the R-worker call overhead alone exceeds the S-part). A shared prefix
-    (groups of prefix_group sequences, default the batch) as _r_tokens and held_tokens count it."""
+    max_workers does (e.g. the R-worker call overhead alone exceeds the S-part) or the profile
+    has no R-worker. A shared prefix (groups of prefix_group sequences, default the batch) as
+    _r_tokens and held_tokens count it. The S-worker's own tier does not change the count: at it the
+    S-part alone is the slower side, so placement leaves the tier empty (sizing/split.py); below
+    it the tier takes what keeps the two sides level."""
+    if not profile.r_workers:
+        return None
     mini = batch / depth
     group = _group(batch, prefix_group)
     t_s = profile.s_worker.layer_time(mini)
@@ -287,28 +376,37 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     if not 0 <= shared_prefix <= prompt_len or (prefix_group is not None and prefix_group < 1):
         raise ValueError("need 0 <= shared_prefix <= prompt_len and prefix_group >= 1")
     share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group)
+    tier = profile.device_tier
     needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth, kv_reserve=kv_reserve, **share)
     if rworkers is None:
         rworkers = needed if needed is not None else len(profile.r_workers)
-    if rworkers < 1:
-        raise ValueError("need at least one R-worker")
+    if rworkers < (0 if tier is not None else 1):
+        raise ValueError("need at least one R-worker" + (" (the profile has no S-worker tier)" if rworkers == 0 else ""))
     workers = profile.workers(rworkers)
     cap = kv_tokens_capacity(profile, rworkers)
     group = _group(batch, prefix_group)
-    held_share = profile.model.held_fraction(prompt_len + (gen_len if kv_reserve == "full" else gen_len / 2))
-    need = batch * held_share * sum(held_tokens(w, gen_len, prompt_len, kv_reserve, shared_prefix, group)
-                                    for w in workers) / len(workers)
-    batch_run = min(batch, sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group))
+    fit = sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group) \
+        + tier_fit(profile, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+    batch_run = min(batch, fit)
     common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, shared_prefix=shared_prefix,
                   prefix_group=int(min(group, max(batch_run, 1))), shared_cost_ratio=_shared_ratio(workers),
                   rworkers=rworkers, rworkers_needed=needed, pipeline_depth=depth, kv_reserve=kv_reserve,
-                  kv_tokens_needed=need, kv_tokens_capacity=cap)
+                  kv_tokens_capacity=cap)
     if batch_run < 1:
-        return Prediction(**common, batch_run=0, s_layer_s=0.0, r_layer_s=0.0, link_layer_s=0.0,
+        held = _held_per_seq(profile, workers or ([tier] if tier is not None else []), gen_len, prompt_len,
+                             kv_reserve, shared_prefix, group)
+        return Prediction(**common, batch_run=0, kv_tokens_needed=batch * held,
+                          s_layer_s=0.0, r_layer_s=0.0, link_layer_s=0.0,
                           layer_s=math.inf, prefill_s=0.0, step_latency_s=math.inf, tokens_per_s=0.0,
                           bound="capacity", efficiency=0.0)
-    t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth, **share)
+    t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth, kv_reserve=kv_reserve, **share)
+    sp: Split = t["split"]
+    held_t = _held_per_seq(profile, [tier] if sp.tier else [], gen_len, prompt_len, kv_reserve, shared_prefix, group)
+    held_r = _held_per_seq(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+    # what the asked batch reserves: the split's tier share on the tier, the rest on the R-workers
+    need = sp.tier * held_t + (batch - sp.tier) * (held_r if workers else held_t)
     n = profile.model.num_layers
+    token_bytes = n * profile.model.kv_bytes_per_token_layer(profile.kv_dtype_bytes)
     sw = profile.s_worker
     grid_best = max(b / x for b, x in zip(sw.batch_grid, sw.layer_time_s))
     own = _own_prompt(prompt_len, shared_prefix, _group(batch_run, prefix_group))
@@ -317,11 +415,27 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     per_token = sw.prefill_time_per_token(prompt_len, prefill_chunk)
     if per_token is None:      # stated hardware: dense layers at the best efficiency, attention left out
         per_token = n / grid_best
+    # every prompt runs the dense layers; only the R-workers' prompts send their K, V over the link
     prefill = max(_prefill_tokens(batch_run, gen_len, own) * per_token,
-                  prompt_kv_link(profile, batch_run, gen_len, own, workers))
+                  prompt_kv_link(profile, sp.rworkers, gen_len, own, workers))
     step = n * t["layer"] + sw.head_time(batch_run) + prefill
-    return Prediction(**common, batch_run=batch_run, s_layer_s=t["s"], r_layer_s=t["r"],
+    return Prediction(**common, batch_run=batch_run, kv_tokens_needed=need, s_layer_s=t["s"], r_layer_s=t["r"],
                       link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,
                       step_latency_s=step, tokens_per_s=batch_run / step,
                       bound="capacity" if batch_run < batch else t["bound"],
-                      efficiency=sw.efficiency(batch_run / depth) / grid_best)
+                      efficiency=sw.efficiency(batch_run / depth) / grid_best,
+                      tier_sequences=sp.tier, rworker_sequences=sp.rworkers,
+                      tier_kv_bytes=sp.tier * held_t * token_bytes, rworker_kv_bytes=sp.rworkers * held_r * token_bytes,
+                      tier_capacity_sequences=sp.tier_fit, tier_split=sp.why, tier_layer_s=t["tier"])
+
+
+def _held_per_seq(profile: Profile, workers: list, gen_len: int, prompt_len: int, kv_reserve: str,
+                  shared_prefix: int, group: float) -> float:
+    """KV tokens (all layers) one sequence reserves on average over `workers` (held_tokens, with the
+    windowed layers' share where a worker frees them); 0 without workers."""
+    if not workers:
+        return 0.0
+    m = profile.model
+    held_share = m.held_fraction(prompt_len + (gen_len if kv_reserve == "full" else gen_len / 2))
+    return sum(held_tokens(w, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+               * (held_share if getattr(w, "frees_windows", True) else 1.0) for w in workers) / len(workers)

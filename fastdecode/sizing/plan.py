@@ -1,8 +1,11 @@
 """`fastdecode plan`: R-workers needed, step latency, tokens/s and the bounding side, before a job.
 
 From a measured profile (`--profile profile.json`) or stated hardware (`--gpu-profile`,
-`--cpu-bw`, `--cpu-mem`, `--link-bw`, `--model`); stated flags given with a profile replace
-those parts of it (what-if). Without --batch it sweeps B and marks the knee of E(B).
+`--cpu-bw`, `--cpu-mem`, `--link-bw`, `--model`, `--device-kv-gb`, `--device-kv-gbps`); stated
+flags given with a profile replace those parts of it (what-if). With the S-worker's own KV tier
+(the profile's, a stated GPU's by default, or stated) it says how the batch splits between the tier
+and the R-workers; `--rworkers 0` plans a GPU-only engine. Without --batch it sweeps B and marks
+the knee of E(B).
 """
 from __future__ import annotations
 
@@ -15,10 +18,18 @@ import sys
 from fastdecode.model.hf_cache import looks_like_repo_id
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
 from fastdecode.sizing.fidelity import fidelity, fidelity_line
-from fastdecode.sizing.hardware import GPU_PRESETS, GpuSpec, s_worker_from_spec, stated_profile
+from fastdecode.sizing.hardware import (
+    GPU_PRESETS,
+    TIER_ATTN_EFF,
+    GpuSpec,
+    s_worker_from_spec,
+    stated_profile,
+    stated_tier,
+)
 from fastdecode.sizing.link_report import link_line, link_report
 from fastdecode.sizing.model import predict
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
+from fastdecode.sizing.split import ALL_ON_TIER, BALANCED, NONE_ON_TIER, R_FULL, TIER_FULL
 from fastdecode.sizing.tensor_parallel import add_options as add_tp_options
 from fastdecode.sizing.tensor_parallel import sizing_from_args, weight_bytes_per_gpu, with_tensor_parallel
 from rworker.protocol.kvformat import kv_elem_bytes
@@ -39,7 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tgt.add_argument("--context", type=int, default=1024, help="generation length S, tokens (default: %(default)s)")
     tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens (default: %(default)s)")
     tgt.add_argument("--batch", type=int, help=f"batch B (default: a sweep over B from {SWEEP[0]} to {SWEEP[-1]})")
-    tgt.add_argument("--rworkers", type=int, help="R-workers P (default: the number needed)")
+    tgt.add_argument("--rworkers", type=int, help="R-workers P; 0 with the S-worker's own tier: a GPU-only "
+                                                   "engine (default: the number needed)")
     tgt.add_argument("--pipeline-depth", type=int, default=2,
                      help="mini-batches in flight, 1 = no pipeline (default: %(default)s)")
     tgt.add_argument("--prefill-chunk", type=int, default=None,
@@ -85,6 +97,17 @@ def add_hardware_options(p: argparse.ArgumentParser):
                      help=f"S<->R link bandwidth, GB/s (default: {measured}{STATED_LINK_BW_GBPS:g})")
     src.add_argument("--link-latency", type=float,
                      help=f"S<->R one-way latency, us (default: {measured}{STATED_LINK_LATENCY_US:g})")
+    src.add_argument("--device-kv", action=argparse.BooleanOptionalAction, default=True,
+                     help="the S-worker's own KV tier, as generate's flag: the profile's, or on a stated GPU "
+                          "what its memory holds beside the weights (default); --no-device-kv plans all KV on "
+                          "the R-workers")
+    src.add_argument("--device-kv-gb", type=float, metavar="GB",
+                     help="KV bytes of the S-worker's own tier, GB (default: the profile's measurement; a stated "
+                          "GPU: 0.9 of its memory less the weights and the activations' reserve, generate's "
+                          "default)")
+    src.add_argument("--device-kv-gbps", type=float, metavar="GB/S",
+                     help="KV read rate of the tier's attention, GB/s (default: the profile's measurement; a "
+                          f"stated GPU: {TIER_ATTN_EFF:g} of its memory bandwidth)")
     add_tp_options(p)
     return src
 
@@ -134,17 +157,22 @@ def build_profile(args) -> Profile:
         STATED_LINK_LATENCY_US if args.link_latency is None else args.link_latency))
     overhead = STATED_OVERHEAD_US if args.rworker_overhead_us is None else args.rworker_overhead_us
     if not args.profile:
+        gpu_only = getattr(args, "rworkers", None) == 0 and args.device_kv
         missing = [f for f, v in (("--gpu-profile", args.gpu_profile), ("--model", args.model),
-                                  ("--cpu-bw", args.cpu_bw)) if v is None]
+                                  ("--cpu-bw", args.cpu_bw or gpu_only or None)) if v is None]
         if missing:
             raise PlanError(f"give --profile, or stated hardware (missing {' '.join(missing)})")
-        model = _model(args.model)
-        return with_tensor_parallel(stated_profile(_gpu(args.gpu_profile), model, args.cpu_bw,
-                              args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
-                              call_overhead_us=overhead,
-                              kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
-                              shared_cost_ratio=args.shared_cost_ratio or 1.0, **stated_link),
-                                    sizing_from_args(args), _gpu(args.gpu_profile))
+        model, gpu, tp = _model(args.model), _gpu(args.gpu_profile), sizing_from_args(args)
+        tier = _stated_tier(gpu, model, tp, args) if args.device_kv else None
+        if args.cpu_bw is None and tier is None:
+            raise PlanError(f"{model.name}'s weights leave no room for a KV tier on {gpu.name}: give --cpu-bw "
+                            f"(R-workers) or --device-kv-gb")
+        return with_tensor_parallel(
+            stated_profile(gpu, model, args.cpu_bw, args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
+                           call_overhead_us=overhead,
+                           kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
+                           shared_cost_ratio=args.shared_cost_ratio or 1.0, device_tier=tier, **stated_link),
+            tp, gpu)
     try:
         prof = Profile.from_dict(_load_json(args.profile))
     except (TypeError, KeyError, ValueError) as e:
@@ -160,6 +188,7 @@ def build_profile(args) -> Profile:
     for w in prof.r_workers:
         if args.cpu_bw is not None:
             w.seconds_per_kv_byte = 1.0 / (args.cpu_bw * 1e9 * args.cpu_eff)
+            w.kernel_seconds_per_kv_byte = 0.0      # the stated rate replaces the measured kernel's too
         if args.cpu_mem is not None:
             w.capacity_bytes = args.cpu_mem * 1e9 * 0.9
         if args.rworker_overhead_us is not None:
@@ -175,12 +204,53 @@ def build_profile(args) -> Profile:
             latency_s=prof.link.latency_s if args.link_latency is None else args.link_latency * 1e-6)
     if args.kv_dtype:
         prof.kv_dtype_bytes = kv_elem_bytes(args.kv_dtype, prof.model.head_dim)
+    prof.device_tier = _profile_tier(prof, args)
+    if not prof.r_workers and prof.device_tier is None:
+        raise PlanError(f"{args.profile} has no R-worker, and --no-device-kv leaves no KV anywhere")
     return with_tensor_parallel(prof, sizing_from_args(args), _gpu(args.gpu_profile) if args.gpu_profile else None)
+
+
+def _stated_tier(gpu, model, tp, args):
+    """The device tier of a stated GPU S-worker: over T GPUs each rank holds its heads' pages
+    beside its own weights (1/T, fp8's 1 byte each) and attends them, so T tiers' bytes and rates."""
+    if not tp.active:
+        return stated_tier(gpu, model, args.device_kv_gb, args.device_kv_gbps)
+    per_gpu = stated_tier(gpu, model, None if args.device_kv_gb is None else args.device_kv_gb / tp.size,
+                          None if args.device_kv_gbps is None else args.device_kv_gbps / tp.size,
+                          weight_bytes=weight_bytes_per_gpu(model, tp))
+    if per_gpu is None:
+        return None
+    return dataclasses.replace(per_gpu, name=f"{per_gpu.name} x{tp.size}", capacity_bytes=per_gpu.capacity_bytes * tp.size,
+                               seconds_per_kv_byte=per_gpu.seconds_per_kv_byte / tp.size)
+
+
+def _profile_tier(prof: Profile, args):
+    """The S-worker's tier to plan a measured profile with: none under --no-device-kv; the profile's
+    with any stated part replacing the measured one; stated afresh where the profile has none
+    (both figures, or a --gpu-profile to take the missing one from)."""
+    gb, gbps = args.device_kv_gb, args.device_kv_gbps
+    if not args.device_kv:
+        return None
+    tier = prof.device_tier
+    if tier is None:
+        if gb is None and gbps is None:
+            return None                  # as measured (an older profile, or a job run with --no-device-kv)
+        try:
+            return stated_tier(_gpu(args.gpu_profile) if args.gpu_profile else None, prof.model, gb, gbps)
+        except ValueError:
+            raise PlanError(f"{args.profile} has no S-worker tier: state one with both --device-kv-gb and "
+                            f"--device-kv-gbps (or --gpu-profile to take the missing one from)") from None
+    if gb is not None:
+        tier.capacity_bytes = gb * 1e9
+    if gbps is not None:
+        tier.seconds_per_kv_byte = 1.0 / (gbps * 1e9)
+        tier.kernel_seconds_per_kv_byte = 0.0
+    return tier
 
 
 def _check(args) -> None:
     for flag, v, lo in (("--context", args.context, 1), ("--prompt-len", args.prompt_len, 0),
-                        ("--batch", args.batch, 1), ("--rworkers", args.rworkers, 1),
+                        ("--batch", args.batch, 1), ("--rworkers", args.rworkers, 0),
                         ("--pipeline-depth", args.pipeline_depth, 1), ("--prefill-chunk", args.prefill_chunk, 1)):
         if v is not None and v < lo:
             raise PlanError(f"{flag} must be >= {lo} (got {v})")
@@ -191,9 +261,12 @@ def _check(args) -> None:
 def check_hardware(args) -> None:
     """The hardware flags' values (add_hardware_options)."""
     for flag, v in (("--cpu-bw", args.cpu_bw), ("--cpu-mem", args.cpu_mem), ("--link-bw", args.link_bw),
-                    ("--cpu-eff", args.cpu_eff)):
+                    ("--cpu-eff", args.cpu_eff), ("--device-kv-gb", args.device_kv_gb),
+                    ("--device-kv-gbps", args.device_kv_gbps)):
         if v is not None and not 0 < v < float("inf"):
             raise PlanError(f"{flag} must be a finite number > 0 (got {v})")
+    if not args.device_kv and (args.device_kv_gb is not None or args.device_kv_gbps is not None):
+        raise PlanError("--no-device-kv with --device-kv-gb or --device-kv-gbps: plan one or the other")
     for flag, v in (("--link-latency", args.link_latency), ("--rworker-overhead-us", args.rworker_overhead_us)):
         if v is not None and not 0 <= v < float("inf"):
             raise PlanError(f"{flag} must be a finite number >= 0 (got {v})")
@@ -218,9 +291,9 @@ def _row(prof: Profile, batch: int, args) -> dict:
     flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk, args.kv_reserve,
                    **share)
     row = {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s, "tokens_per_s_depth1": flat.tokens_per_s}
-    if pred.batch_run >= 1:
+    if pred.rworker_sequences >= 1:          # something crosses the link
         row.update(link_report(prof, pred.batch_run, args.context, args.prompt_len, pred.rworkers,
-                               args.pipeline_depth, **share))
+                               args.pipeline_depth, kv_reserve=args.kv_reserve, **share))
     if args.kv_reserve == "full" and pred.bound == "capacity":      # what the other policy would hold
         row["batch_run_if_grow"] = predict(prof, batch, args.context, args.prompt_len, pred.rworkers,
                                            args.pipeline_depth, args.prefill_chunk, "grow", **share).batch_run
@@ -228,16 +301,23 @@ def _row(prof: Profile, batch: int, args) -> dict:
 
 
 def _header(prof: Profile, knee: int, depth: int, args=None) -> list[str]:
-    m, w, link = prof.model, prof.r_workers[0], prof.link
+    m, link, tier = prof.model, prof.link, prof.device_tier
     kvb = m.kv_bytes_per_token_layer(prof.kv_dtype_bytes)
     lines = [f"model {m.name}: {m.num_layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, "
              f"KV {kvb * m.num_layers / 1024:.0f} KiB/token ({prof.kv_dtype_bytes:.4g} B/elem)",
              f"S-worker {prof.s_worker.device}: E(B) reaches 90% of its best at B = {knee // depth} per S-part "
              f"call, so B = {knee} with {depth} mini-batch(es)",
-             f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "
-             f"{w.call_overhead_s * 1e6:.0f} us/call"
-             + (f" (+{len(prof.r_workers) - 1} more profiled)" if len(prof.r_workers) > 1 else ""),
-             f"link: {link.bandwidth_Bps / 1e9:.3g} GB/s, {link.latency_s * 1e6:.0f} us"
+             f"S-worker's own KV tier {tier.name}: {tier.bandwidth() / 1e9:.0f} GB/s attention, "
+             f"{tier.capacity_bytes / 1e9:.1f} GB KV, {tier.call_overhead_s * 1e6:.0f} us/call" if tier is not None
+             else "S-worker's own KV tier: none (--device-kv-gb and --device-kv-gbps state one)"]
+    if prof.r_workers:
+        w = prof.r_workers[0]
+        lines.append(f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "
+                     f"{w.call_overhead_s * 1e6:.0f} us/call"
+                     + (f" (+{len(prof.r_workers) - 1} more profiled)" if len(prof.r_workers) > 1 else ""))
+    else:
+        lines.append("R-workers: none stated (--cpu-bw states a CPU socket): a GPU-only engine")
+    lines += [f"link: {link.bandwidth_Bps / 1e9:.3g} GB/s, {link.latency_s * 1e6:.0f} us"
              + (f" (the slowest of {len(link.worker_names)} R-workers' links, {link.worker_name(link.slowest_worker())}'s)"
                 if len(link.worker_names) > 1 else "")
              + (f"; to all at once {link.concurrent_Bps / 1e9:.3g} GB/s" if link.concurrent_Bps else "")
@@ -269,6 +349,24 @@ def _sharing_line(r: dict) -> str:
             + (" (not measured: priced as streamed; --shared-cost-ratio states it)" if ratio == 1 else ""))
 
 
+SPLIT_WHY = {BALANCED: "the two sides of the step end together",
+             TIER_FULL: "the tier is full",
+             ALL_ON_TIER: "the tier holds them all",
+             NONE_ON_TIER: "the S-part alone outlasts the R-workers' attention: the tier would lengthen the step",
+             R_FULL: "the R-workers are full: the tier holds the rest"}
+
+
+def _split_line(r: dict) -> str:
+    """Where the batch's KV lives: the S-worker's tier and the R-workers, and why there."""
+    def gb(x: float) -> str:
+        return f"{x / 1e9:,.1f} GB"
+
+    why = "a GPU-only engine" if not r["rworkers"] else SPLIT_WHY[r["tier_split"]]
+    return (f"split: {r['tier_sequences']:,} sequences ({gb(r['tier_kv_bytes'])} of KV) on the S-worker's tier "
+            f"(it holds {r['tier_capacity_sequences']:,}), {r['rworker_sequences']:,} ({gb(r['rworker_kv_bytes'])}) "
+            f"on {r['rworkers']} R-workers: {why}")
+
+
 def _fmt_p(row) -> str:
     return "-" if row["rworkers_needed"] is None else str(row["rworkers_needed"])
 
@@ -287,7 +385,8 @@ def run(args) -> int:
     fid = fidelity(prof.s_worker.device, pick["bound"], prof.source == "measured")
     if args.json:
         out = {**pick, "knee_batch": knee, "model": prof.model.name, "s_worker": prof.s_worker.device,
-               "profile_source": prof.source, "fidelity": fid}
+               "profile_source": prof.source, "fidelity": fid,
+               "device_tier": dataclasses.asdict(prof.device_tier) if prof.device_tier is not None else None}
         if not args.batch:
             out["sweep"] = rows
         print(json.dumps(out, indent=1))
@@ -296,14 +395,18 @@ def run(args) -> int:
     print(_target_line(args))
     if args.batch:
         r = pick
+        where = f"{r['rworkers']} R-workers" + (" and the S-worker's tier" if prof.device_tier is not None else "")
         print(f"batch {r['batch']}" + (f" (memory holds {r['batch_run']})" if r["batch_run"] < r["batch"] else "")
               + f": KV {r['kv_tokens_needed']:,.0f} tokens reserved of {r['kv_tokens_capacity']:,.0f} on "
-              f"{r['rworkers']} R-workers; R-workers needed: {_fmt_p(r)}")
+              f"{where}; R-workers needed: {_fmt_p(r)}")
+        if prof.device_tier is not None and r["batch_run"]:
+            print(_split_line(r))
         if r["shared_prefix"]:
             print(_sharing_line(r))
         if "batch_run_if_grow" in r:
             print(f"  (with --kv-reserve grow, sequences reserve as they grow: memory holds {r['batch_run_if_grow']})")
-        print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms, R {r['r_layer_s'] * 1e3:.3f} ms, "
+        tier_ms = f" + tier {r['tier_layer_s'] * 1e3:.3f} ms" if r["tier_sequences"] else ""
+        print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms{tier_ms}, R {r['r_layer_s'] * 1e3:.3f} ms, "
               f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
         if "link_bound_by" in r and (r["bound"] == "link" or not r["link_hidden"]):
             print(link_line(r))
@@ -316,11 +419,13 @@ def run(args) -> int:
               f"{r['step_latency_s'] * 1e3:.1f} ms/token per sequence; bound: {r['bound']}")
         print(fidelity_line(fid, r["bound"]))
         return 0
-    print(f"{'batch':>7} {'E(B)':>6} {'P need':>6} {'P':>5} {'S ms':>8} {'R ms':>8} {'link ms':>8} "
-          f"{'step ms':>9} {'tokens/s':>10} {'bound':>8}")
+    tier = prof.device_tier is not None
+    print(f"{'batch':>7} {'E(B)':>6} {'P need':>6} {'P':>5} " + (f"{'tier':>6} {'tier ms':>8} " if tier else "")
+          + f"{'S ms':>8} {'R ms':>8} {'link ms':>8} {'step ms':>9} {'tokens/s':>10} {'bound':>8}")
     for r in rows:
         print(f"{r['batch']:>7} {r['efficiency']:>6.0%} {_fmt_p(r):>6} {r['rworkers']:>5} "
-              f"{r['s_layer_s'] * 1e3:>8.3f} {r['r_layer_s'] * 1e3:>8.3f} {r['link_layer_s'] * 1e3:>8.3f} "
+              + (f"{r['tier_sequences']:>6} {r['tier_layer_s'] * 1e3:>8.3f} " if tier else "")
+              + f"{r['s_layer_s'] * 1e3:>8.3f} {r['r_layer_s'] * 1e3:>8.3f} {r['link_layer_s'] * 1e3:>8.3f} "
               f"{r['step_latency_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10,.0f} {r['bound']:>8}"
               + ("  <- knee" if r["batch"] == knee else ""))
     print(f"at the knee (batch {knee}): " + fidelity_line(fid, pick["bound"]))

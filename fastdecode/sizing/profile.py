@@ -11,6 +11,9 @@
   kernel alone kept for reference (every rank under mpirun), and what the kernel pays per
   member-token of a shared prefix against a streamed token (shared_cost_ratio; 1 where the store
   cannot share);
+- the S-worker's own KV tier, where the job has one (the GPU's memory, or a CPU S-worker's own
+  store beside R-workers): its attention cost the same way, and its capacity, kept apart from the
+  R-workers (`device_tier`);
 - the S<->R link: one-way time by message size (echo round trip / 2) to each R-worker, the
   bandwidth to all of them at once, and on a GPU the pinned device<->host copy bandwidth each
   way (PCIe), which every row crosses twice.
@@ -33,13 +36,14 @@ from fastdecode.sizing.measure import (
     S_PART_PROMPT,
     pcie_bandwidth,
     prompts_that_fit,
+    r_worker_indices,
     time_chain_hop,
     time_prefill_grids,
     time_r_part_in_step,
     time_s_part,
     time_s_part_device,
 )
-from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile
+from fastdecode.sizing.schema import LinkProfile, ModelDims, Profile, RWorkerProfile, SWorkerProfile, TierProfile
 from rworker.bench import largest_cache_bytes
 from rworker.protocol.kvformat import kv_elem_bytes
 
@@ -80,7 +84,7 @@ def run_profile(engine: LLMEngine, settings: ProfileSettings | None = None, log=
     full profile's unless given)."""
     st = settings or ProfileSettings()
     s_worker = profile_s_worker(engine, st.batches, st.repeats, st.prompt_lens, log, st.min_timed_s)
-    r_workers = profile_r_workers(engine, st.r_seqs, st.r_bytes, log)
+    r_workers, tier = profile_workers(engine, st.r_seqs, st.r_bytes, log)
     link = profile_link(engine, st.link_sizes, st.repeats, log)
     c = engine.config
     shape = ModelDims.from_hf_config(c.hf_config, engine.source.name) if c.hf_config else None
@@ -90,9 +94,11 @@ def run_profile(engine: LLMEngine, settings: ProfileSettings | None = None, log=
                      vocab=c.vocab_size, dtype_bytes=torch.finfo(engine.dtype).bits // 8,
                      windows=engine.variants.windows, experts_stored=shape.experts_stored if shape else 0.0)
     notes = (f"measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}; S-worker {s_worker.device}; "
-             f"{len(r_workers)} R-worker(s); kv {engine.kv_dtype}")
+             f"{len(r_workers)} R-worker(s)" + (f"; its own KV tier {tier.name}" if tier else "; no S-worker tier")
+             + f"; kv {engine.kv_dtype}")
     prof = Profile(model=dims, s_worker=s_worker, r_workers=r_workers, link=link,
-                   kv_dtype_bytes=kv_elem_bytes(engine.kv_dtype, c.head_dim), source="measured", notes=notes)
+                   kv_dtype_bytes=kv_elem_bytes(engine.kv_dtype, c.head_dim), source="measured", notes=notes,
+                   device_tier=tier)
     link.hop_s = time_chain_hop(engine, prof, log=log)
     return prof
 
@@ -103,7 +109,7 @@ def s_part_grid(engine: LLMEngine, batches: list[int] | None, log=None) -> list[
     grid = sorted(batches or (GPU_GRID if engine.device.type == "cuda" else CPU_GRID))
     if engine.device.type == "cuda":
         return grid
-    fit = prompts_that_fit(engine, S_PART_PROMPT + 2 + S_PART_MAX_STEPS)
+    fit = prompts_that_fit(engine, S_PART_PROMPT + 2 + S_PART_MAX_STEPS, r_workers_only=True)
     if grid[0] > fit:
         raise ValueError(f"the R-workers' memory holds {fit} sequences of the S-part timing, fewer than "
                          f"B={grid[0]} (--rworker-mem too small for --batches)")
@@ -133,26 +139,39 @@ def profile_s_worker(engine: LLMEngine, batches: list[int] | None, repeats: int,
                           mem_bytes=float(mem), quantization="fp8" if engine.model.fp8 else "", **prefill)
 
 
-def profile_r_workers(engine: LLMEngine, r_seqs: int, r_target_bytes: int, log) -> list[RWorkerProfile]:
-    """Each R-worker's kernel timed alone, and its cost inside the decode step (what the model uses)."""
-    r_raw = engine.backend.profile_workers(r_seqs, r_target_bytes)
-    in_step = time_r_part_in_step(engine, r_seqs, r_target_bytes or max(r["samples"][-1][0] for r in r_raw))
-    r_workers = []
-    for i, r in enumerate(r_raw):
+def profile_workers(engine: LLMEngine, r_seqs: int, r_target_bytes: int, log
+                    ) -> tuple[list[RWorkerProfile], TierProfile | None]:
+    """Each R-worker's kernel timed alone, and its cost inside the decode step (what the model
+    uses); the same for the S-worker's own KV tier where the job has one (the backend's last
+    worker, told by its `tier`), kept apart: (R-workers, the tier or None)."""
+    workers = engine.backend.workers
+    raw = engine.backend.profile_workers(r_seqs, r_target_bytes)
+    in_step = time_r_part_in_step(engine, r_seqs, r_target_bytes or max(r["samples"][-1][0] for r in raw))
+    rs = r_worker_indices(engine)
+    r_workers, tier = [], None
+    for i, r in enumerate(raw):
         per_byte, per_call = in_step[i] if in_step else (r["seconds_per_kv_byte"], r["call_overhead_s"])
+        step = f"; in the decode step {1e-9 / per_byte:.2f} GB/s, {per_call * 1e6:.1f} us per call" if in_step else ""
+        if i not in rs:
+            log(f"S-worker's own KV tier {workers[i].tier}: kernel alone {r['bandwidth_GBps']:.2f} GB/s, "
+                f"{r['call_overhead_s'] * 1e6:.1f} us per call{step}; {r['capacity_bytes'] / 2**30:.2f} GiB")
+            tier = TierProfile(name=workers[i].tier, seconds_per_kv_byte=per_byte, call_overhead_s=per_call,
+                               capacity_bytes=float(r["capacity_bytes"] or 0), kind=engine.tier.kind,
+                               page_tokens=int(workers[i].page_tokens), frees_windows=bool(workers[i].frees_windows),
+                               kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"])
+            continue
         log(f"R-worker rank {r['rank']} ({r['host']}, {r['threads']} threads): kernel alone "
-            f"{r['bandwidth_GBps']:.2f} GB/s, {r['call_overhead_s'] * 1e6:.1f} us per call"
-            + (f"; in the decode step {1e-9 / per_byte:.2f} GB/s, {per_call * 1e6:.1f} us per call" if in_step else "")
+            f"{r['bandwidth_GBps']:.2f} GB/s, {r['call_overhead_s'] * 1e6:.1f} us per call{step}"
             + (f"; a member-token of shared prefix costs {r['shared_cost_ratio']:.2f} of a streamed token"
                if "shared_cost_ratio" in r else ""))
         r_workers.append(RWorkerProfile(name=f"rank{r['rank']}@{r['host']}", seconds_per_kv_byte=per_byte,
                                         call_overhead_s=per_call,
                                         capacity_bytes=float(r["capacity_bytes"] or 0), threads=r["threads"],
                                         kernel_seconds_per_kv_byte=r["seconds_per_kv_byte"],
-                                        page_tokens=int(engine.backend.workers[i].page_tokens),
+                                        page_tokens=int(workers[i].page_tokens),
                                         shared_cost_ratio=float(r.get("shared_cost_ratio", 1.0)),
                                         shared_seconds_per_kv_byte=float(r.get("shared_seconds_per_kv_byte", 0.0))))
-    return r_workers
+    return r_workers, tier
 
 
 def profile_link(engine: LLMEngine, sizes: list[int], repeats: int, log) -> LinkProfile:
@@ -163,7 +182,8 @@ def profile_link(engine: LLMEngine, sizes: list[int], repeats: int, log) -> Link
     local mode there is no link: nothing is tabulated."""
     sizes = sorted(sizes)
     rounds = max(repeats, 5)
-    one_way = np.array(engine.backend.ping(sizes, repeats=rounds))     # [workers, sizes]
+    rs = r_worker_indices(engine)              # the S-worker's own tier puts nothing on the link
+    one_way = np.array(engine.backend.ping(sizes, repeats=rounds))[rs]     # [R-workers, sizes]
     measured = bool(len(one_way)) and float(one_way[:, -1].max()) > float(one_way[:, 0].min())
     d2h, h2d = pcie_bandwidth(engine.device)
     if d2h:
@@ -172,7 +192,7 @@ def profile_link(engine: LLMEngine, sizes: list[int], repeats: int, log) -> Link
         log("link: none (the R-part runs in this process)")
         return LinkProfile(latency_s=float(one_way[0, 0]) if len(one_way) else 0.0, bandwidth_Bps=1e15,
                            device_d2h_Bps=d2h, device_h2d_Bps=h2d)
-    names = [f"rank{w.rank}@{w.host}" for w in engine.backend.workers]
+    names = [f"rank{engine.backend.workers[i].rank}@{engine.backend.workers[i].host}" for i in rs]
     fits = [fit_link(sizes, list(row)) for row in one_way]          # [workers] (latency, bandwidth)
     for name, (lat, bw), row in zip(names, fits, one_way):
         log(f"link to {name}: {lat * 1e6:.1f} us latency, {bw / 1e9:.3f} GB/s; "

@@ -2,7 +2,8 @@
 
 `fastdecode profile` measures these, `sizing.hardware` builds them from stated hardware, and
 `sizing.model` predicts from them. JSON round-trips through to_json/from_json; keys a part does
-not know are ignored (forward compatible).
+not know are ignored (forward compatible), and a part a profile lacks takes its default: a profile
+without `device_tier` (older, or measured with --no-device-kv) plans all KV on the R-workers.
 """
 from __future__ import annotations
 
@@ -204,6 +205,29 @@ class RWorkerProfile:
 
 
 @dataclass(slots=True)
+class TierProfile:
+    """The S-worker's own KV tier (docs/design.md, "The S-worker's own KV tier"): sequences whose
+    KV it holds and attends to itself, its attention on the S-part's critical path. Measured by
+    `fastdecode profile` where the job has one, or stated (`plan --device-kv-gb/--device-kv-gbps`)."""
+    name: str                       # "device (cuda:0)", "local (in-process store)", or a stated one
+    seconds_per_kv_byte: float      # attention cost per KV byte read, as the step pays it (s/B)
+    call_overhead_s: float          # fixed cost per attention call (one layer, one mini-batch)
+    capacity_bytes: float           # KV bytes it holds
+    kind: str = "device"            # "device": the S-worker's GPU memory; "local": a CPU S-worker's own store
+    page_tokens: int = 32           # KV pages of this many tokens (placement rounds up to whole pages)
+    frees_windows: bool = False     # a sliding-window layer's pages leave once outside the window
+                                    # (the device tier keeps them: charged in full)
+    kernel_seconds_per_kv_byte: float = 0.0   # the kernel timed alone (what the engine's placement
+                                              # measures at start-up; 0: not measured)
+
+    def bandwidth(self) -> float:
+        return 1.0 / self.seconds_per_kv_byte
+
+
+TIER_KINDS = ("device", "local")
+
+
+@dataclass(slots=True)
 class LinkProfile:
     """The S<->R link. The headline figures and table are the slowest R-worker's (the one whose
     messages bound a step); a measured profile keeps every R-worker's own table beside them, and
@@ -281,9 +305,13 @@ class Profile:
     kv_dtype_bytes: float = 2       # per K or V element, scales included (int8: 1 + 4/head_dim)
     source: str = "measured"        # or "stated"
     notes: str = ""
+    device_tier: TierProfile | None = None     # the S-worker's own KV tier (None: all KV on the R-workers)
 
     def workers(self, count: int) -> list[RWorkerProfile]:
         """`count` R-workers: the profiled ones, repeated in order when more are asked for."""
+        if count and not self.r_workers:
+            raise ValueError(f"the profile has no R-worker to plan {count} of (its KV is the S-worker's tier "
+                             f"alone): state one with --cpu-bw")
         return [self.r_workers[i % len(self.r_workers)] for i in range(count)]
 
     def to_dict(self) -> dict:
@@ -297,8 +325,9 @@ class Profile:
         """Keys a part does not know (measurement metadata, raw samples) are ignored."""
         if d.get("schema", SCHEMA) != SCHEMA:
             raise ValueError(f"profile schema {d.get('schema')!r} is not {SCHEMA!r}")
-        if not d.get("r_workers"):
-            raise ValueError("profile lists no r_workers")
+        tier = from_known_keys(TierProfile, d["device_tier"]) if d.get("device_tier") else None
+        if not d.get("r_workers") and tier is None:
+            raise ValueError("profile lists no r_workers and no device_tier")
         s = from_known_keys(SWorkerProfile, d["s_worker"])
         if len(s.batch_grid) < 1 or not (len(s.batch_grid) == len(s.layer_time_s) == len(s.head_time_s)):
             raise ValueError("s_worker: batch_grid, layer_time_s and head_time_s must have equal, nonzero length")
@@ -310,7 +339,7 @@ class Profile:
         if len(s.prefill_chunk_grid) != len(s.prefill_chunk_token_s) or \
                 list(s.prefill_chunk_grid) != sorted(s.prefill_chunk_grid) or min(s.prefill_chunk_grid, default=1) < 1:
             raise ValueError("s_worker: prefill_chunk_grid must ascend from >= 1 and match prefill_chunk_token_s in length")
-        workers = [from_known_keys(RWorkerProfile, w) for w in d["r_workers"]]
+        workers = [from_known_keys(RWorkerProfile, w) for w in d.get("r_workers") or []]
         if any(w.seconds_per_kv_byte <= 0 or w.capacity_bytes < 0 for w in workers):
             raise ValueError("r_workers: seconds_per_kv_byte must be > 0 and capacity_bytes >= 0")
         if any(not 0 < w.shared_cost_ratio <= 1 for w in workers):
@@ -324,9 +353,13 @@ class Profile:
                                            or min(link.worker_bandwidth_Bps) <= 0):
             raise ValueError("link: every R-worker needs a name, a latency, a bandwidth > 0 and a time per "
                              "message size")
+        if tier is not None and (tier.seconds_per_kv_byte <= 0 or tier.capacity_bytes < 0 or tier.call_overhead_s < 0
+                                 or tier.kind not in TIER_KINDS or tier.page_tokens < 1):
+            raise ValueError(f"device_tier: seconds_per_kv_byte must be > 0, capacity_bytes and call_overhead_s "
+                             f">= 0, page_tokens >= 1 and kind one of {', '.join(TIER_KINDS)}")
         return cls(model=from_known_keys(ModelDims, d["model"]), s_worker=s, r_workers=workers, link=link,
                    kv_dtype_bytes=d.get("kv_dtype_bytes", 2), source=d.get("source", "measured"),
-                   notes=d.get("notes", ""))
+                   notes=d.get("notes", ""), device_tier=tier)
 
     @classmethod
     def from_json(cls, text: str) -> "Profile":
