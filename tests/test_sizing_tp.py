@@ -8,8 +8,15 @@ import pytest
 from fastdecode.sizing import plan
 from fastdecode.sizing.hardware import GPU_PRESETS
 from fastdecode.sizing.schema import MODEL_PRESETS, SWorkerProfile
-from fastdecode.sizing.tensor_parallel import (TPSizing, add_options, allreduce_s, layer_comm_s, sizing_from_args,
-                                               tensor_parallel_s_worker, weight_bytes_per_gpu)
+from fastdecode.sizing.tensor_parallel import (
+    TPSizing,
+    add_options,
+    allreduce_s,
+    layer_comm_s,
+    sizing_from_args,
+    tensor_parallel_s_worker,
+    weight_bytes_per_gpu,
+)
 
 L70 = MODEL_PRESETS["llama-3-70b"]
 H100 = GPU_PRESETS["h100"]
@@ -98,3 +105,15 @@ def test_profile_refuses_a_tensor_parallel_s_worker_pointing_at_plan(tmp_path):
     assert "fastdecode profile measures one S-rank, not --tensor-parallel-size 3" in proc.stderr
     assert "`fastdecode plan --tensor-parallel-size 3`" in proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_simulate_runs_70b_faster_in_fp8_over_two_gpus(capsys):
+    from fastdecode.cli import main
+    job = ["simulate", "--model", "llama-3-70b", "--gpu-profile", "h100", "--cpu-bw", "400", "--requests", "64",
+           "--prompt-len", "128", "--output-len", "64", "--rworkers", "2", "--json", "--no-numba"]
+    runs = {}
+    for name, extra in (("bf16", []), ("fp8x2", ["--quantization", "fp8", "--tensor-parallel-size", "2"])):
+        assert main([*job, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["fp8x2"]["output_tokens"] == runs["bf16"]["output_tokens"] == 64 * 64
+    assert runs["fp8x2"]["output_tokens_per_s"] > runs["bf16"]["output_tokens_per_s"]

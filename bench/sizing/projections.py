@@ -40,9 +40,10 @@ from fastdecode.sim.core import SimConfig, simulate  # noqa: E402
 from fastdecode.sim.costs import costs_of  # noqa: E402
 from fastdecode.sim.report import summary  # noqa: E402
 from fastdecode.sim.trace import Trace, synthetic_trace  # noqa: E402
-from fastdecode.sizing.hardware import TIER_ATTN_EFF, GPU_PRESETS, stated_profile, stated_tier  # noqa: E402
+from fastdecode.sizing.hardware import GPU_PRESETS, TIER_ATTN_EFF, stated_profile, stated_tier  # noqa: E402
 from fastdecode.sizing.model import predict  # noqa: E402
 from fastdecode.sizing.schema import MODEL_PRESETS  # noqa: E402
+from fastdecode.sizing.tensor_parallel import TPSizing, stated_tier_over, with_tensor_parallel  # noqa: E402
 
 # ---- (b) stated hardware and prices (assumptions; change them here)
 H100 = GPU_PRESETS["h100"]        # 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB (datasheet)
@@ -67,6 +68,12 @@ WORKLOADS = {
     # tier is what fp8 weights would leave in 95% of the card, holding bf16 KV
     "llama-3-70b chat": dict(model="llama-3-70b", prompt="lognormal:1024:0.5", output="uniform:128:1024",
                              max_tokens=1024, gpu_only=dict(weight_bytes=1, kv_bytes=1, usable=0.95)),
+    # the S-worker in fp8 over T = 1, 2, 4 H100s of one node (NVLink), each holding 1/T of every
+    # layer and its heads' share of the tier (fastdecode/sizing/tensor_parallel.py); T cards' price
+    **{f"llama-3-70b chat fp8 T={t}": dict(model="llama-3-70b", prompt="lognormal:1024:0.5",
+                                          output="uniform:128:1024", max_tokens=1024, fp8=True, tp=t,
+                                          gpu_only=dict(weight_bytes=1, kv_bytes=1, usable=0.95))
+       for t in (1, 2, 4)},
     "llama-3-8b 32k": dict(model="llama-3-8b", prompt="uniform:30000:32000", output="uniform:128:512",
                            max_tokens=512),
     # long generation (reasoning traces): contexts grow to 32k while the GPU mostly decodes
@@ -121,14 +128,23 @@ def h100_profile(spec: dict, max_batch: int):
     """The stated H100 with sockets, and its own KV tier as generate would size it at this batch limit."""
     model = MODEL_PRESETS[spec["model"]]
     only = spec.get("gpu_only", {})
-    weights = None if "weight_bytes" not in only else \
-        model.weight_bytes() / model.dtype_bytes * only["weight_bytes"]
-    tier = stated_tier(H100, model, utilization=only.get("usable", 0.9), weight_bytes=weights, max_batch=max_batch,
-                       max_prefill_tokens=PREFILL_TOKENS)
-    prof = stated_profile(H100, model, SOCKET_READ_GBPS, SOCKET_MEM_GB, LINK_GBPS, LINK_US,
-                          cpu_attn_eff=KERNEL_EFF, device_tier=tier)
+    tp = tp_of(spec)
+    if tp.active:         # generate's own sizing on each of the T cards: 0.9 of it less its weights
+        tier = stated_tier_over(H100, model, tp, max_batch=max_batch, max_prefill_tokens=PREFILL_TOKENS)
+    else:
+        weights = None if "weight_bytes" not in only else \
+            model.weight_bytes() / model.dtype_bytes * only["weight_bytes"]
+        tier = stated_tier(H100, model, utilization=only.get("usable", 0.9), weight_bytes=weights,
+                           max_batch=max_batch, max_prefill_tokens=PREFILL_TOKENS)
+    prof = with_tensor_parallel(stated_profile(H100, model, SOCKET_READ_GBPS, SOCKET_MEM_GB, LINK_GBPS, LINK_US,
+                                               cpu_attn_eff=KERNEL_EFF, device_tier=tier), tp, H100)
     prof.link.device_d2h_Bps = prof.link.device_h2d_Bps = PCIE_GBPS * 1e9
     return prof
+
+
+def tp_of(spec: dict) -> TPSizing:
+    """A workload's S-worker: T GPUs over NVLink (stated figures), fp8 weights or the dtype's."""
+    return TPSizing(spec.get("tp", 1), spec.get("fp8", False))
 
 
 def plan_best(prof, sockets: int, mean_prompt: float, mean_output: float) -> tuple[int, int]:
@@ -199,7 +215,7 @@ def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone: dic
             held[depth] = batch
         if best is None or (row["output_tokens_per_s"] or 0) > best["output_tokens_per_s"]:
             best = row
-    dollars = GPU_HOUR + sockets * SOCKET_HOUR
+    dollars = tp_of(spec).size * GPU_HOUR + sockets * SOCKET_HOUR
     return {"workload": name, "sockets": sockets, **best, "limits_tried": tried,
             "dollars_per_hour": dollars, "tokens_per_dollar": round(best["output_tokens_per_s"] * 3600 / dollars, 0)}
 
@@ -249,7 +265,8 @@ def add_peers(doc: dict) -> None:
             row["x_gpu_alone"] = round(tps / alone, 2) if alone else None
             if not row["sockets"]:
                 continue
-            row["break_even_socket_dollars"] = {k: break_even_socket_price(row, v) for k, v in peers.items()}
+            row["break_even_socket_dollars"] = {k: break_even_socket_price(row, v, tp_of(spec).size)
+                                                for k, v in peers.items()}
             row["gain_per_socket"] = round((tps - (alone or 0.0)) / row["sockets"], 1)   # tokens/s each socket adds
     doc["paper_gpu_only"] = []
     for (model, L), rows in _group_points(doc["paper_setting"]).items():
@@ -268,12 +285,13 @@ def _group_points(rows: list[dict]) -> dict:
     return out
 
 
-def break_even_socket_price(row: dict, gpu_only_tps: float) -> float | None:
-    """The $ per socket-hour below which the cluster's tokens per dollar beat GPU-only's."""
+def break_even_socket_price(row: dict, gpu_only_tps: float, gpus: int = 1) -> float | None:
+    """The $ per socket-hour below which the cluster's tokens per dollar (its S-worker on `gpus`
+    cards) beat GPU-only's on one card."""
     if not gpu_only_tps:
         return None
-    # tps / (G + P x s) = g / G  =>  s = (tps x G / g - G) / P
-    return round((row["output_tokens_per_s"] * GPU_HOUR / gpu_only_tps - GPU_HOUR) / row["sockets"], 3)
+    # tps / (T G + P x s) = g / G  =>  s = (tps x G / g - T G) / P
+    return round((row["output_tokens_per_s"] * GPU_HOUR / gpu_only_tps - gpus * GPU_HOUR) / row["sockets"], 3)
 
 
 def main(argv=None) -> None:

@@ -31,7 +31,12 @@ from fastdecode.sizing.model import predict
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
 from fastdecode.sizing.split import ALL_ON_TIER, BALANCED, NONE_ON_TIER, R_FULL, TIER_FULL
 from fastdecode.sizing.tensor_parallel import add_options as add_tp_options
-from fastdecode.sizing.tensor_parallel import sizing_from_args, weight_bytes_per_gpu, with_tensor_parallel
+from fastdecode.sizing.tensor_parallel import (
+    sizing_from_args,
+    stated_tier_over,
+    weight_bytes_per_gpu,
+    with_tensor_parallel,
+)
 from rworker.protocol.kvformat import kv_elem_bytes
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
@@ -211,17 +216,8 @@ def build_profile(args) -> Profile:
 
 
 def _stated_tier(gpu, model, tp, args):
-    """The device tier of a stated GPU S-worker: over T GPUs each rank holds its heads' pages
-    beside its own weights (1/T, fp8's 1 byte each) and attends them, so T tiers' bytes and rates."""
-    if not tp.active:
-        return stated_tier(gpu, model, args.device_kv_gb, args.device_kv_gbps)
-    per_gpu = stated_tier(gpu, model, None if args.device_kv_gb is None else args.device_kv_gb / tp.size,
-                          None if args.device_kv_gbps is None else args.device_kv_gbps / tp.size,
-                          weight_bytes=weight_bytes_per_gpu(model, tp))
-    if per_gpu is None:
-        return None
-    return dataclasses.replace(per_gpu, name=f"{per_gpu.name} x{tp.size}", capacity_bytes=per_gpu.capacity_bytes * tp.size,
-                               seconds_per_kv_byte=per_gpu.seconds_per_kv_byte / tp.size)
+    """The device tier of a stated GPU S-worker (over T GPUs: tensor_parallel.stated_tier_over)."""
+    return stated_tier_over(gpu, model, tp, args.device_kv_gb, args.device_kv_gbps)
 
 
 def _profile_tier(prof: Profile, args):

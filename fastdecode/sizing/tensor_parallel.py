@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastdecode.sizing.hardware import GpuSpec, s_worker_from_spec
-from fastdecode.sizing.schema import ModelDims, Profile, SWorkerProfile
+from fastdecode.sizing.hardware import GpuSpec, s_worker_from_spec, stated_tier
+from fastdecode.sizing.schema import ModelDims, Profile, SWorkerProfile, TierProfile
 
 # all-reduce bus bandwidth (GB/s, what NCCL's ring reaches on large messages) and latency per
 # collective (us) between the GPUs of one node: stated figures, not measured here
@@ -50,8 +50,8 @@ class TPSizing:
         return self.size > 1 or self.fp8
 
     def describe(self) -> str:
-        parts = [f"{self.size} GPUs, tensor-parallel over {self.interconnect} ({self.allreduce_GBps:g} GB/s, "
-                 f"{self.latency_us:g} us a collective)"] if self.size > 1 else []
+        parts = [(f"{self.size} GPUs, tensor-parallel over {self.interconnect} ({self.allreduce_GBps:g} GB/s, "
+                  f"{self.latency_us:g} us a collective)")] if self.size > 1 else []
         return ", ".join(parts + (["fp8 weights"] if self.fp8 else []))
 
 
@@ -154,6 +154,22 @@ def with_tensor_parallel(prof: Profile, t: TPSizing, gpu: GpuSpec | None = None)
         return prof
     base = s_worker_from_spec(gpu, prof.model) if gpu is not None else prof.s_worker
     return dataclasses.replace(prof, s_worker=tensor_parallel_s_worker(base, prof.model, t, gpu))
+
+
+def stated_tier_over(gpu: GpuSpec | None, model: ModelDims, t: TPSizing, capacity_GB: float | None = None,
+                     attn_GBps: float | None = None, **sizing) -> TierProfile | None:
+    """The S-worker's own KV tier over T GPUs (hardware.stated_tier's figures, stated ones for all
+    T together): each rank keeps its own heads' pages in its memory beside its weights (1/T of
+    them, 1 byte each in fp8) and attends them, so T ranks hold T tiers' bytes at T tiers' rate."""
+    if not t.active:
+        return stated_tier(gpu, model, capacity_GB, attn_GBps, **sizing)
+    per_gpu = stated_tier(gpu, model, None if capacity_GB is None else capacity_GB / t.size,
+                          None if attn_GBps is None else attn_GBps / t.size,
+                          **{"weight_bytes": weight_bytes_per_gpu(model, t), **sizing})
+    if per_gpu is None or t.size == 1:
+        return per_gpu
+    return dataclasses.replace(per_gpu, name=f"{per_gpu.name} x{t.size}", capacity_bytes=per_gpu.capacity_bytes * t.size,
+                               seconds_per_kv_byte=per_gpu.seconds_per_kv_byte / t.size)
 
 
 def sizing_from_args(args) -> TPSizing:
