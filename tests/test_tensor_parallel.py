@@ -231,3 +231,34 @@ def test_a_killed_follower_ends_the_job_naming_it_and_the_rerun_resumes(tmp_path
     rows = read_output(str(out))
     assert sorted(r["custom_id"] for r in rows) == [f"r{i}" for i in range(8)]
     assert all(r in rows for r in kept)                 # the first run's rows stay as they were
+
+
+def test_s_ranks_starting_together_dequantize_a_gguf_once(tmp_path, monkeypatch):
+    """The S-ranks load at once: one of them makes the GGUF's cache, the others wait and read it
+    (each would otherwise hold the whole dequantized model in memory)."""
+    import threading
+    import time
+    import types
+
+    import numpy as np
+
+    from fastdecode.model import weights
+    made = []
+
+    def slow_convert(path, config):
+        made.append(path)
+        time.sleep(0.3)                                # long enough for the other ranks to arrive
+        return {"w": np.zeros(4, dtype=np.float32)}
+
+    cache = tmp_path / "weights" / "m" / "model.safetensors"
+    monkeypatch.setattr(weights, "gguf_cache_path", lambda source: str(cache))
+    monkeypatch.setattr(weights, "_gguf_to_hf_arrays", slow_convert)
+    source = types.SimpleNamespace(path="model.gguf")
+    paths = []
+    ranks = [threading.Thread(target=lambda: paths.append(weights._ensure_gguf_cache(source, None)))
+             for _ in range(3)]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join()
+    assert made == ["model.gguf"] and paths == [str(cache)] * 3 and cache.is_file()

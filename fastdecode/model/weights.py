@@ -97,14 +97,29 @@ def gguf_cache_path(source: ModelSource) -> str:
 
 
 def _ensure_gguf_cache(source: ModelSource, config: ModelConfig) -> str:
+    """The GGUF's weights dequantized into a safetensors cache (made once). Made under a lock on
+    the cache's folder: the S-ranks of a tensor-parallel S-worker (and concurrent jobs) start
+    together, and each would otherwise dequantize the whole model in its own memory; the first
+    makes it, the others wait and then read their slices of the file."""
+    import fcntl
     path = gguf_cache_path(source)
-    if not os.path.isfile(path):
+    if os.path.isfile(path):
+        return path
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(os.path.join(os.path.dirname(path), ".lock"), "w")     # noqa: SIM115 - held below
+    except OSError as e:
+        raise ConfigError(f"{source.path}: its dequantized weights cannot be written to the cache "
+                          f"{os.path.dirname(path)} ($FASTDECODE_CACHE): {e.strerror or e}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)              # released when the file closes
+        if os.path.isfile(path):                      # another rank or job made it meanwhile
+            return path
         arrays = _gguf_to_hf_arrays(source.path, config)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             save_file(arrays, tmp)
-            os.replace(tmp, path)   # atomic: concurrent jobs never read a half-written cache
+            os.replace(tmp, path)   # atomic: a reader without the lock never sees a half-written cache
         except OSError as e:
             raise ConfigError(f"{source.path}: its dequantized weights cannot be written to the cache "
                               f"{os.path.dirname(path)} ($FASTDECODE_CACHE): {e.strerror or e}") from None
