@@ -154,7 +154,7 @@ def test_two_ranks_serve_t1s_greedy_tokens_with_the_tier_on_every_rank(tmp_path,
     """T = 2 (mpiexec -n 3: 2 S-ranks + 1 R-worker) and T = 1 (local mode), chunked prefill on,
     the device tier small enough (and the R-worker's memory) that both hold sequences."""
     token = 3 * 2 * 2 * 32 * 4                        # fp32 K and V of a token over the 3 layers (1.5 KiB)
-    kw = {"model": tiny_engine_model, "max_batch": 6, "max_num_batched_tokens": 40, "rworker_mem": 5 * 128 * token}
+    kw = {"model": tiny_engine_model, "max_batch": 6, "max_num_batched_tokens": 40, "rworker_mem": 3 * 128 * token}
     one = engine_run(tmp_path, "t1", tiny_requests(), {**kw, "device_kv_memory": 5 * 128 * token}, None)
     two = engine_run(tmp_path, "t2", tiny_requests(),
                      {**kw, "tensor_parallel_size": 2, "device_kv_memory": 5 * 128 * token // 2}, 3)
