@@ -220,7 +220,7 @@ def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone: dic
             "dollars_per_hour": dollars, "tokens_per_dollar": round(best["output_tokens_per_s"] * 3600 / dollars, 0)}
 
 
-def h100_cluster(requests: int, only: list[str]) -> dict:
+def h100_cluster(requests: int, only: list[str], sockets: list[int] = SOCKETS) -> dict:
     out = {}
     for name, spec in WORKLOADS.items():
         if only and name not in only:
@@ -228,12 +228,14 @@ def h100_cluster(requests: int, only: list[str]) -> dict:
         trace = synthetic_trace(spec.get("requests", requests), spec["prompt"], spec["output"], spec["max_tokens"],
                                 seed=1)
         rows = []
-        for p in SOCKETS:
-            rows.append(h100_point(name, spec, p, trace, rows[0] if rows and rows[0].get("running_max") else None))
+        for p in sockets:
+            alone = rows[0] if rows and not rows[0]["sockets"] and rows[0].get("running_max") else None
+            rows.append(h100_point(name, spec, p, trace, alone))
             r = rows[-1]
             print(f"{name} {p} sockets: " + (r.get("note") or f"{r['output_tokens_per_s']:.0f} tok/s (limit "
                   f"{r['batch_limit']}), p50 {r['token_latency_p50_s']:.3f} s, {r['bound']}"), flush=True)
-        tier = h100_profile(spec, rows[0]["batch_limit"] or max(spec.get("batches", BATCHES))).device_tier
+        tier = h100_profile(spec, (not rows[0]["sockets"] and rows[0]["batch_limit"])
+                            or max(spec.get("batches", BATCHES))).device_tier
         out[name] = {"spec": spec, "trace_mean_prompt": round(float(trace.prompt_len.mean()), 1),
                      "trace_mean_output": round(float(trace.output_len.mean()), 1),
                      "device_tier_GB": round(tier.capacity_bytes / 1e9, 1) if tier else 0.0,
@@ -300,6 +302,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("--only", nargs="+", default=[], choices=list(WORKLOADS),
                     help="rerun these workloads only, keeping the rest of an existing projections.json")
+    ap.add_argument("--sockets", type=int, nargs="+", default=SOCKETS,
+                    help="socket counts to run (default %(default)s; 0, the card alone, is the slowest point: "
+                         "a small batch is many steps)")
     ap.add_argument("--peers", action="store_true",
                     help="recompute the GPU-only peers and the plot of an existing projections.json, no simulation")
     args = ap.parse_args(argv)
@@ -320,7 +325,7 @@ def main(argv=None) -> None:
                       "pcie_GBps": PCIE_GBPS, "gpu_dollars_per_hour": GPU_HOUR,
                       "socket_dollars_per_hour": SOCKET_HOUR, "tuned_gpu_only_8b_tokens_per_s": TUNED_GPU_ONLY_8B},
            "paper_setting": [] if args.only else paper_setting(),
-           "h100": h100_cluster(args.requests, args.only),
+           "h100": h100_cluster(args.requests, args.only, args.sockets),
            "hf_generate_measured": [r for r in gpu_only["runs"] if r.get("cache") == "dynamic"]}
     if args.only:       # keep what was not rerun
         old = load_json(path)
