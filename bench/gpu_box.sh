@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup pagedattn tiertests tiers tiers8k fp8layer families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
@@ -30,6 +30,12 @@
 #           LD_LIBRARY_PATH=/tmp/mpp/lib:/tmp/ipr/usr/lib/x86_64-linux-gnu:/tmp/ipr/lib/x86_64-linux-gnu
 #           MPI4PY_MPIABI=mpich; bench/gpu_box.sh setup linkfid2` (pip's --target drops the wheel's
 #           libmpi.so.12; --prefix keeps it; MPI4PY_MPIABI makes mpi4py load MPICH, not Open MPI).
+#   call 5: setup fp8e2e70b (~8 min, issue 45, never run on a card): a full-depth random-weight
+#           Llama-3-70B in fp8 (72.7 GB of weights: no room for a KV tier) on the one card with 14
+#           R-workers, 512-token prompts, 128 new tokens: the job runs, its tokens/s and split, to set
+#           against plan's one-box prediction (plan --model llama-3-70b --quantization fp8 --rworkers 14,
+#           the box's profile; target within 20%). One card: the tensor-parallel S-worker (T > 1)
+#           needs a box with several GPUs and is not queued here.
 # Measured 2026-11-27 on the H100 box: linkfid, its first four groups (the stage's limit cut the rest;
 # results labelled h100-box-16core, bench/sizing/NOTES.md).
 # Measured 2026-11-26 on the H100 box (results labelled h100-box): gpuonly (with soverhead8b), families.
@@ -158,6 +164,12 @@ fp8layer)    # issue 45: fp8 weights on the card: the fp8 tests on CUDA (torch._
     stage fp8tests 100 $PY -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fused_ops.py \
         tests/test_layer_graphs.py -k "fp8 or scaled"
     stage fp8layer 200 $PY bench/gpu/fp8_layer_bench.py --label $BOX --batches 1024 8192 ;;
+fp8e2e70b)   # issue 45: Llama-3-70B, fp8 weights, full depth, random (bf16 made per tensor on the card, quantized
+             # as made), the card with 14 R-workers holding all the KV (see the queue above)
+    stage fp8e2e70b 420 $PY bench/e2e/tiers_bench.py --label $BOX-70b-fp8 --model random:llama-3-70b --device cuda \
+        --configs card+14=15:--no-device-kv --prompts 256 --prompt-len 512 --gen 128 --max-batch 256 \
+        --extra "--dtype bfloat16 --kv-dtype bf16 --quantization fp8" --launcher "$LAUNCHER" --vocab 128000 \
+        --timeout 380 ;;
 soverhead)   # issue 5: S-part per layer vs pure dense layer at B = 1024, 4096, 16384
     stage soverhead 240 $PY bench/gpu/s_overhead_bench.py --label $BOX --model random:llama-2-7b:layers=8 \
         --batches 1024 4096 16384 --depths 1 2 3 ;;   # graphs_depth* columns: --cuda-graphs

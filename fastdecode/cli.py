@@ -118,14 +118,19 @@ def check_model(args) -> None:
     from fastdecode.model.config import ConfigError
     from fastdecode.model.quantization import weight_format
     from fastdecode.model.source import read_config, resolve_model
+    from fastdecode.tp.checks import usage_error
     from fastdecode.vllm_args import check_flags
     refused = check_flags(args)
     if refused:
         raise UsageError(refused)
     try:
         source = resolve_model(args.model, args.revision)
-        read_config(source).resolve_max_model_len(getattr(args, "max_model_len", None))
+        config = read_config(source)
+        config.resolve_max_model_len(getattr(args, "max_model_len", None))
         weight_format(getattr(args, "quantization", None), source)     # an fp8 checkpoint's scales, too
+        tp_error = usage_error(args.tensor_parallel_size, config, args.device, mpi_env.launched_size())
+        if tp_error:
+            raise ConfigError(tp_error)
         if args.tokenizer:
             resolve_model(args.tokenizer, args.tokenizer_revision)
         elif args.tokenizer_revision:
@@ -165,7 +170,8 @@ def run_job(args, validate, s_worker_main) -> int:
     command line on rank 0, agree, split roles."""
     from fastdecode.launch.env_vars import environment_error
     rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
-    error = environment_error(runs_kernels=rank > 0 or size <= 1) or machine_error(args, rank, size)
+    s_ranks = getattr(args, "tensor_parallel_size", 1)       # ranks 0..T-1: the S-worker; the rest R-workers
+    error = environment_error(runs_kernels=rank >= s_ranks or size <= s_ranks) or machine_error(args, rank, size)
     if rank == 0 and error is None:
         error = validation_error(args, validate)
     if size <= 1 and error:                              # a singleton: stop before MPI starts
@@ -180,9 +186,13 @@ def run_job(args, validate, s_worker_main) -> int:
             if agree_on_usage(comm, error):
                 return EXIT_USAGE
             rank0_address = mpi_env.share_end_notices(comm)      # a rank that fails or dies is reported
-            if comm.Get_rank() != 0:
+            if comm.Get_rank() >= s_ranks:
                 from rworker.worker import run
-                return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address)
+                return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address,
+                           s_ranks=s_ranks)
+            if comm.Get_rank() != 0:                             # the tensor-parallel S-worker's other ranks
+                from fastdecode.tp.follower_engine import run_follower
+                return run_follower(engine_args(args), comm, end_notice_to=rank0_address)
         elif error:
             print(f"fastdecode: error: {error}", file=sys.stderr)
             return EXIT_USAGE
@@ -236,7 +246,8 @@ def run_s_worker(args, comm) -> int:
 
     # the output is read before the model loads: a rerun that finds every line answered makes no
     # engine, and the R-workers end before their start-up (and kernel tune)
-    summary, rep, code = run_generate(make_engine, args, stop, skip_engine=lambda: mpi_env.stop_rworkers(comm))
+    summary, rep, code = run_generate(make_engine, args, stop,
+                                      skip_engine=lambda: mpi_env.stop_rworkers(comm, args.tensor_parallel_size))
     rows_to_stdout = getattr(args, "rows_to_stdout", False)     # set by validate_generate (batch/stdio.py)
     if rows_to_stdout:                         # -o -: stdout holds the rows, the report goes to stderr
         from fastdecode.batch.stdio import write_rows_to_stdout
@@ -256,9 +267,18 @@ def validate_model(args) -> None:
         raise UsageError(f"output {args.output}: directory {out_dir} does not exist or is not writable")
 
 
+def validate_profile(args) -> None:
+    if args.tensor_parallel_size > 1:
+        raise UsageError(f"fastdecode profile measures one S-rank, not --tensor-parallel-size "
+                         f"{args.tensor_parallel_size}: profile with 1 and give the profile to `fastdecode plan "
+                         f"--tensor-parallel-size {args.tensor_parallel_size}`, which splits its S-part and adds "
+                         f"the collectives over --tp-link-gbps")
+    validate_model(args)
+
+
 def cmd_profile(args) -> int:
     from fastdecode.sizing.profile_cli import run_s_worker
-    return run_job(args, validate_model, run_s_worker)
+    return run_job(args, validate_profile, run_s_worker)
 
 
 def cmd_plan(args) -> int:
@@ -313,6 +333,9 @@ def run_command(argv: list[str] | None, words: list[str], job: bool) -> int:
         supervise.child_started(rank)         # (a supervised child: its held signals come in now)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if job:
+        from fastdecode.launch.ranks import set_s_ranks
+        set_s_ranks(getattr(args, "tensor_parallel_size", 1))   # which ranks are the S-worker's (role names)
     if job and supervise.should_supervise():  # under a launcher: a dead rank gets named
         summary = None
         if args.command == "generate":

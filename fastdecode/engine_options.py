@@ -112,6 +112,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="GPU S-worker: the fraction of the card's memory the job may fill, weights, "
                         "activations and its KV tier together (vLLM's; default 0.9)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="T",
+                   help="the S-worker over T ranks, one per GPU (0..T-1; the R-workers are the ranks after "
+                        "them: mpirun -n T+R), each holding 1/T of every layer's weights (vLLM's flag; T must "
+                        "divide the heads, the KV heads and the MLP width; default 1)")
     p.add_argument("--timeout", type=duration(MIN_TIMEOUT_S), default=None,
                    help="seconds a rank may stay silent before the job aborts naming it, at least 1 (default: 900 "
                         "until a step was timed, then 50x the slowest step, at least 300)")

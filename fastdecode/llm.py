@@ -2,7 +2,8 @@
 
 In a singleton process the R-part runs in-process (local mode). Under `mpirun -n 1+R` every rank
 runs the same script: rank 0 returns an LLM (the S-worker); on ranks 1..R the constructor serves
-as an R-worker until rank 0 closes, then ends the process.
+as an R-worker until rank 0 closes, then ends the process. With `tensor_parallel_size=T` (under
+`mpirun -n T+R`) ranks 1..T-1 serve as the S-worker's other ranks the same way.
 
 `LLM(...)` takes EngineArgs' fields and vLLM's keyword arguments (vllm_args.py: `max_num_seqs` is
 the max batch; one without a meaning here is accepted at its no-op value, refused at any other).
@@ -34,10 +35,15 @@ class LLM:
         error = environment_error(runs_kernels=mpi_env.launched_rank() > 0 or mpi_env.launched_size() <= 1)
         if error:
             raise ValueError(error)
+        s_ranks = args.tensor_parallel_size
         comm = mpi_env.world()
-        if comm is not None and comm.Get_rank() != 0:
+        if comm is not None and comm.Get_rank() >= s_ranks:
             from rworker.worker import run
-            run(comm, args.r_threads, args.rworker_mem, args.timeout)
+            run(comm, args.r_threads, args.rworker_mem, args.timeout, s_ranks=s_ranks)
+            sys.exit(0)
+        if comm is not None and comm.Get_rank() != 0:       # a tensor-parallel S-worker's other ranks
+            from fastdecode.tp.follower_engine import run_follower
+            run_follower(args, comm)
             sys.exit(0)
         try:
             self.engine = LLMEngine(args, comm)

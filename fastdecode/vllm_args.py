@@ -54,7 +54,6 @@ def _enforce_eager(value) -> bool | None:
     return False if value else None           # True: no CUDA graphs; False: as cuda_graphs says (off by default)
 
 
-_ONE_GPU = "the S-worker runs on one GPU; the KV cache and attention scale over the R-workers (CPU sockets) instead"
 ROWS = (
     VllmArg("max_num_seqs", "max_batch"),
     VllmArg("enable_prefix_caching", "prefix_sharing", convert=bool),
@@ -65,7 +64,6 @@ ROWS = (
     VllmArg("trust_remote_code", noop=(False,), flag=bool,
             why="fastdecode runs its own implementation of each model family (docs/models.md), never code "
                 "shipped with a model"),
-    VllmArg("tensor_parallel_size", noop=(1,), flag=int, why=_ONE_GPU),
     VllmArg("pipeline_parallel_size", noop=(1,), flag=int,
             why="the S-worker runs every layer; fastdecode pipelines mini-batches between the S-worker and "
                 "the R-workers instead (pipeline_depth, --pipeline-depth)"),

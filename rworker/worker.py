@@ -37,11 +37,13 @@ STATS = P.STEP_STATS     # what it reports after each DECODE step (rworker.proto
 
 class RWorker:
     def __init__(self, comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
-                 timeout: float | None = None, ranks_here: int = 1, s_worker_here: bool = False,
+                 timeout: float | None = None, ranks_here: int = 1, s_worker_here: int = 0,
                  local_rank: int = 0):
         self.comm, self.rank = comm, comm.Get_rank()
-        self.ranks_here, self.s_worker_here = ranks_here, s_worker_here
-        self.r_index = local_rank - (1 if s_worker_here else 0)      # among this node's R-workers
+        # s_worker_here: the S-worker's ranks on this node (a tensor-parallel S-worker has several,
+        # each keeping HELLO's s_cores and s_kv_bytes), which come first among the node's ranks
+        self.ranks_here, self.s_worker_here = ranks_here, int(s_worker_here)
+        self.r_index = local_rank - self.s_worker_here      # among this node's R-workers
         self.progress = Progressor()
         self.s_name = "rank 0 (S-worker)"
         self.threads_arg, self.capacity_arg = threads, capacity_bytes
@@ -94,12 +96,12 @@ class RWorker:
         h = P.parse_hello(hdr, body)
         # R-workers on one node split its memory (the S-worker, if here, is covered by the reserve)
         # and, unless the launcher bound each rank, its cores (around what the S-worker keeps)
-        r_here = self.ranks_here - (1 if self.s_worker_here else 0)
-        cpus = rworker_cpus(self.r_index, r_here, h.s_cores if self.s_worker_here else 0)
+        r_here = self.ranks_here - self.s_worker_here
+        cpus = rworker_cpus(self.r_index, r_here, h.s_cores * self.s_worker_here)
         bind(cpus)
         threads = self.threads_arg or h.threads or len(physical_cpus(cpus))
         capacity = self.capacity_arg or h.capacity_bytes or default_capacity_bytes(
-            share=max(r_here, 1), taken=h.s_kv_bytes if self.s_worker_here else 0)
+            share=max(r_here, 1), taken=h.s_kv_bytes * self.s_worker_here)
         # the V layout and prefetch that stream fastest on these cores (a few seconds; rworker.tune)
         self.store, kernel = open_tuned_store(h.num_layers, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_dtype,
                                               threads, capacity, scale=h.scale, bf16_probs=h.bf16_probs,
@@ -277,7 +279,7 @@ class RWorker:
 
 
 def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,
-        timeout: float | None = None, end_notice_to: dict | None = None) -> int:
+        timeout: float | None = None, end_notice_to: dict | None = None, s_ranks: int = 1) -> int:
     """Serve rank 0 until it says SHUTDOWN. Any exception aborts the whole job, naming this rank
     (on stderr, and to rank 0's end-notice listener at end_notice_to, for its run report); rank 0
     silent past the timeout is named as the silent one (its listener still answers) and the job
@@ -287,7 +289,7 @@ def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None =
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: None)
     try:
-        ranks_here, s_here, local_rank = node_layout(comm)    # collective: rank 0 calls it too
+        ranks_here, s_here, local_rank = node_layout(comm, s_ranks)    # collective: every rank calls it
         RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here, local_rank).serve()
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
         rank, host = comm.Get_rank(), socket.gethostname()

@@ -64,8 +64,7 @@ def test_the_error_line_comes_first_and_alone(capsys):
 
 
 @pytest.mark.parametrize("flag, needle", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported by fastdecode: the S-worker runs on "
-                                      "one GPU"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs 2 MPI ranks for the S-worker, and the job has 1"),
     (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1], got '1.5'"),
     (["--quantization", "int4"], "argument --quantization/-q: invalid choice: 'int4'"),
     (["--trust-remote-code"], "--trust-remote-code is not supported by fastdecode: fastdecode runs its own"),

@@ -27,16 +27,17 @@ def test_vllm_kwargs_with_a_meaning_here_are_mapped():
                        cuda_graphs=False, tokenizer="/t", revision="v1", max_model_len=512)
     assert engine_kwargs(dict(dtype="half", seed=3, enforce_eager=False), FIELDS) == dict(dtype="float16", seed=3)
     # vLLM's defaults of what has no meaning here change nothing
-    assert engine_kwargs(dict(trust_remote_code=False, tensor_parallel_size=1, pipeline_parallel_size=1,
+    assert engine_kwargs(dict(trust_remote_code=False, pipeline_parallel_size=1,
                               swap_space=4, tokenizer_mode="auto",
                               disable_log_stats=True), FIELDS) == {}
+    # the S-worker over several GPUs is fastdecode's own (fastdecode/tp/)
+    assert engine_kwargs(dict(tensor_parallel_size=2), FIELDS) == dict(tensor_parallel_size=2)
     # the fraction of the card a GPU S-worker fills (its KV tier included) is fastdecode's own too
     assert engine_kwargs(dict(gpu_memory_utilization=0.5), FIELDS) == dict(gpu_memory_utilization=0.5)
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported by fastdecode: the S-worker runs on one "
-                                   "GPU"),
+    (dict(tensor_parallel_size=2), "--tensor-parallel-size 2 needs 2 MPI ranks for the S-worker, and the job has 1"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1], got 1.5"),
     (dict(quantization="int4"), "quantization"),
     (dict(trust_remote_code=True), "trust_remote_code=True is not supported by fastdecode: fastdecode runs its own "

@@ -94,3 +94,14 @@ def test_hetjob_pretend_allocation(tmp_path):
     assert launch(proc.stdout) == ('launch: srun --het-group=0,1 --mpi=pmi2 --cpu-bind=none --label bash -c '
                                    '"$RANK_WRAPPER" fastdecode-rank fastdecode generate -m smollm2-135m -i '
                                    'requests.jsonl -o results.jsonl --r-threads 32')
+
+
+def test_hetjob_tensor_parallel_s_ranks_on_the_gpu_node(tmp_path):
+    proc = run(HETJOB, "--dry-run", tmp_path=tmp_path,
+               env=dict(FD_DRY_GPU_NODE="g1", FD_DRY_GPUS="4", FD_DRY_NODES="c1 c2", FD_DRY_SOCKETS="2",
+                        FD_DRY_CORES="8", FD_SRUN_MPI="pmi2"))
+    assert proc.returncode == 0, proc.stderr
+    assert layout(proc.stdout) == [f"rank {r} g1 S-rank {r} of 4 (tensor-parallel), GPU {r}" for r in range(4)] + [
+        f"rank {4 + i} c{1 + i // 2} R-worker, 8 threads, bound to socket/NUMA node {i % 2}" for i in range(4)]
+    assert launch(proc.stdout).endswith("--r-threads 8 --tensor-parallel-size 4")
+    assert "FD_S_RANKS=4" in proc.stdout

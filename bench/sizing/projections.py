@@ -40,9 +40,10 @@ from fastdecode.sim.core import SimConfig, simulate  # noqa: E402
 from fastdecode.sim.costs import costs_of  # noqa: E402
 from fastdecode.sim.report import summary  # noqa: E402
 from fastdecode.sim.trace import Trace, synthetic_trace  # noqa: E402
-from fastdecode.sizing.hardware import TIER_ATTN_EFF, GPU_PRESETS, stated_profile, stated_tier  # noqa: E402
+from fastdecode.sizing.hardware import GPU_PRESETS, TIER_ATTN_EFF, stated_profile, stated_tier  # noqa: E402
 from fastdecode.sizing.model import predict  # noqa: E402
 from fastdecode.sizing.schema import MODEL_PRESETS  # noqa: E402
+from fastdecode.sizing.tensor_parallel import TPSizing, stated_tier_over, with_tensor_parallel  # noqa: E402
 
 # ---- (b) stated hardware and prices (assumptions; change them here)
 H100 = GPU_PRESETS["h100"]        # 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB (datasheet)
@@ -67,6 +68,12 @@ WORKLOADS = {
     # tier is what fp8 weights would leave in 95% of the card, holding bf16 KV
     "llama-3-70b chat": dict(model="llama-3-70b", prompt="lognormal:1024:0.5", output="uniform:128:1024",
                              max_tokens=1024, gpu_only=dict(weight_bytes=1, kv_bytes=1, usable=0.95)),
+    # the S-worker in fp8 over T = 1, 2, 4 H100s of one node (NVLink), each holding 1/T of every
+    # layer and its heads' share of the tier (fastdecode/sizing/tensor_parallel.py); T cards' price
+    **{f"llama-3-70b chat fp8 T={t}": dict(model="llama-3-70b", prompt="lognormal:1024:0.5",
+                                          output="uniform:128:1024", max_tokens=1024, fp8=True, tp=t,
+                                          gpu_only=dict(weight_bytes=1, kv_bytes=1, usable=0.95))
+       for t in (1, 2, 4)},
     "llama-3-8b 32k": dict(model="llama-3-8b", prompt="uniform:30000:32000", output="uniform:128:512",
                            max_tokens=512),
     # long generation (reasoning traces): contexts grow to 32k while the GPU mostly decodes
@@ -121,14 +128,23 @@ def h100_profile(spec: dict, max_batch: int):
     """The stated H100 with sockets, and its own KV tier as generate would size it at this batch limit."""
     model = MODEL_PRESETS[spec["model"]]
     only = spec.get("gpu_only", {})
-    weights = None if "weight_bytes" not in only else \
-        model.weight_bytes() / model.dtype_bytes * only["weight_bytes"]
-    tier = stated_tier(H100, model, utilization=only.get("usable", 0.9), weight_bytes=weights, max_batch=max_batch,
-                       max_prefill_tokens=PREFILL_TOKENS)
-    prof = stated_profile(H100, model, SOCKET_READ_GBPS, SOCKET_MEM_GB, LINK_GBPS, LINK_US,
-                          cpu_attn_eff=KERNEL_EFF, device_tier=tier)
+    tp = tp_of(spec)
+    if tp.active:         # generate's own sizing on each of the T cards: 0.9 of it less its weights
+        tier = stated_tier_over(H100, model, tp, max_batch=max_batch, max_prefill_tokens=PREFILL_TOKENS)
+    else:
+        weights = None if "weight_bytes" not in only else \
+            model.weight_bytes() / model.dtype_bytes * only["weight_bytes"]
+        tier = stated_tier(H100, model, utilization=only.get("usable", 0.9), weight_bytes=weights,
+                           max_batch=max_batch, max_prefill_tokens=PREFILL_TOKENS)
+    prof = with_tensor_parallel(stated_profile(H100, model, SOCKET_READ_GBPS, SOCKET_MEM_GB, LINK_GBPS, LINK_US,
+                                               cpu_attn_eff=KERNEL_EFF, device_tier=tier), tp, H100)
     prof.link.device_d2h_Bps = prof.link.device_h2d_Bps = PCIE_GBPS * 1e9
     return prof
+
+
+def tp_of(spec: dict) -> TPSizing:
+    """A workload's S-worker: T GPUs over NVLink (stated figures), fp8 weights or the dtype's."""
+    return TPSizing(spec.get("tp", 1), spec.get("fp8", False))
 
 
 def plan_best(prof, sockets: int, mean_prompt: float, mean_output: float) -> tuple[int, int]:
@@ -199,12 +215,12 @@ def h100_point(name: str, spec: dict, sockets: int, trace: Trace, gpu_alone: dic
             held[depth] = batch
         if best is None or (row["output_tokens_per_s"] or 0) > best["output_tokens_per_s"]:
             best = row
-    dollars = GPU_HOUR + sockets * SOCKET_HOUR
+    dollars = tp_of(spec).size * GPU_HOUR + sockets * SOCKET_HOUR
     return {"workload": name, "sockets": sockets, **best, "limits_tried": tried,
             "dollars_per_hour": dollars, "tokens_per_dollar": round(best["output_tokens_per_s"] * 3600 / dollars, 0)}
 
 
-def h100_cluster(requests: int, only: list[str]) -> dict:
+def h100_cluster(requests: int, only: list[str], sockets: list[int] = SOCKETS) -> dict:
     out = {}
     for name, spec in WORKLOADS.items():
         if only and name not in only:
@@ -212,12 +228,14 @@ def h100_cluster(requests: int, only: list[str]) -> dict:
         trace = synthetic_trace(spec.get("requests", requests), spec["prompt"], spec["output"], spec["max_tokens"],
                                 seed=1)
         rows = []
-        for p in SOCKETS:
-            rows.append(h100_point(name, spec, p, trace, rows[0] if rows and rows[0].get("running_max") else None))
+        for p in sockets:
+            alone = rows[0] if rows and not rows[0]["sockets"] and rows[0].get("running_max") else None
+            rows.append(h100_point(name, spec, p, trace, alone))
             r = rows[-1]
             print(f"{name} {p} sockets: " + (r.get("note") or f"{r['output_tokens_per_s']:.0f} tok/s (limit "
                   f"{r['batch_limit']}), p50 {r['token_latency_p50_s']:.3f} s, {r['bound']}"), flush=True)
-        tier = h100_profile(spec, rows[0]["batch_limit"] or max(spec.get("batches", BATCHES))).device_tier
+        tier = h100_profile(spec, (not rows[0]["sockets"] and rows[0]["batch_limit"])
+                            or max(spec.get("batches", BATCHES))).device_tier
         out[name] = {"spec": spec, "trace_mean_prompt": round(float(trace.prompt_len.mean()), 1),
                      "trace_mean_output": round(float(trace.output_len.mean()), 1),
                      "device_tier_GB": round(tier.capacity_bytes / 1e9, 1) if tier else 0.0,
@@ -249,7 +267,8 @@ def add_peers(doc: dict) -> None:
             row["x_gpu_alone"] = round(tps / alone, 2) if alone else None
             if not row["sockets"]:
                 continue
-            row["break_even_socket_dollars"] = {k: break_even_socket_price(row, v) for k, v in peers.items()}
+            row["break_even_socket_dollars"] = {k: break_even_socket_price(row, v, tp_of(spec).size)
+                                                for k, v in peers.items()}
             row["gain_per_socket"] = round((tps - (alone or 0.0)) / row["sockets"], 1)   # tokens/s each socket adds
     doc["paper_gpu_only"] = []
     for (model, L), rows in _group_points(doc["paper_setting"]).items():
@@ -268,12 +287,13 @@ def _group_points(rows: list[dict]) -> dict:
     return out
 
 
-def break_even_socket_price(row: dict, gpu_only_tps: float) -> float | None:
-    """The $ per socket-hour below which the cluster's tokens per dollar beat GPU-only's."""
+def break_even_socket_price(row: dict, gpu_only_tps: float, gpus: int = 1) -> float | None:
+    """The $ per socket-hour below which the cluster's tokens per dollar (its S-worker on `gpus`
+    cards) beat GPU-only's on one card."""
     if not gpu_only_tps:
         return None
-    # tps / (G + P x s) = g / G  =>  s = (tps x G / g - G) / P
-    return round((row["output_tokens_per_s"] * GPU_HOUR / gpu_only_tps - GPU_HOUR) / row["sockets"], 3)
+    # tps / (T G + P x s) = g / G  =>  s = (tps x G / g - T G) / P
+    return round((row["output_tokens_per_s"] * GPU_HOUR / gpu_only_tps - gpus * GPU_HOUR) / row["sockets"], 3)
 
 
 def main(argv=None) -> None:
@@ -282,6 +302,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("--only", nargs="+", default=[], choices=list(WORKLOADS),
                     help="rerun these workloads only, keeping the rest of an existing projections.json")
+    ap.add_argument("--sockets", type=int, nargs="+", default=SOCKETS,
+                    help="socket counts to run (default %(default)s; 0, the card alone, is the slowest point: "
+                         "a small batch is many steps)")
     ap.add_argument("--peers", action="store_true",
                     help="recompute the GPU-only peers and the plot of an existing projections.json, no simulation")
     args = ap.parse_args(argv)
@@ -302,7 +325,7 @@ def main(argv=None) -> None:
                       "pcie_GBps": PCIE_GBPS, "gpu_dollars_per_hour": GPU_HOUR,
                       "socket_dollars_per_hour": SOCKET_HOUR, "tuned_gpu_only_8b_tokens_per_s": TUNED_GPU_ONLY_8B},
            "paper_setting": [] if args.only else paper_setting(),
-           "h100": h100_cluster(args.requests, args.only),
+           "h100": h100_cluster(args.requests, args.only, args.sockets),
            "hf_generate_measured": [r for r in gpu_only["runs"] if r.get("cache") == "dynamic"]}
     if args.only:       # keep what was not rerun
         old = load_json(path)

@@ -58,6 +58,8 @@ class EngineArgs:
                                       # None: auto (a GPU S-worker does, a CPU one does not)
     device_kv_memory: int | None = None   # its bytes (None: auto, what is free on its device or node)
     gpu_memory_utilization: float = 0.9   # GPU S-worker: the fraction of the card the job may fill (vLLM's)
+    tensor_parallel_size: int = 1     # S-worker ranks (0..T-1), each with 1/T of every layer on its own GPU
+                                      # (vLLM's name; the R-workers are the ranks after them; fastdecode/tp/)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,6 +89,8 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
     of the free device memory."""
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {args.tensor_parallel_size!r}")
     if not 1 <= args.pipeline_depth <= MAX_MINIBATCHES:
         raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {args.pipeline_depth}")
     cuda = device.type == "cuda"

@@ -32,6 +32,7 @@ from fastdecode.rpart.base import RBackend
 from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
 from fastdecode.sched.placement import Placement
 from fastdecode.sched.scheduler import Scheduler
+from fastdecode.tp import leader as tp_leader
 from rworker.host import faults
 from rworker.host.wait import node_layout
 
@@ -43,24 +44,33 @@ class LLMEngine:
         self.served: ServedModel = served_model(self.source, args.served_model_name)
         self.config: ModelConfig = read_config(self.source)
         self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
-        self.device = resolve_device(args.device)
+        s_ranks = args.tensor_parallel_size
+        self.layout = node_layout(comm, s_ranks) if comm is not None and comm.Get_size() > 1 else None
+        # a tensor-parallel S-worker: ranks 0..T-1 join, each on its own GPU with 1/T of the model (fastdecode/tp/)
+        self.tp = tp_leader.start(comm, args, self.config) if s_ranks > 1 else None
+        self.device = self.tp.device if self.tp else resolve_device(args.device)
         self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
         self.weight_format: WeightFormat = weight_format(args.quantization, self.source)
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.kv_dtype)
         self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
-        self.layout = node_layout(comm) if comm is not None and comm.Get_size() > 1 else None
         self.s_cores = self._setup_cores()
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         tokenizer = resolve_model(args.tokenizer, args.tokenizer_revision) if args.tokenizer else None
         self.tokenizer = Tokenizer(self.source, digest, tokenizer) if self.source.kind != "random" or tokenizer \
             else TokenIdsOnly(self.config.vocab_size)
-        world = comm.Get_size() if comm is not None else 1
+        world = comm.Get_size() - s_ranks + 1 if comm is not None else 1      # the S-worker and the R-workers
         self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, world,
                                 self.layout[0] if self.layout else 1)
-        weights = load_weights(self.source, self.config, self.dtype, self.device, self.weight_format)
-        self.model = LlamaSPart(self.config, weights, self.device, self.dtype, max_model_len=self.max_model_len)
+        tp = self.tp
+        weights = load_weights(self.source, self.config, self.dtype, self.device, self.weight_format,
+                               tp.shard if tp else None)
+        self.model = LlamaSPart(tp.config if tp else self.config, weights, self.device, self.dtype,
+                                max_model_len=self.max_model_len, tp=tp.group if tp else None,
+                                vocab_size=self.config.vocab_size)
         del weights
         say_fp8(self.weight_format, self.model)
+        if tp and not args.quiet:
+            tp_leader.say(self)
         self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
         self.checks = RequestChecks(self.config.vocab_size, self.max_model_len, self.eos_ids,
                                     self.tokenizer.encode_text, args.max_logprobs, args.max_request_mem)
@@ -75,7 +85,8 @@ class LLMEngine:
         self.prefix = self._make_prefix_cache()
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix)
-        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs())
+        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs()) \
+            if tp is None else tp_leader.runner(self, comm)
         self.runner.reserve_tokens = self.placement.store_tokens    # workers take those pages at prefill
         self.runner.prefix = self.prefix
         if self.device.type == "cpu" and not self.args.s_threads and (self.layout is None or self._node_cpus):
@@ -96,7 +107,7 @@ class LLMEngine:
         self._noted_reservation = False
 
     def _make_graphs(self) -> LayerGraphs | None:
-        if not self.args.cuda_graphs:
+        if not self.args.cuda_graphs or self.tp is not None:       # (a tensor-parallel S-worker runs eagerly)
             return None
         if self.device.type != "cuda":
             print(f"fastdecode: --cuda-graphs needs a CUDA S-worker (this one runs on {self.device}); "
@@ -116,8 +127,8 @@ class LLMEngine:
             s_cores = s_worker_cores(cpu, pipelined, rworkers_here=1)
         else:
             ranks_here, s_here, _ = self.layout
-            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=ranks_here - 1)
-            if ranks_here > 1 and pipelined and not launcher_bound():
+            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=ranks_here - s_here)
+            if ranks_here > 1 and pipelined and not launcher_bound() and self.tp is None:
                 from rworker.host.threads import cpu_set, physical_cpus
                 if hasattr(os, "sched_setaffinity"):
                     self._node_cpus = cpu_set()
@@ -409,7 +420,10 @@ class LLMEngine:
         return request_output(req, self.tokenizer)
 
     def close(self) -> None:
-        self.backend.close()
+        if self.tp is not None:
+            tp_leader.close(self)
+        else:
+            self.backend.close()
 
 
 def _note_scheduled(seqs: list[Sequence]) -> None:

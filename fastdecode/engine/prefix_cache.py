@@ -31,6 +31,7 @@ prompts shorter than a page and a token.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -56,6 +57,8 @@ class Entry:
     donor_live: bool = True
     holders: dict[int, int] = field(default_factory=dict)   # member seq id -> tokens of these pages it reads
     depths: Counter = field(default_factory=Counter)        # those token counts -> members reading that many
+    id: int = field(default_factory=itertools.count().__next__)   # unique in the process (a tensor-parallel
+                                                                   # follower keeps its heads' K/V under it)
 
     @property
     def prompt(self) -> list[int]:
@@ -89,6 +92,7 @@ class Fork(NamedTuple):
     source: int
     tokens: int
     kv: list
+    entry: int = -1              # the entry whose K/V `kv` views (Entry.id)
 
 
 class PrefixCache:
@@ -106,6 +110,8 @@ class PrefixCache:
         self.hits = self.shared_tokens = 0              # members placed, and the tokens they started from
         self.version = 0                 # bumped when what a waiting sequence could share changes
         self._estimates: dict[int, tuple[int, int]] = {}   # waiting seq id -> (version, shareable tokens)
+        self.retired_ids: list[int] | None = None   # ids of entries whose K/V was dropped, where someone
+                                                    # keeps a copy to drop with it (tensor-parallel followers: tp/leader.py)
 
     # ------------------------------------------------------------------ keys and the queue's interest
 
@@ -194,9 +200,10 @@ class PrefixCache:
 
     def _join(self, seq: Sequence, entry: Entry, tokens: int) -> None:
         kv = [(k[:tokens], v[:tokens]) for k, v in entry.kv]      # views of the prefix K/V
+        kv_of = entry.id
         while entry.parent is not None and tokens <= entry.base:
             entry = entry.parent                       # it reads only the parent's pages
-        self.forks[seq.seq_id] = Fork(entry.source(tokens), tokens, kv)
+        self.forks[seq.seq_id] = Fork(entry.source(tokens), tokens, kv, kv_of)
         seq.prefilled = tokens                         # its prefill starts there, as a later chunk does
         chain, e = [(entry, tokens)], entry
         while e.parent is not None:                    # the ancestors' pages it reads through this one
@@ -280,6 +287,8 @@ class PrefixCache:
         if entry.retired:
             return
         entry.retired, entry.ready, entry.kv = True, False, []
+        if self.retired_ids is not None:
+            self.retired_ids.append(entry.id)
         for key in entry.keys:
             bucket = self.cover[key]
             bucket.remove(entry)

@@ -26,12 +26,51 @@ class OutOfMemory(RuntimeError):
 
 def make_backend(eng, comm) -> RBackend:
     """The R-part: local mode's in-process store, or the R-workers over MPI; beside either,
-    the S-worker's own KV tier where the job has one (engine/kv_tiers.py)."""
-    from fastdecode.rpart.local import LocalBackend
+    the S-worker's own KV tier where the job has one (engine/kv_tiers.py). A tensor-parallel
+    S-worker (eng.tp) reaches them through rank 0 (rpart/head_gather.py), each S-rank holding the
+    tier's pages of its own heads (rpart/sharded_tier.py)."""
     from fastdecode.rpart.variants import AttentionVariants
     variants = eng.variants = AttentionVariants.of(eng.config, eng.model)
+    tp = getattr(eng, "tp", None)
+    others = _other_workers(eng, comm, variants, tp)
+    tier_config = eng.model.config                   # a tensor-parallel rank's: its own heads
+    if eng.tier.kind == "device":
+        from fastdecode.rpart.device_kv import DeviceKVTier, page_bytes
+        reserve = activation_reserve_bytes(eng.config, eng.dtype, eng.args.max_prefill_tokens,
+                                           eng.args.max_batch)
+        size = device_tier_bytes(eng.tier.capacity_bytes, eng.args.gpu_memory_utilization, eng.device,
+                                 reserve)
+        size = tp.group.min_int(size) if tp is not None else size      # every rank's tier alike
+        page = others.workers[0].page_tokens
+        if size < 2 * page_bytes(tier_config, eng.kv_dtype, page):
+            eng.tier = TierChoice("", 0, f"{gib(size)} free on {eng.device}: too little for a KV tier")
+            return others
+        tier = DeviceKVTier(tier_config, eng.kv_dtype, size, eng.device, variants, page_tokens=page)
+    elif eng.tier.kind == "local":
+        from fastdecode.rpart.local import LocalBackend
+        size = tp.group.min_int(eng.tier.capacity_bytes) if tp is not None else eng.tier.capacity_bytes
+        tier = LocalBackend(tier_config, eng.kv_dtype, eng.args.s_threads or eng.s_cores, size, asynchronous=False,
+                            bf16_probs=eng.args.attn_probs == "bf16", variants=variants)
+        tier.workers[0].tier = "local (in-process store)"
+    else:
+        if tp is not None:
+            tp.group.min_int(0)                      # the ranks agree on no tier as on a size
+        return others
+    if tp is not None:
+        from fastdecode.rpart.sharded_tier import ShardedTier
+        tier = ShardedTier(tier, tp.size)
+    return TieredBackend(others, tier)
+
+
+def _other_workers(eng, comm, variants, tp) -> RBackend:
+    """The workers beside the tier: local mode's store or the R-workers (ranks T.. under a
+    tensor-parallel S-worker of T ranks, whose rank 0 gathers every rank's heads for them)."""
+    s_ranks = tp.size if tp is not None else 1
+    if tp is not None and tp.rank > 0:
+        return _follower_side(eng, comm, tp)
     bf16_probs = eng.args.attn_probs == "bf16"
-    if comm is None or comm.Get_size() == 1:
+    if comm is None or comm.Get_size() <= s_ranks:
+        from fastdecode.rpart.local import LocalBackend
         from rworker.host.threads import physical_cpus
         cores = len(physical_cpus())
         r_threads = eng.args.r_threads or (max(1, cores - eng.s_cores) if eng.args.pipeline_depth > 1
@@ -46,25 +85,30 @@ def make_backend(eng, comm) -> RBackend:
         local_kv = eng.tier.capacity_bytes if eng.tier.kind == "local" else 0
         others = MPIBackend(comm, eng.config, eng.kv_dtype, variants, eng.args.r_threads,
                             eng.args.rworker_mem, policy, eng.args.timeout, eng.device, eng.dtype,
-                            s_cores=eng.s_cores, bf16_probs=bf16_probs, s_kv_bytes=local_kv)
-    if eng.tier.kind == "device":
-        from fastdecode.rpart.device_kv import DeviceKVTier, page_bytes
-        reserve = activation_reserve_bytes(eng.config, eng.dtype, eng.args.max_prefill_tokens,
-                                           eng.args.max_batch)
-        size = device_tier_bytes(eng.tier.capacity_bytes, eng.args.gpu_memory_utilization, eng.device,
-                                 reserve)
-        page = others.workers[0].page_tokens
-        if size < 2 * page_bytes(eng.config, eng.kv_dtype, page):
-            eng.tier = TierChoice("", 0, f"{gib(size)} free on {eng.device}: too little for a KV tier")
-            return others
-        tier = DeviceKVTier(eng.config, eng.kv_dtype, size, eng.device, variants, page_tokens=page)
-    elif eng.tier.kind == "local":
-        tier = LocalBackend(eng.config, eng.kv_dtype, eng.args.s_threads or eng.s_cores,
-                            eng.tier.capacity_bytes, asynchronous=False, bf16_probs=bf16_probs, variants=variants)
-        tier.workers[0].tier = "local (in-process store)"
-    else:
+                            s_cores=eng.s_cores, bf16_probs=bf16_probs, s_kv_bytes=local_kv,
+                            ranks=range(s_ranks, comm.Get_size()))
+    if tp is None:
         return others
-    return TieredBackend(others, tier)
+    import dataclasses
+
+    from fastdecode.rpart.head_gather import HeadGather
+    from fastdecode.tp import steps
+    steps.send_all(comm, range(1, tp.size), {"kind": "workers", "workers": [dataclasses.asdict(w) for w in
+                                                                             others.workers]},
+                   timeout=eng.args.timeout)
+    c = tp.config
+    return HeadGather(others, tp.group, c.num_heads, c.num_kv_heads, c.head_dim)
+
+
+def _follower_side(eng, comm, tp) -> RBackend:
+    """A follower S-rank: rank 0's workers, as rank 0 found them."""
+    from fastdecode.rpart.base import WorkerInfo
+    from fastdecode.rpart.head_gather import HeadFollower
+    from fastdecode.tp import steps
+    message = steps.receive(comm, timeout=3 * eng.args.timeout if eng.args.timeout else None)
+    c = tp.config
+    return HeadFollower([WorkerInfo(**w) for w in message["workers"]], tp.group, c.num_heads, c.num_kv_heads,
+                        c.head_dim, eng.device)
 
 
 def log_tiers(eng) -> None:

@@ -181,8 +181,8 @@ class ModelRunner:
         starts = [s.prefilled for s in seqs]
         ends = [s.prefill_to or s.kv_len for s in seqs]
         pf = PrefillPlan(seqs, starts, ends)
-        pf.tokens = torch.tensor([t for s, b, e in zip(seqs, starts, ends)
-                                  for t in (s.request.prompt_ids + s.output_ids[:-1])[b:e]], device=self.device)
+        pf.tokens = torch.tensor([t for s, b, e in zip(seqs, starts, ends) for t in self._chunk_tokens(s, b, e)],
+                                 device=self.device)
         pf.positions = torch.cat([torch.arange(b, e, device=self.device) for b, e in zip(starts, ends)])
         pf.worker_rows = [sum(n for s, n in zip(seqs, pf.lengths) if s.worker == w) for w in range(be.num_workers)]
         forks = [self.prefix.take_fork(s) if self.prefix is not None else None for s in seqs]
@@ -198,6 +198,18 @@ class ModelRunner:
             pf.context_fn = chunk_context(self.chunk_kv, self.model.config.num_layers, seqs, starts, pf.lengths,
                                           pf.done, capture, self.prefix.keep if capture else None)
         return pf
+
+    @staticmethod
+    def _chunk_tokens(s: Sequence, start: int, end: int) -> list[int]:
+        """The token ids at KV positions start .. end-1 of a sequence: its prompt, then its output
+        but the newest token (a preempted sequence recomputes those)."""
+        return (s.request.prompt_ids + s.output_ids[:-1])[start:end]
+
+    @staticmethod
+    def _decode_meta(seqs: list[Sequence]) -> np.ndarray:
+        """[B, (seq id, worker, kv_len = position, last token, tokens generated)] of the decode rows."""
+        return np.array([(s.seq_id, s.worker, s.prompt_len + len(s.output_ids) - 1, s.output_ids[-1],
+                          len(s.output_ids)) for s in seqs], dtype=np.int64).reshape(-1, 5)
 
     def _prefix_hand_off(self, pf: PrefillPlan, forks: list) -> dict[int, int]:
         """Shared prefixes in this prefill: each member's fork (sent to its worker) and the prefix
@@ -274,9 +286,7 @@ class ModelRunner:
         t_start = clock()
         pf = self._prefill_plan(prefill)
         # the decode rows: one mini-batch, by worker then seq id (the prompt rows fill the pipeline)
-        meta = np.array([(s.seq_id, s.worker, s.prompt_len + len(s.output_ids) - 1, s.output_ids[-1],
-                          len(s.output_ids)) for s in decode], dtype=np.int64).reshape(-1, 5)
-        #   [B, (seq id, worker, kv_len = position, last token, tokens generated)]
+        meta = self._decode_meta(decode)       # [B, (seq id, worker, position, last token, generated)]
         order = np.lexsort((meta[:, 0], meta[:, 1]))
         meta, dseqs = meta[order], [decode[i] for i in order]
         counts = np.bincount(meta[:, 1], minlength=be.num_workers).tolist()
@@ -340,9 +350,7 @@ class ModelRunner:
         # 1. host bookkeeping: one pass over the sequences, the rest numpy (B can be 16k rows), and
         #    every upload before the first kernel (the device is idle: the last step ended by
         #    reading its tokens), so nothing later makes the host wait for queued kernels
-        meta = np.array([(s.seq_id, s.worker, s.prompt_len + len(s.output_ids) - 1, s.output_ids[-1],
-                          len(s.output_ids)) for s in seqs], dtype=np.int64).reshape(-1, 5)
-        #   [B, (seq id, worker, kv_len = position, last token, tokens generated)]
+        meta = self._decode_meta(seqs)         # [B, (seq id, worker, position, last token, generated)]
         plans = []                           # per mini-batch: (sequences, rows per worker, seq ids, rows of meta)
         for rows in split_by_r_load(meta[:, 2], meta[:, 0], self.depth):
             rows = rows[np.lexsort((meta[rows, 0], meta[rows, 1]))]          # by worker, then seq id

@@ -1,4 +1,5 @@
-"""MPI roles and failure handling: rank 0 is the S-worker, ranks 1..R are R-workers.
+"""MPI roles and failure handling: rank 0 is the S-worker, ranks 1..R are R-workers (with a
+tensor-parallel S-worker of T ranks: ranks 0..T-1 the S-worker, T..T+R-1 the R-workers).
 
 An uncaught exception on any rank must end the whole job (COMM_WORLD.Abort) with a message
 naming the rank, never leave the others waiting forever.
@@ -122,16 +123,20 @@ def mixed_mpi_message(world_size: int | None, library_version: str, env=None, or
 EXIT_TEMPFAIL = 75        # EX_TEMPFAIL: outputs saved, rerun me (the SLURM scripts requeue on it)
 
 
-def stop_rworkers(comm) -> None:
-    """Rank 0, before any HELLO: end the R-workers cleanly (they wait in the node-layout collective,
-    then for a control message)."""
+def stop_rworkers(comm, s_ranks: int = 1) -> None:
+    """Rank 0, before any HELLO: end the R-workers (ranks s_ranks..) and a tensor-parallel
+    S-worker's other ranks (1..s_ranks-1) cleanly (they wait in the node-layout collective, then
+    for a control message, or for the step message that says start or stop)."""
     if comm is None or comm.Get_size() == 1:
         return
+    from fastdecode.tp.steps import TAG_STEP, stop_message
     from rworker.host.wait import node_layout
     from rworker.protocol import control as P
-    node_layout(comm)
+    node_layout(comm, s_ranks)
+    for r in range(1, min(s_ranks, comm.Get_size())):
+        comm.send(stop_message(), dest=r, tag=TAG_STEP)
     bye = P.control(P.SHUTDOWN)
-    for r in range(1, comm.Get_size()):
+    for r in range(s_ranks, comm.Get_size()):
         comm.Send(bye, dest=r, tag=P.TAG_CTRL)
 
 

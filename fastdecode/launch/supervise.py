@@ -186,14 +186,14 @@ def child_started(rank: int) -> None:
     if not supervisor:
         return
     from fastdecode.launch.ranks import role_name
-    text = (f"fastdecode: rank {rank} ({role_name(rank)} pid {os.getpid()} on {socket.gethostname()}): its "
-            f"supervisor (pid {supervisor}) died; ending this rank\n").encode()
+    host = socket.gethostname()
 
     def orphaned(*_) -> None:
         try:                             # whatever goes wrong on the way, the process ends
             _write_orphan_note()         # first: stderr may be a pipe to a launcher that is gone
-            try:
-                os.write(2, text)
+            try:                         # the role once the command line is read (a tensor-parallel rank's)
+                os.write(2, f"fastdecode: rank {rank} ({role_name(rank)} pid {os.getpid()} on {host}): its "
+                            f"supervisor (pid {supervisor}) died; ending this rank\n".encode())
             except OSError:
                 pass
         finally:

@@ -215,6 +215,10 @@ class WeightCollector:
         else:
             self.weights[ours] = t.to(device=self.device, dtype=self.dtype)
 
+    def put(self, ours: str, weight) -> None:
+        """A weight made ready by the caller (a tensor-parallel rank's cut of an fp8 weight)."""
+        self.weights[ours] = weight
+
     def finish(self) -> dict:
         ub = self.fmt.checkpoint.act_amax_ub if self.fmt.checkpoint else None
         for ours, (name, q) in self._fp8.items():

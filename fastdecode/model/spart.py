@@ -12,6 +12,11 @@ families run as fused kernels on a CUDA S-worker in bf16/fp16 (ops.py). Every pr
 through fp8.linear, so a layer's weights may be fp8 (`--quantization fp8`, fp8.py) with no
 change here.
 
+A tensor-parallel rank (`tp`, one of T S-ranks: shard.py) holds 1/T of every projection and a
+config of its own heads and MLP rows: the O projection's and the MLP's outputs are partial sums,
+all-reduced before their bias and the residual (Megatron's two all-reduces a layer), and the LM
+head's logits are its slice of the vocabulary, gathered on rank 0. The rest runs as it is.
+
 Shapes: n = rows in the call (sequences in decode, prompt tokens in prefill), h = hidden,
 Hq/Hkv = query/KV heads, D = head_dim, V = vocabulary.
 """
@@ -34,8 +39,10 @@ class SPart:
     (RoPE kinds that depend on it: longrope's short or long factors)."""
 
     def __init__(self, config: ModelConfig, weights: dict, device, dtype: torch.dtype,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tp=None, vocab_size: int | None = None):
         c = self.config = config
+        self.tp = tp                   # the tensor-parallel group (tp/group.py), or None
+        self.vocab_size = vocab_size or c.vocab_size      # the model's (the LM head's slice may be padded)
         self.device, self.dtype = torch.device(device), dtype
         # (an Fp8Weight moves to the device and stays e4m3)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items() if k != "rope_freqs"}
@@ -61,8 +68,9 @@ class SPart:
 
     @property
     def graph_safe(self) -> bool:
-        """post_attn() may be captured in a CUDA graph (routed experts pick their rows at run time)."""
-        return not self.config.moe_layers
+        """post_attn() may be captured in a CUDA graph (routed experts pick their rows at run time;
+        a tensor-parallel rank's all-reduces run eagerly)."""
+        return not self.config.moe_layers and self.tp is None
 
     # ------------------------------------------------------------------ norms
 
@@ -122,7 +130,8 @@ class SPart:
     def post_attn(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: [n, h], o: [n, Hq, D] attention output -> next layer's residual stream [n, h]."""
         c, L = self.config, self.layers[layer]
-        attn = linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"], L["b_o"])     # [n, h]
+        attn = self._reduced(linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"],
+                                    None if self.tp else L["b_o"]), L["b_o"])      # [n, h]
         if c.gemma_norms:              # norms on both sides of attention and of the MLP
             x = x + self._norm(attn, L["ln2"])
             return x + self._norm(self._mlp(L, self._norm(x, L["ln_pre_ff"])), L["ln_post_ff"])
@@ -133,15 +142,30 @@ class SPart:
         """h: [n, h] normed -> the layer's MLP (gated dense, or routed experts) [n, h]."""
         if isinstance(L["mlp"], tuple):
             gate_up, down = L["mlp"]                                       # [2I, h], [h, I]
-            return linear(self.ops.act_mul(linear(h, gate_up), self.config.hidden_act), down)
-        return L["mlp"](h)
+            return self._reduced(linear(self.ops.act_mul(linear(h, gate_up), self.config.hidden_act), down))
+        return self._reduced(L["mlp"](h))
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [n, h] -> float32 logits [n, V] (soft-capped where the family caps them)."""
+    def _reduced(self, y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A row-parallel projection's output y [n, h]: on a tensor-parallel rank the sum of every
+        rank's partial y (all-reduced), then the bias, once."""
+        if self.tp is None:
+            return y
+        y = self.tp.all_reduce(y)
+        return y + bias if bias is not None else y
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x: [n, h] -> float32 logits [n, V] (soft-capped where the family caps them). A
+        tensor-parallel rank computes its slice of the vocabulary and rank 0 gathers them all;
+        the other ranks get None."""
         cap = self.config.final_softcap
-        logits = F.linear(self._norm(x, self.final_norm), self.lm_head)   # [n, V] activation dtype
+        logits = F.linear(self._norm(x, self.final_norm), self.lm_head)   # [n, V] activation dtype ([n, V/T])
         if cap:                        # in the activation dtype, as HF
             logits = torch.tanh(logits / cap) * cap
+        if self.tp is not None:
+            logits = self.tp.gather_columns(logits)                       # [n, T * V/T] on rank 0
+            if logits is None:
+                return None
+            logits = logits[:, :self.vocab_size]
         return logits.float()
 
     # ------------------------------------------------------------------ prefill attention

@@ -21,6 +21,7 @@ from fastdecode.model.config import ConfigError, ModelConfig
 from fastdecode.model.fp8 import Fp8Weight
 from fastdecode.model.gguf_meta import CONFIG_TENSORS, TOP_NAMES, block_names
 from fastdecode.model.quantization import WeightCollector, WeightFormat, is_projection
+from fastdecode.model.shard import Shard, column_cut, rule, take
 from fastdecode.model.source import ModelSource, cache_dir
 
 
@@ -96,14 +97,29 @@ def gguf_cache_path(source: ModelSource) -> str:
 
 
 def _ensure_gguf_cache(source: ModelSource, config: ModelConfig) -> str:
+    """The GGUF's weights dequantized into a safetensors cache (made once). Made under a lock on
+    the cache's folder: the S-ranks of a tensor-parallel S-worker (and concurrent jobs) start
+    together, and each would otherwise dequantize the whole model in its own memory; the first
+    makes it, the others wait and then read their slices of the file."""
+    import fcntl
     path = gguf_cache_path(source)
-    if not os.path.isfile(path):
+    if os.path.isfile(path):
+        return path
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(os.path.join(os.path.dirname(path), ".lock"), "w")     # noqa: SIM115 - held below
+    except OSError as e:
+        raise ConfigError(f"{source.path}: its dequantized weights cannot be written to the cache "
+                          f"{os.path.dirname(path)} ($FASTDECODE_CACHE): {e.strerror or e}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)              # released when the file closes
+        if os.path.isfile(path):                      # another rank or job made it meanwhile
+            return path
         arrays = _gguf_to_hf_arrays(source.path, config)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             save_file(arrays, tmp)
-            os.replace(tmp, path)   # atomic: concurrent jobs never read a half-written cache
+            os.replace(tmp, path)   # atomic: a reader without the lock never sees a half-written cache
         except OSError as e:
             raise ConfigError(f"{source.path}: its dequantized weights cannot be written to the cache "
                               f"{os.path.dirname(path)} ($FASTDECODE_CACHE): {e.strerror or e}") from None
@@ -142,14 +158,17 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
 
 
 def load_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", fmt: WeightFormat | None = None) -> dict:
+                 device: str | torch.device = "cpu", fmt: WeightFormat | None = None,
+                 shard: Shard | None = None) -> dict:
     """All parameters by HF name, in `dtype` on `device`; with an fp8 `fmt` the projections as
-    Fp8Weight (quantization.py: quantized as they load, or the checkpoint's own)."""
+    Fp8Weight (quantization.py: quantized as they load, or the checkpoint's own). With `shard`
+    (a tensor-parallel rank) only that rank's part of each tensor, read as such from the
+    safetensors (shard.py): the checkpoint is never whole in memory."""
     fmt = fmt or WeightFormat()
     collect = WeightCollector(fmt, dtype, device)
     if source.kind == "random":
-        return random_weights(config, dtype, device, keep=lambda name, t: (
-            Fp8Weight.quantize(t) if fmt.quantize_at_load and is_projection(name) else t))
+        weights = random_weights(config, dtype, device, keep=lambda name, t: _keep_random(config, fmt, shard, name, t))
+        return _tied_head(config, shard, weights)
     if source.kind == "gguf":
         files = [_ensure_gguf_cache(source, config)]
     else:
@@ -158,9 +177,43 @@ def load_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
                 ours = our_name(config, name)
-                if ours is not None:
+                if ours is None:
+                    continue
+                if shard is None:
                     collect.add(name, ours, st.get_tensor(name))
-    return collect.finish()
+                elif _quantized_whole(config, fmt, ours, st.get_slice(name).get_dtype()):
+                    whole = Fp8Weight.quantize(st.get_tensor(name).to(device))      # the whole rows' scales
+                    collect.put(ours, column_cut(whole, shard, config, ours))
+                else:
+                    sl = st.get_slice(name)
+                    collect.add(name, ours, take(config, shard, ours, tuple(sl.get_shape()), sl.__getitem__))
+    return _tied_head(config, shard, collect.finish())
+
+
+def _quantized_whole(config: ModelConfig, fmt: WeightFormat, ours: str, st_dtype: str) -> bool:
+    """A float row-parallel projection quantized at load: quantized whole, then cut (its scales
+    cover whole rows, as at T = 1)."""
+    return fmt.quantize_at_load and is_projection(ours) and rule(config, ours) == "row" and \
+        not st_dtype.startswith("F8")
+
+
+def _keep_random(config: ModelConfig, fmt: WeightFormat, shard: Shard | None, name: str, t: torch.Tensor):
+    """What a random weight keeps: its shard's part (quantized as a whole row first where fp8)."""
+    fp8 = fmt.quantize_at_load and is_projection(name)
+    if shard is None:
+        return Fp8Weight.quantize(t) if fp8 else t
+    if fp8 and rule(config, name) == "row":
+        return column_cut(Fp8Weight.quantize(t), shard, config, name)
+    part = take(config, shard, name, tuple(t.shape), t.__getitem__).contiguous()
+    return Fp8Weight.quantize(part) if fp8 else part
+
+
+def _tied_head(config: ModelConfig, shard: Shard | None, weights: dict) -> dict:
+    """A tensor-parallel rank of a tied model: its LM-head rows cut from the (replicated) embedding."""
+    if shard is not None and config.tie_word_embeddings:
+        embed = weights["model.embed_tokens.weight"]
+        weights["lm_head.weight"] = take(config, shard, "lm_head.weight", tuple(embed.shape), embed.__getitem__)
+    return weights
 
 
 def our_name(config: ModelConfig, name: str) -> str | None:

@@ -49,11 +49,12 @@ class MPIBackend(RBackend):
                  r_threads: int | None = None, rworker_mem: int | None = None, policy: str = "adaptive",
                  timeout: float | None = None, device: torch.device | None = None,
                  act_dtype: torch.dtype = torch.float32, s_cores: int = 0, bf16_probs: bool = False,
-                 s_kv_bytes: int = 0):
+                 s_kv_bytes: int = 0, ranks: range | None = None):
         if not isinstance(variants, AttentionVariants):      # a bare softmax scale
             variants = AttentionVariants(float(variants))
         self.comm = comm
-        self.ranks = list(range(1, comm.Get_size()))
+        # the R-workers: every rank but 0, or those after a tensor-parallel S-worker's T ranks
+        self.ranks = list(ranks if ranks is not None else range(1, comm.Get_size()))
         self.policy, self.timeout = policy, timeout
         c = config
         self.num_layers, self.hq, self.hkv, self.d = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim

@@ -30,6 +30,13 @@ from fastdecode.sizing.link_report import link_line, link_report
 from fastdecode.sizing.model import predict
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
 from fastdecode.sizing.split import ALL_ON_TIER, BALANCED, NONE_ON_TIER, R_FULL, TIER_FULL
+from fastdecode.sizing.tensor_parallel import add_options as add_tp_options
+from fastdecode.sizing.tensor_parallel import (
+    sizing_from_args,
+    stated_tier_over,
+    weight_bytes_per_gpu,
+    with_tensor_parallel,
+)
 from rworker.protocol.kvformat import kv_elem_bytes
 
 SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
@@ -106,6 +113,7 @@ def add_hardware_options(p: argparse.ArgumentParser):
     src.add_argument("--device-kv-gbps", type=float, metavar="GB/S",
                      help="KV read rate of the tier's attention, GB/s (default: the profile's measurement; a "
                           f"stated GPU: {TIER_ATTN_EFF:g} of its memory bandwidth)")
+    add_tp_options(p)
     return src
 
 
@@ -159,16 +167,17 @@ def build_profile(args) -> Profile:
                                   ("--cpu-bw", args.cpu_bw or gpu_only or None)) if v is None]
         if missing:
             raise PlanError(f"give --profile, or stated hardware (missing {' '.join(missing)})")
-        model, gpu = _model(args.model), _gpu(args.gpu_profile)
-        tier = stated_tier(gpu, model, args.device_kv_gb, args.device_kv_gbps) if args.device_kv else None
+        model, gpu, tp = _model(args.model), _gpu(args.gpu_profile), sizing_from_args(args)
+        tier = _stated_tier(gpu, model, tp, args) if args.device_kv else None
         if args.cpu_bw is None and tier is None:
             raise PlanError(f"{model.name}'s weights leave no room for a KV tier on {gpu.name}: give --cpu-bw "
                             f"(R-workers) or --device-kv-gb")
-        return stated_profile(gpu, model, args.cpu_bw,
-                              args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
-                              call_overhead_us=overhead,
-                              kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
-                              shared_cost_ratio=args.shared_cost_ratio or 1.0, device_tier=tier, **stated_link)
+        return with_tensor_parallel(
+            stated_profile(gpu, model, args.cpu_bw, args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
+                           call_overhead_us=overhead,
+                           kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
+                           shared_cost_ratio=args.shared_cost_ratio or 1.0, device_tier=tier, **stated_link),
+            tp, gpu)
     try:
         prof = Profile.from_dict(_load_json(args.profile))
     except (TypeError, KeyError, ValueError) as e:
@@ -203,7 +212,12 @@ def build_profile(args) -> Profile:
     prof.device_tier = _profile_tier(prof, args)
     if not prof.r_workers and prof.device_tier is None:
         raise PlanError(f"{args.profile} has no R-worker, and --no-device-kv leaves no KV anywhere")
-    return prof
+    return with_tensor_parallel(prof, sizing_from_args(args), _gpu(args.gpu_profile) if args.gpu_profile else None)
+
+
+def _stated_tier(gpu, model, tp, args):
+    """The device tier of a stated GPU S-worker (over T GPUs: tensor_parallel.stated_tier_over)."""
+    return stated_tier_over(gpu, model, tp, args.device_kv_gb, args.device_kv_gbps)
 
 
 def _profile_tier(prof: Profile, args):
@@ -282,7 +296,7 @@ def _row(prof: Profile, batch: int, args) -> dict:
     return row
 
 
-def _header(prof: Profile, knee: int, depth: int) -> list[str]:
+def _header(prof: Profile, knee: int, depth: int, args=None) -> list[str]:
     m, link, tier = prof.model, prof.link, prof.device_tier
     kvb = m.kv_bytes_per_token_layer(prof.kv_dtype_bytes)
     lines = [f"model {m.name}: {m.num_layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, "
@@ -305,8 +319,12 @@ def _header(prof: Profile, knee: int, depth: int) -> list[str]:
              + (f"; to all at once {link.concurrent_Bps / 1e9:.3g} GB/s" if link.concurrent_Bps else "")
              + (f", {link.hop_s * 1e6:.0f} us of hand-offs per layer in a mini-batch's chain" if link.hop_s else "")]
     mem = prof.s_worker.mem_bytes
-    if mem and m.weight_bytes() > mem:
-        lines.append(f"warning: weights {m.weight_bytes() / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")
+    tp = sizing_from_args(args) if args is not None else None
+    weights = weight_bytes_per_gpu(m, tp) if tp is not None and tp.active else m.weight_bytes()
+    if tp is not None and tp.active:
+        lines.append(f"S-worker: {tp.describe()}: {weights / 1e9:.1f} GB of weights per GPU")
+    if mem and weights > mem:
+        lines.append(f"warning: weights {weights / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")
     return lines
 
 
@@ -369,7 +387,7 @@ def run(args) -> int:
             out["sweep"] = rows
         print(json.dumps(out, indent=1))
         return 0
-    print("\n".join(_header(prof, knee, args.pipeline_depth)))
+    print("\n".join(_header(prof, knee, args.pipeline_depth, args)))
     print(_target_line(args))
     if args.batch:
         r = pick

@@ -136,7 +136,7 @@ def profile_s_worker(engine: LLMEngine, batches: list[int] | None, repeats: int,
               else f"cpu:{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads")
     mem = torch.cuda.get_device_properties(engine.device).total_memory if cuda else 0
     return SWorkerProfile(device=device, batch_grid=grid, layer_time_s=layer_s, head_time_s=head_s,
-                          mem_bytes=float(mem), **prefill)
+                          mem_bytes=float(mem), quantization="fp8" if engine.model.fp8 else "", **prefill)
 
 
 def profile_workers(engine: LLMEngine, r_seqs: int, r_target_bytes: int, log

@@ -130,6 +130,7 @@ class SWorkerProfile:
     prefill_chunk_grid: list[int] = field(default_factory=list)   # chunk sizes measured, ascending ...
     prefill_chunk_token_s: list[float] = field(default_factory=list)  # ... s per token at prefill_chunk_prompt_len
     prefill_chunk_prompt_len: int = 0
+    quantization: str = ""          # "fp8": measured with fp8 weights (--quantization fp8); "": the dtype's
 
     def _interp(self, values: list[float], batch: float) -> float:
         """log-log between grid points; below the grid flat (weights are read anyway), above

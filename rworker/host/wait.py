@@ -34,11 +34,13 @@ def choose_policy(ranks_here: int, threads_here: int) -> str:
     return "adaptive" if max(ranks_here, threads_here) <= cores else "sleep"
 
 
-def node_layout(comm: MPI.Comm) -> tuple[int, bool, int]:
-    """Collective over comm: (ranks on this node, whether rank 0 is one of them, my index among them)."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)     # ordered by world rank: rank 0 first if here
+def node_layout(comm: MPI.Comm, s_ranks: int = 1) -> tuple[int, int, int]:
+    """Collective over comm: (ranks on this node, how many of them are S-worker ranks, my index
+    among them). The S-worker is ranks 0..s_ranks-1 (a tensor-parallel one has several); being the
+    lowest world ranks they come first on their node."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)     # ordered by world rank: the S-ranks first if here
     try:
-        return local.Get_size(), bool(local.allreduce(1 if comm.Get_rank() == 0 else 0)), local.Get_rank()
+        return local.Get_size(), int(local.allreduce(1 if comm.Get_rank() < s_ranks else 0)), local.Get_rank()
     finally:
         local.Free()
 

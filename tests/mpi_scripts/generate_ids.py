@@ -29,6 +29,9 @@ result = {"workers": sum(1 for w in workers if not w.tier), "tiers": [w.tier for
           # per output token {token id: log-probability} (itself and the top ones), where asked for
           "logprobs": [[[{t: lp.logprob for t, lp in step.items()} for step in c.logprobs] if c.logprobs else None
                         for c in o.outputs] for o in outs],
+          # per prompt token after the first {token id: log-probability}, where asked for
+          "prompt_logprobs": [[{t: lp.logprob for t, lp in step.items()} for step in o.prompt_logprobs[1:]]
+                              if o.prompt_logprobs else None for o in outs],
           "prefix": llm.engine.prefix_summary(), "kv_saved_bytes_peak": llm.engine.recorder.kv_saved_bytes_peak}
 json.dump(result, open(sys.argv[2], "w"))
 llm.close()
