@@ -47,7 +47,7 @@ def test_plan_counts_int8_bytes_and_scales(capsys):
     # on 8 R-workers the KV they hold scales with the bytes per token, (128 + 4) / (2 * 128) of
     # bf16's at llama-7b's head dim 128, and so does the R-time each added token costs (the
     # difference of two contexts that both fit: the per-call overhead cancels)
-    on8 = ("--rworkers", "8")
+    on8 = ("--rworkers", "8", "--no-device-kv")      # all KV on the R-workers (int8 has no device tier)
     bf16, int8 = plan("bf16", 4096, *on8), plan("int8", 4096, *on8)
     assert int8["kv_tokens_capacity"] / bf16["kv_tokens_capacity"] == pytest.approx(256 / 132, rel=1e-3)
     slope = {kv: plan(kv, 2048, *on8)["r_layer_s"] - plan(kv, 1024, *on8)["r_layer_s"] for kv in ("int8", "bf16")}
