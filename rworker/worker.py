@@ -15,18 +15,17 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from rworker.host import end_notice, faults
+from rworker.host import faults
 from rworker.host.capacity import default_capacity_bytes
 from rworker.host.cores import bind, rworker_cpus
 from rworker.host.progressor import Progressor
 from rworker.host.threads import physical_cpus
-from rworker.host.wait import PeerTimeout, abort_job, choose_policy, node_layout, wait_message
+from rworker.host.wait import choose_policy, end_job_on_error, node_layout, wait_message
 from rworker.kvstore import KVStore
 from rworker.protocol import control as P
 from rworker.protocol.wire import split_kv, split_qkv
@@ -292,15 +291,5 @@ def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None =
         ranks_here, s_here, local_rank = node_layout(comm, s_ranks)    # collective: every rank calls it
         RWorker(comm, threads, capacity_bytes, timeout, ranks_here, s_here, local_rank).serve()
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
-        rank, host = comm.Get_rank(), socket.gethostname()
-        if isinstance(e, PeerTimeout):   # an R-worker waits on rank 0 alone: rank 0 is the silent one
-            culprit, code = 0, 75        # 75: requeue (outputs are saved)
-            text = f"rank 0 (S-worker) is silent: {e} (seen by rank {rank}, R-worker on {host})"
-        else:
-            culprit, code = rank, 1
-            text = f"rank {rank} (R-worker on {host}) failed: {type(e).__name__}: {e}"
-        print(f"fastdecode: {text}", file=sys.stderr, flush=True)
-        if end_notice_to is not None:
-            end_notice.send(end_notice_to, {"rank": culprit, "error": text, "code": code, "abort": False})
-        abort_job(comm, code)
+        end_job_on_error(comm, e, "R-worker", end_notice_to)    # an R-worker waits on rank 0 alone
     return 0

@@ -5,8 +5,8 @@ The tier is the last worker, so in every batch (rows grouped by worker, in worke
 come last: a decode buffer is [the R-workers' blocks | the tier's block] in the wire layout, and
 the R-workers' backend gets the head of the very buffer it handed out (on a CPU S-worker its MPI
 send buffer: nothing is copied), the tier the tail. Per layer the R-workers' rows leave first,
-then the tier attends its own (queued on the GPU's compute stream, or on the local store's
-helper thread), so the R-workers' round trip runs beside the tier's attention.
+then the tier attends its own (queued on the GPU's compute stream, or on a CPU S-worker in turn
+on its own thread), so the R-workers' round trip runs beside the tier's attention.
 
     workers: [R-worker 0 .. R-worker R-1 | tier]
     decode buffer of a mini-batch: [q|k|v of the R-workers' rows (their layout) | q|k|v of the tier's rows]

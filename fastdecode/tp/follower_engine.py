@@ -6,9 +6,6 @@ as it does the R-workers), and any failure ends the job naming this rank, as an 
 """
 from __future__ import annotations
 
-import socket
-import sys
-
 from fastdecode.engine import rpart_setup
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
 from fastdecode.engine.kv_tiers import choose_tier
@@ -20,7 +17,7 @@ from fastdecode.tp import steps
 from fastdecode.tp.context import join
 from fastdecode.tp.follower import FollowerRunner, MirrorPrefix
 from rworker.host import faults
-from rworker.host.wait import PeerTimeout, choose_policy, node_layout
+from rworker.host.wait import choose_policy, node_layout
 
 
 class FollowerEngine:
@@ -79,8 +76,7 @@ def run_follower(args: EngineArgs, comm, end_notice_to: dict | None = None) -> i
     """A follower rank's life: wait for rank 0's start (or stop: a job with nothing to serve), build,
     serve. Any failure ends the job naming this rank (on stderr, and to rank 0's report through its
     end-notice listener); rank 0 silent past the timeout is named as the silent one (exit 75)."""
-    from rworker.host import end_notice
-    from rworker.host.wait import abort_job
+    from rworker.host.wait import end_job_on_error
     try:
         layout = node_layout(comm, args.tensor_parallel_size)       # collective: every rank calls it
         first = steps.receive(comm, timeout=3 * args.timeout if args.timeout else None)
@@ -90,15 +86,5 @@ def run_follower(args: EngineArgs, comm, end_notice_to: dict | None = None) -> i
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, not hang it
         from fastdecode.launch.ranks import role_name
         from fastdecode.model.config import ConfigError
-        rank, host = comm.Get_rank(), socket.gethostname()
-        if isinstance(e, PeerTimeout):
-            culprit, code = 0, 75
-            text = f"rank 0 (S-worker) is silent: {e} (seen by rank {rank}, {role_name(rank)} on {host})"
-        else:
-            culprit, code = rank, 2 if isinstance(e, ConfigError) else 1
-            text = f"rank {rank} ({role_name(rank)} on {host}) failed: {type(e).__name__}: {e}"
-        print(f"fastdecode: {text}", file=sys.stderr, flush=True)
-        if end_notice_to is not None:
-            end_notice.send(end_notice_to, {"rank": culprit, "error": text, "code": code, "abort": False})
-        abort_job(comm, code)
+        end_job_on_error(comm, e, role_name(comm.Get_rank()), end_notice_to, 2 if isinstance(e, ConfigError) else 1)
     return 0

@@ -7,6 +7,7 @@ short spin, sleep with exponential backoff. `spin` is right when every rank has 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
@@ -92,3 +93,21 @@ def abort_job(comm, code: int) -> None:
     sys.stderr.flush()
     time.sleep(0.5)
     comm.Abort(code)
+
+
+def end_job_on_error(comm, e: BaseException, role: str, end_notice_to: dict | None, code: int = 1) -> None:
+    """A rank other than 0 failed: name it (stderr, and rank 0's end-notice listener for its run
+    report) and abort every rank. A PeerTimeout means this rank waited on rank 0 in vain: rank 0
+    is the silent one, exit 75 (requeue: the outputs are saved)."""
+    from rworker.host import end_notice
+    rank, host = comm.Get_rank(), socket.gethostname()
+    if isinstance(e, PeerTimeout):
+        culprit, code = 0, 75
+        text = f"rank 0 (S-worker) is silent: {e} (seen by rank {rank}, {role} on {host})"
+    else:
+        culprit = rank
+        text = f"rank {rank} ({role} on {host}) failed: {type(e).__name__}: {e}"
+    print(f"fastdecode: {text}", file=sys.stderr, flush=True)
+    if end_notice_to is not None:
+        end_notice.send(end_notice_to, {"rank": culprit, "error": text, "code": code, "abort": False})
+    abort_job(comm, code)
