@@ -164,6 +164,10 @@ def add_generate_engine_options(p: argparse.ArgumentParser) -> None:
                    help="stabilized: steps F between micro-batches of B*F/S sequences (default S/16)")
     p.add_argument("--max-gen", type=positive_int, default=None,
                    help="stabilized: generation length S (default: estimated from the requests' max_tokens)")
+    p.add_argument("--balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="start a sequence only while it raises tokens/s: the R-workers take sequences up to "
+                        "their balance point against the S-side's step, not up to their memory (default on; "
+                        "--no-balance: memory alone bounds the batch)")
     p.add_argument("--stabilize-lengths", default="learnt", choices=["learnt", "max-tokens"],
                    help="stabilized: project running sequences with lengths learnt from finished ones "
                         "(EOS; default), or as if each runs to its max_tokens")

@@ -108,12 +108,16 @@ def test_hybrid_layer_sends_the_r_rows_then_attends_the_tiers():
 def test_placement_learns_the_s_part_before_weighing_the_tier():
     """As the engine: before any decode step the device tier's base is 0, so the first sequence
     goes there (its reads at 10x an R-worker's speed); after the first step the base is that step's
-    S-part (4 x 2 ms + 1 ms = 9 ms), and a second sequence goes to the R-worker, where it ends
-    sooner (108 tokens at 48.8 k tokens/s = 2.2 ms, against 9 ms + 216 tokens at 488 k/s)."""
-    sim = run(profile(rworkers=1), fixed(2, 100, 16, arrival=[0.0, 1e-9]), rworkers=1)
+    S-part (4 x 2 ms + 1 ms = 9 ms). Without the balance rule a second sequence goes to the
+    R-worker, where its own part ends sooner (108 tokens at 48.8 k tokens/s = 2.2 ms, against 9 ms +
+    216 tokens at 488 k/s); with it (the default), to the tier: at depth 1 the S-worker waits for
+    the R-worker's 2.2 ms, while the tier's rows add 0.2 ms to the step."""
+    sim = run(profile(rworkers=1), fixed(2, 100, 16, arrival=[0.0, 1e-9]), rworkers=1, balance=False)
     st = sim.steps
     assert st["kv_tokens"][0, 0] == 0 and st["tier_kv_tokens"][0] == 101           # step 1: A on the tier
     assert st["kv_tokens"][1, 0] == 101 and st["tier_kv_tokens"][1] == 102          # step 2: B on the R-worker
+    st = run(profile(rworkers=1), fixed(2, 100, 16, arrival=[0.0, 1e-9]), rworkers=1).steps
+    assert st["kv_tokens"][:2, 0].tolist() == [0, 0] and st["tier_kv_tokens"][:2].tolist() == [101, 203]
     # a CPU S-worker's own store takes only what the R-workers cannot hold until a step has timed the S-part
     sim = run(profile(rworkers=1, kind="local"), fixed(2, 100, 16, arrival=[0.0, 1e-9]), rworkers=1)
     assert sim.steps["kv_tokens"][0, 0] == 101 and sim.steps["tier_kv_tokens"][0] == 0

@@ -42,6 +42,8 @@ class EngineArgs:
     admit_every: int | None = None    # stabilized: F steps between micro-batches (default S/16)
     max_gen: int | None = None        # stabilized: S (default: estimated from requests' max_tokens)
     learn_lengths: bool = True        # stabilized: project with lengths learnt from finished sequences
+    balance: bool = True              # start a sequence only while it raises tokens/s (sched/balance.py);
+                                      # False: memory alone bounds the batch
     pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
     cuda_graphs: bool = False         # CUDA S-worker: replay each layer's dense work from a CUDA graph
     cuda_graph_max_rows: int = 2048   # largest mini-batch run from graphs (larger ones run eagerly)

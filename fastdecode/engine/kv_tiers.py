@@ -104,6 +104,7 @@ def measured_speeds(backend: RBackend, kv_bytes_per_token: int, probe_bytes: int
     kernel and memory (rpart's profile_workers: a short and a long context per worker)."""
     results = backend.profile_workers(SPEED_PROBE_SEQS, probe_bytes)
     speeds = [r["bandwidth_GBps"] * 1e9 / kv_bytes_per_token for r in results]
-    for w, gbps in zip(backend.workers, (r["bandwidth_GBps"] for r in results)):
-        w.attend_gbps = float(gbps)
+    for w, r in zip(backend.workers, results):
+        w.attend_gbps = float(r["bandwidth_GBps"])
+        w.attend_call_s = float(r.get("call_overhead_s", 0.0))
     return speeds

@@ -30,6 +30,7 @@ from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
 from fastdecode.model.weights import load_weights, source_digest
 from fastdecode.rpart.base import RBackend
 from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
+from fastdecode.sched.balance import StepBalance
 from fastdecode.sched.placement import Placement
 from fastdecode.sched.scheduler import Scheduler
 from fastdecode.tp import leader as tp_leader
@@ -80,11 +81,21 @@ class LLMEngine:
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve,
                                    windows=self.variants.windows)
         self.tier_index = rpart_setup.place_by_tier_speeds(self)
+        # learns each decode step's sides; with the S-worker's own tier beside the R-workers it also
+        # places sequences and gates admissions (unless --no-balance)
+        calls = self.config.num_layers * args.pipeline_depth          # kernel calls per worker and step
+        self.balance = StepBalance(self.placement, args.pipeline_depth, self.tier_index,
+                                   fixed_s=[w.attend_call_s * calls for w in self.backend.workers],
+                                   speeds_known=self.tier_index is not None)     # measured with a tier only
+        gated = args.balance and self.tier_index is not None      # two places to weigh (sched/balance.py)
+        if gated:
+            self.balance.attach()
         if not args.quiet:
             rpart_setup.log_tiers(self)
         self.prefix = self._make_prefix_cache()
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
-                                   args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix)
+                                   args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix,
+                                   self.balance if gated else None)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs()) \
             if tp is None else tp_leader.runner(self, comm)
         self.runner.reserve_tokens = self.placement.store_tokens    # workers take those pages at prefill
@@ -341,8 +352,8 @@ class LLMEngine:
                   prefill, finished: list[Request]) -> list[Request]:
         """Free what finished, record the step (--stats-json, the summary), return the finished requests."""
         self.free_kv(self.scheduler.drop_finished())
-        if self.tier_index is not None and stats is not None and not (prefill is not None and prefill.mixed):
-            rpart_setup.learn_tier_base(self, stats)
+        if stats is not None and running and not (prefill is not None and prefill.mixed):
+            rpart_setup.learn_step(self, running, stats)
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
                              t_prefill, time.perf_counter() - t0, decode=bool(running),
                              tokens=self.num_output_tokens - tokens_before, prefill=prefill)

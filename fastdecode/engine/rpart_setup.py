@@ -17,8 +17,6 @@ from fastdecode.engine.kv_tiers import (
 from fastdecode.rpart.base import RBackend
 from fastdecode.rpart.tiered import TieredBackend
 
-TIER_BASE_WEIGHT = 0.3        # the exponential average's weight of the newest step
-
 
 class OutOfMemory(RuntimeError):
     """A step's allocation failed: the message says where and which limits to lower."""
@@ -164,20 +162,19 @@ def tier_summary(eng) -> dict:
             groups.append({"tier": workers[idx[0]].tier if own else "R-workers" if eng.layout else "host store",
                            "sequences": sum(placed[i] for i in idx), "kv_bytes_peak": sum(peaks[i] for i in idx),
                            "kv_capacity_bytes": sum(workers[i].capacity_bytes for i in idx)})
-    return {"kv_tiers": groups}
+    return {"kv_tiers": groups, "balance": {"gates_admission": eng.scheduler.balance is not None,
+                                            **eng.balance.describe()}}
 
 
-def learn_tier_base(eng, stats, weight: float = TIER_BASE_WEIGHT) -> None:
-    """What a decode step's S-part takes besides the tier's attention (an exponential average):
-    the time a sequence on the S-worker's own tier waits for before its attention counts."""
-    # the tier's attention ran on the S-part's own critical path (a GPU's compute stream, or the
-    # CPU S-worker's own thread, in turn with the S-part: two busy threads on its cores would spin
-    # against each other), so the S-part's time holds it: taken out
-    s_part = eng.runner.last_s_time - stats.attend_s[eng.tier_index]
-    base, t = eng.placement.base_s, eng.tier_index
-    base[t] = max(s_part, 0.0) if eng.placement.overflow_only[t] or base[t] == 0 \
-        else (1 - weight) * base[t] + weight * max(s_part, 0.0)
-    eng.placement.overflow_only[t] = False
+def learn_step(eng, running, stats) -> None:
+    """A decode step's measurements to the balance (sched/balance.py), which learns from them the
+    S-part's time by batch, each worker's speed and overhead, and the tier's cost to placement."""
+    p = eng.placement
+    tokens = [0.0] * len(p.capacity_tokens)           # [W] KV tokens (all layers) each worker attended
+    for s in running:
+        tokens[s.worker] += p.live_tokens(s.worker, s.kv_len)
+    eng.balance.observe(len(running), eng.runner.last_s_time, tokens, list(stats.attend_s), list(stats.busy_s),
+                        eng.runner.last_r_wait)
 
 
 def oom_advice(eng, e: BaseException) -> str:

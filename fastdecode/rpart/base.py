@@ -28,6 +28,7 @@ class WorkerInfo:
                               # ("device (cuda:0)", "local"), which runs its attention in-process
     frees_windows: bool = True    # a sliding-window layer's pages leave once outside the window
     attend_gbps: float = 0.0  # its attention kernel's KV read rate, GB/s (0: not measured)
+    attend_call_s: float = 0.0    # its kernel's fixed seconds per call (one layer of one mini-batch), when measured
 
 
 @dataclass(slots=True)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:        # annotations only: `fastdecode plan` and `report` star
 
 RESERVE_POLICIES = ("full", "grow")     # generate's --kv-reserve
 OVERFLOW_S = 1e9                        # added to an overflow-only worker's cost: any worker with room comes first
+OWN_TIE = 1e-6                          # with a step model: the worker's own end time breaks ties of the step's
 
 
 def grow_overhead_tokens(page_tokens: int) -> float:
@@ -63,6 +64,7 @@ class Placement:
         # whose attention runs beside the S-part in the pipeline)
         self.bandwidth = bandwidth or [1.0] * len(workers)
         self.base_s = [0.0] * len(workers)
+        self.step_model = None                    # a StepBalance: cost() is the step's time (sched/balance.py)
         self.overflow_only = [False] * len(workers)   # a worker taken only when no other has room
                                                       # (a tier whose S-part time is not measured yet)
         self.reserved = [0] * len(workers)        # tokens reserved by resident sequences (whole pages)
@@ -87,7 +89,7 @@ class Placement:
         live = [pages if win == 0 else min(pages, math.ceil(win / self.page[w]) + 1) for win in self.windows]
         return math.ceil(sum(live) * self.page[w] / len(live))
 
-    def _live(self, w: int, tokens: float) -> float:
+    def live_tokens(self, w: int, tokens: float) -> float:
         """Tokens of all layers a sequence of `tokens` positions keeps live on average (the load
         it puts on a worker's reads): a windowed layer's window and a page at most."""
         if not self.windows:
@@ -102,8 +104,13 @@ class Placement:
         plus room for the next token."""
         return self._bound(w, seq) if self.policy == "full" else self._pages(w, seq.kv_len + 1)
 
+    def projected_load(self, seq: Sequence, w: int) -> float:
+        """Tokens (all layers) seq would put on worker w's reads over its life, on average:
+        its prompt and half its generation bound, a windowed layer's window at most."""
+        return self.live_tokens(w, seq.prompt_len + seq.max_tokens / 2)
+
     def _projected(self, seq: Sequence, w: int) -> float:
-        return self._live(w, seq.prompt_len + seq.max_tokens / 2) - self._shared.get(seq.seq_id, 0)
+        return self.projected_load(seq, w) - self._shared.get(seq.seq_id, 0)
 
     def fits_anywhere_alone(self, seq: Sequence) -> bool:
         """False if no worker could hold this sequence's worst case even when empty (a request error)."""
@@ -111,9 +118,24 @@ class Placement:
 
     def cost(self, w: int, seq: Sequence, shared_tokens: int = 0) -> float:
         """When worker w's part of a step would end with seq on it: what else its step carries,
-        then its projected load at its bandwidth (the lower, the better: the step ends earliest)."""
-        load = self.load[w] + self._live(w, seq.prompt_len + seq.max_tokens / 2) - shared_tokens
-        return self.base_s[w] + load / self.bandwidth[w]
+        then its projected load at its bandwidth (the lower, the better: the step ends earliest).
+        With a step model (sched/balance.py) the whole step's time comes first: seq goes where the
+        step grows least, and among places that leave it as it is, where its worker ends earliest."""
+        own = self.base_s[w] + (self.load[w] + self.projected_load(seq, w) - shared_tokens) / self.bandwidth[w]
+        if self.step_model is None:
+            return own
+        extra = [0.0] * len(self.load)
+        extra[w] = self.projected_load(seq, w) - shared_tokens
+        return self.step_model.times_with(extra)[w] + own * OWN_TIE
+
+    def _costs(self, seq: Sequence, workers, shared_tokens: int) -> dict[int, float]:
+        """cost() of every worker in `workers`, the step model's sums taken once."""
+        if self.step_model is None:
+            return {w: self.cost(w, seq, shared_tokens) for w in workers}
+        extra = [self.projected_load(seq, w) - shared_tokens for w in range(len(self.load))]
+        steps = self.step_model.times_with(extra)
+        return {w: steps[w] + OWN_TIE * (self.base_s[w] + (self.load[w] + extra[w]) / self.bandwidth[w])
+                for w in workers}
 
     def set_speeds(self, tokens_per_s: list[float]) -> None:
         """Measured speeds (KV tokens of all layers read per second), one per worker."""
@@ -124,6 +146,7 @@ class Placement:
     def best(self, seq: Sequence, workers=None, shared_tokens: int = 0) -> int | None:
         """The worker (of `workers`, default all) with room for seq and the lowest cost; None: none has room."""
         best, best_cost = None, math.inf
+        roomy = []
         for w in range(len(self.capacity_tokens)) if workers is None else workers:
             cap = self.capacity_tokens[w]
             need = self._charge(w, self._initial(w, seq)) - shared_tokens
@@ -133,7 +156,10 @@ class Placement:
                 need += self.resident[w] * self.page[w]
             if self.reserved[w] + need > cap:
                 continue
-            cost = self.cost(w, seq, shared_tokens) + (OVERFLOW_S if self.overflow_only[w] else 0.0)
+            roomy.append(w)
+        costs = self._costs(seq, roomy, shared_tokens) if roomy else {}
+        for w in roomy:
+            cost = costs[w] + (OVERFLOW_S if self.overflow_only[w] else 0.0)
             if cost < best_cost:
                 best, best_cost = w, cost
         return best

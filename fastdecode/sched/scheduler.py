@@ -14,6 +14,9 @@ page left for an older one's next token; they go back to the head of the queue w
 generated and are prefilled again (prompt + output) when re-admitted.
 With a prefix cache (engine/prefix_cache.py) a sequence whose prompt starts with whole pages another
 holds on an R-worker is placed there and prefills only the rest; admission counts it so.
+With a balance (sched/balance.py) a sequence starts only while it raises tokens/s: the head of the
+queue waits, even with memory free, once one more sequence would slow the step by more than it
+adds; the stabilized schedule's target batch follows the balance point.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from fastdecode.engine.sequence import Sequence, Status
 from fastdecode.sched.admission import HEAD_WINDOW
+from fastdecode.sched.balance import StepBalance, follow_balance
 from fastdecode.sched.placement import Placement
 
 if TYPE_CHECKING:
@@ -38,9 +42,11 @@ def splittable(seq: Sequence) -> bool:
 
 class Scheduler:
     def __init__(self, admission, placement: Placement, max_batch: int, max_prefill_tokens: int,
-                 max_num_batched_tokens: int | None = None, prefix: PrefixCache | None = None):
+                 max_num_batched_tokens: int | None = None, prefix: PrefixCache | None = None,
+                 balance: StepBalance | None = None):
         self.admission = admission
         self.placement = placement
+        self.balance = balance          # None: memory alone bounds the batch
         self.prefix = prefix            # shared prompt prefixes (None: every prompt prefills in full)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
@@ -96,6 +102,8 @@ class Scheduler:
                    for i, s in enumerate(head)]
         running = [(self._own_tokens(s, False), s.max_tokens - len(s.output_ids), len(s.output_ids))
                    for s in self.running]
+        if self.balance is not None:
+            follow_balance(self.admission, self.balance, waiting, self.max_batch)
         k = self.admission.admit(step, waiting, running, self.placement.total_capacity_tokens())
         k = min(k, self.max_batch - len(self.running))
         admitted, tokens = [], 0
@@ -108,6 +116,8 @@ class Scheduler:
                 break
             if budget is not None and not splittable(seq) and seq.kv_len > budget and (chosen or admitted):
                 break                       # prefilled in one piece: waits for a step with room
+            if self.balance is not None and not self.balance.admits(seq):
+                break                       # one more would slow the step by more than it adds
             if self._place(seq) is None:
                 break                       # no worker has room now (or its prefix is being prefilled)
             self.waiting.popleft()

@@ -61,6 +61,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     job.add_argument("--admit-every", type=positive_int, default=None, help="stabilized: F steps (default S/16)")
     job.add_argument("--max-gen", type=positive_int, default=None,
                      help="stabilized: generation length S (default: estimated from the requests)")
+    job.add_argument("--balance", action=argparse.BooleanOptionalAction, default=True,
+                     help="start a sequence only while it raises tokens/s (generate's --balance; default on)")
     job.add_argument("--stabilize-lengths", default="learnt", choices=["learnt", "max-tokens"],
                      help="stabilized: project with learnt lengths (default) or max_tokens")
     out = p.add_argument_group("output")
@@ -89,7 +91,8 @@ def _config(args, prof):
     return SimConfig(rworkers=rworkers, depth=args.pipeline_depth, schedule=args.schedule, max_batch=max_batch,
                      max_prefill_tokens=args.max_prefill_tokens, target_batch=args.target_batch,
                      admit_every=args.admit_every, max_gen=args.max_gen,
-                     learn_lengths=args.stabilize_lengths == "learnt", use_numba=not args.no_numba)
+                     learn_lengths=args.stabilize_lengths == "learnt", use_numba=not args.no_numba,
+                     balance=args.balance)
 
 
 def simulate_args(args) -> dict:

@@ -10,9 +10,10 @@ has generated its trace's output length, and a controller that learns lengths he
 A request joins the queue at its arrival time; with nothing to run, time skips to the next.
 
 With the S-worker's own KV tier (the profile's device_tier) placement is the engine's across
-tiers: the workers' speeds set from the profile, the tier's `base_s` learnt from each decode step's
-S-part time as LLMEngine._learn_tier_base learns it (a CPU S-worker's own store takes only what the
-R-workers have no room for until then), and the tier's attention on the S side of the step.
+tiers: the workers' speeds set from the profile (a CPU S-worker's own store takes only what the
+R-workers have no room for until the S-part is timed), and the tier's attention on the S side of
+the step. The balance rule (sched/balance.py) is the engine's too: each decode step's times go to
+the same StepBalance the engine feeds, which gates admissions and sets the stabilized target.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdecode.sched.admission import HEAD_WINDOW, FifoAdmission, StabilizedAdmission
+from fastdecode.sched.balance import StepBalance, follow_balance
 from fastdecode.sched.placement import Placement
 from fastdecode.sim.costs import Costs
 from fastdecode.sim.kernel import step_function
@@ -39,6 +41,7 @@ class SimConfig:
     admit_every: int | None = None
     max_gen: int | None = None
     learn_lengths: bool = True
+    balance: bool = True            # generate's --balance: start a sequence only while it raises tokens/s
     use_numba: bool = True
     max_steps: int = 10_000_000
 
@@ -87,7 +90,6 @@ class SimRun:
 
 STEP_KEYS = ("t_s", "active", "tokens", "admitted", "waiting", "prefill_s", "decode_s", "s_time_s",
              "link_out_s", "link_back_s", "tier_busy_s", "tier_kv_tokens")
-TIER_BASE_WEIGHT = 0.3           # LLMEngine._learn_tier_base's exponential average
 
 
 def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
@@ -106,6 +108,9 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
     if tier >= 0:           # as LLMEngine sets it up: measured speeds, the tier's S-part time still unknown
         placement.set_speeds(costs.speeds())
         placement.overflow_only[tier] = costs.profile.device_tier.kind == "local"
+    balance = StepBalance(placement, cfg.depth, tier if tier >= 0 else None,
+                          fixed_s=(costs.r_call_s * costs.layers * cfg.depth).tolist(), speeds_known=tier >= 0)
+    gate = balance.attach() if cfg.balance and tier >= 0 else None     # as the engine: with a tier to weigh
     capacity = placement.total_capacity_tokens()
     order = np.lexsort((np.arange(n), trace.arrival_s))          # FIFO: by arrival, then trace order
     seqs = [_Seq(i + 1, int(trace.prompt_len[i]), int(trace.max_tokens[i])) for i in range(n)]
@@ -120,7 +125,7 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
             now = float(trace.arrival_s[order[nxt]])              # idle until the next request arrives
             continue
         step += 1
-        new = _admit(controller, placement, seqs, trace, order[nxt:end], running, cfg, step, capacity)
+        new = _admit(controller, placement, gate, seqs, trace, order[nxt:end], running, cfg, step, capacity)
         nxt += len(new)
         admitted_step[new] = step
         sent = np.array([seqs[i].worker != tier for i in new], bool)
@@ -139,8 +144,8 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
                       costs.back_bytes_row, costs.link, costs.msg_bytes, costs.msg_time, tier)
         decode = float(res[0])
         tier_busy = float(res[4 + tier]) if tier >= 0 else 0.0
-        if tier >= 0 and idx.size:
-            _learn_tier_base(placement, tier, float(res[1]) - tier_busy)
+        if idx.size:
+            _observe(balance, costs, res, worker, kv, W)
         t_end = now + prefill + decode
         if old:
             gaps.append((t_end - now, old))
@@ -170,13 +175,15 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
                   gap_count=g[:, 1].astype(np.int64), admission=controller.describe())
 
 
-def _learn_tier_base(placement: Placement, tier: int, s_part: float, weight: float = TIER_BASE_WEIGHT) -> None:
-    """LLMEngine._learn_tier_base: the S-part's time of a decode step (without the tier's attention)
-    as the tier's base, an exponential average after the first."""
-    base = placement.base_s
-    base[tier] = max(s_part, 0.0) if placement.overflow_only[tier] or base[tier] == 0 \
-        else (1 - weight) * base[tier] + weight * max(s_part, 0.0)
-    placement.overflow_only[tier] = False
+def _observe(balance: StepBalance, costs: Costs, res: np.ndarray, worker: np.ndarray, kv: np.ndarray,
+             W: int) -> None:
+    """A simulated decode step to the balance, as the engine hands it a measured one: the S-side's
+    busy time (S-part, head and the tier's attention), per worker its KV tokens and attention
+    seconds, and the S-worker's wait for the R-workers (the step less its busy time)."""
+    tokens = np.bincount(worker, weights=costs.read_tokens(kv), minlength=W)           # [W]
+    attend = np.asarray(res[4:4 + W], np.float64)                                      # [W]
+    balance.observe(int(worker.size), float(res[1]), tokens.tolist(), attend.tolist(), None,
+                    max(float(res[0]) - float(res[1]), 0.0))
 
 
 def controller_observe(controller, generated: int, stopped: bool) -> None:
@@ -185,20 +192,25 @@ def controller_observe(controller, generated: int, stopped: bool) -> None:
         observe(int(generated), bool(stopped))
 
 
-def _admit(controller, placement: Placement, seqs: list, trace: Trace, queue: np.ndarray, running: list[int],
-           cfg: SimConfig, step: int, capacity: float) -> list[int]:
-    """Scheduler.schedule_prefill without chunked prefill: the controller's k, then placement and
-    the prefill token budget (the first admitted always, the rest while they fit). -> admitted."""
+def _admit(controller, placement: Placement, balance: StepBalance | None, seqs: list, trace: Trace,
+           queue: np.ndarray, running: list[int], cfg: SimConfig, step: int, capacity: float) -> list[int]:
+    """Scheduler.schedule_prefill without chunked prefill: the controller's k, then the balance,
+    placement and the prefill token budget (the first admitted always, the rest while they fit).
+    -> admitted."""
     if not queue.size:
         return []
     head = queue[:max(HEAD_WINDOW, cfg.max_batch)]
     waiting = list(zip(trace.prompt_len[head].tolist(), trace.max_tokens[head].tolist()))
     run = [(seqs[i].kv_len, seqs[i].max_tokens - seqs[i].generated, seqs[i].generated) for i in running]
+    if balance is not None:
+        follow_balance(controller, balance, waiting, cfg.max_batch)
     k = min(controller.admit(step, waiting, run, capacity), cfg.max_batch - len(running))
     admitted, tokens = [], 0
     for i in queue[:max(k, 0)].tolist():
         rows = int(trace.prompt_len[i])
         if admitted and tokens + rows > cfg.max_prefill_tokens:
+            break
+        if balance is not None and not balance.admits(seqs[i]):
             break
         if placement.place(seqs[i]) is None:
             break

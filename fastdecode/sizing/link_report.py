@@ -12,6 +12,7 @@ import dataclasses
 
 from fastdecode.sizing.model import layer_times
 from fastdecode.sizing.schema import LinkProfile, Profile
+from fastdecode.sizing.split import Split
 
 HIDDEN_WITHIN = 0.02        # a layer at most 2% slower than over a free link: the link is hidden
 MAX_HIDE_DEPTH = 8          # depths tried for link_hiding_depth
@@ -23,15 +24,17 @@ def free_link(profile: Profile) -> Profile:
 
 
 def link_report(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int, depth: int,
-                shared_prefix: int = 0, prefix_group: int | None = None, kv_reserve: str = "full") -> dict:
-    """The link's figures for `batch` sequences (what runs) at `depth` (the module docstring):
+                shared_prefix: int = 0, prefix_group: int | None = None, kv_reserve: str = "full",
+                split: Split | None = None) -> dict:
+    """The link's figures for `batch` sequences (what runs; split as `split` says, placement's
+    split by default) at `depth` (the module docstring):
     link_bound_by (the slowest R-worker's name or the S-worker's path), link_next_side ("S" or
     "R") and link_over_next (per-layer load of the link / of that side), link_exposed_s (what the
     link adds to a step at this depth), link_hidden, link_hiding_depth (the smallest depth up to
     MAX_HIDE_DEPTH that hides it; None: none does), link_balance_Bps (the bandwidth on the
     bounding path at which the link's load would equal the next side's; None: its latency alone
     exceeds that side)."""
-    share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group, kv_reserve=kv_reserve)
+    share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group, kv_reserve=kv_reserve, split=split)
     free = free_link(profile)
 
     def exposed(k: int) -> tuple[float, float]:

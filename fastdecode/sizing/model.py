@@ -43,6 +43,8 @@ on the R-workers):
     layer     max(depth·(s + t), depth·r, depth·link, s + max(t, r + link + hop))
 Capacity counts both: the tier holds whole worst cases (full) or memory_batch's count (grow) of its
 own pages; a windowed layer is charged in full where the tier keeps its pages (the device tier).
+`plan` runs only what the engine's balance rule admits of a batch (sizing/balance.py): predict_run
+takes that split in place of placement's.
 """
 from __future__ import annotations
 
@@ -129,7 +131,7 @@ def tier_fit(profile: Profile, gen_len: int, prompt_len: int, kv_reserve: str, s
 @dataclass(slots=True)
 class Prediction:
     batch: int                      # asked for
-    batch_run: int                  # what fits in the R-workers' memory (<= batch)
+    batch_run: int                  # what runs: what memory holds of the batch, less balance_waiting
     gen_len: int                    # S
     prompt_len: int
     shared_prefix: int              # tokens of the prompt shared by a group (0: none)
@@ -158,6 +160,9 @@ class Prediction:
     tier_capacity_sequences: int = 0    # the most the tier holds (0: no tier)
     tier_split: str = NO_TIER       # balanced | tier full | all on the tier | none on the tier | R-workers full
     tier_layer_s: float = 0.0       # the tier's attention per layer, summed over the mini-batches (on the S side)
+    rworker_capacity_sequences: int = 0     # the most the R-workers hold
+    balance_waiting: int = 0        # of the batch memory holds, sequences the balance rule leaves waiting
+                                    # (sizing/balance.py: the R-workers take them only past their balance point)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -254,7 +259,7 @@ def _seq_read_bytes(profile: Profile, workers: list[RWorkerProfile], mini: float
 
 def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int,
                 depth: int, shared_prefix: int = 0, prefix_group: int | None = None,
-                kv_reserve: str = "full") -> dict:
+                kv_reserve: str = "full", split: Split | None = None) -> dict:
     """Per layer, with `depth` mini-batches of batch/depth in flight. Per mini-batch: s (S-part),
     r (R-part), link (Q,K,V out + O back: over the slowest R-worker's link or the S-worker's path
     to all of them, sizing/link.py, which the result names as link_by; in the chain out then
@@ -268,13 +273,15 @@ def layer_times(profile: Profile, batch: int, gen_len: int, prompt_len: int, rwo
     A shared prefix (groups of prefix_group sequences, default the batch) is priced by _r_tokens on
     the R-part and _own_prompt on the prefill's K, V.
     With the S-worker's own tier the batch splits as tier_split says (its memory and the
-    R-workers' as `kv_reserve` reserves them): the tier's attention t follows the S-part on the
-    S side, the R-workers and the link carry the rest (the module docstring)."""
+    R-workers' as `kv_reserve` reserves them), or as `split` says where it is given (the balance
+    rule's, sizing/balance.py; its two counts sum to `batch`): the tier's attention t follows the
+    S-part on the S side, the R-workers and the link carry the rest (the module docstring)."""
     m = profile.model
     mini = batch / depth
     group = _group(batch, prefix_group)
     workers = profile.workers(rworkers)
-    sp = tier_split(profile, batch, gen_len, prompt_len, rworkers, depth, shared_prefix, prefix_group, kv_reserve)
+    sp = split if split is not None else tier_split(profile, batch, gen_len, prompt_len, rworkers, depth,
+                                                    shared_prefix, prefix_group, kv_reserve)
     mini_t, mini_r = sp.tier / depth, sp.rworkers / depth
     s = profile.s_worker.layer_time(mini)
     read = m.read_fraction(_avg_kv_len(gen_len, prompt_len))
@@ -361,7 +368,8 @@ ADMIT_FRACTION = 16     # the stabilized schedule's default micro-batch: B/16 se
 
 def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
             rworkers: int | None = None, depth: int = 2, prefill_chunk: int | None = None,
-            kv_reserve: str = "full", shared_prefix: int = 0, prefix_group: int | None = None) -> Prediction:
+            kv_reserve: str = "full", shared_prefix: int = 0, prefix_group: int | None = None,
+            split: Split | None = None) -> Prediction:
     """Steady-state prediction with the stabilized schedule. If the batch does not fit in the
     R-workers' memory as `kv_reserve` reserves it (generate's --kv-reserve: full, the default,
     holds every sequence's worst case; grow what it has filled), the batch that fits runs
@@ -370,28 +378,46 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     the largest chunk the profile measured (the engine's --max-prefill-tokens). The first
     `shared_prefix` prompt tokens are shared by groups of `prefix_group` sequences (default: the
     whole batch); a member prefills only its suffix, whose tokens attend over the whole prompt, so
-    they cost the prompt length's per-token prefill."""
+    they cost the prompt length's per-token prefill. The batch splits between the S-worker's tier
+    and the R-workers as placement splits it, or as `split` says (predict_run)."""
     if batch < 1 or gen_len < 1 or prompt_len < 0 or depth < 1:
         raise ValueError("need batch >= 1, gen_len >= 1, prompt_len >= 0, depth >= 1")
     if not 0 <= shared_prefix <= prompt_len or (prefix_group is not None and prefix_group < 1):
         raise ValueError("need 0 <= shared_prefix <= prompt_len and prefix_group >= 1")
-    share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group)
-    tier = profile.device_tier
-    needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth, kv_reserve=kv_reserve, **share)
+    needed = rworkers_needed(profile, batch, gen_len, prompt_len, depth, kv_reserve=kv_reserve,
+                             shared_prefix=shared_prefix, prefix_group=prefix_group)
     if rworkers is None:
         rworkers = needed if needed is not None else len(profile.r_workers)
-    if rworkers < (0 if tier is not None else 1):
+    if rworkers < (0 if profile.device_tier is not None else 1):
         raise ValueError("need at least one R-worker" + (" (the profile has no S-worker tier)" if rworkers == 0 else ""))
+    return predict_run(profile, batch, gen_len, prompt_len, rworkers, depth, needed, split, prefill_chunk, kv_reserve,
+                       shared_prefix, prefix_group)
+
+
+def predict_run(profile: Profile, batch: int, gen_len: int, prompt_len: int, rworkers: int, depth: int,
+                needed: int | None, split: Split | None = None, prefill_chunk: int | None = None,
+                kv_reserve: str = "full", shared_prefix: int = 0, prefix_group: int | None = None) -> Prediction:
+    """predict's body, its arguments checked and the R-workers needed (`needed`) known: what runs
+    of `batch` sequences asked for, split as placement splits them or, given `split` (the balance
+    rule's, sizing/balance.py: at most what memory holds of the batch), as it says. Sequences of
+    the batch that memory holds but the split leaves out wait (balance_waiting); the bound is then
+    the step's, not capacity."""
+    share = dict(shared_prefix=shared_prefix, prefix_group=prefix_group)
+    tier = profile.device_tier
     workers = profile.workers(rworkers)
     cap = kv_tokens_capacity(profile, rworkers)
     group = _group(batch, prefix_group)
-    fit = sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group) \
-        + tier_fit(profile, gen_len, prompt_len, kv_reserve, shared_prefix, group)
-    batch_run = min(batch, fit)
+    r_fit = sequences_fitting(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+    fit = r_fit + tier_fit(profile, gen_len, prompt_len, kv_reserve, shared_prefix, group)
+    held_in_memory = min(batch, fit)
+    batch_run = held_in_memory if split is None else split.tier + split.rworkers
+    if batch_run > held_in_memory:
+        raise ValueError(f"a split of {batch_run} sequences: memory holds {held_in_memory} of the {batch} asked")
     common = dict(batch=batch, gen_len=gen_len, prompt_len=prompt_len, shared_prefix=shared_prefix,
                   prefix_group=int(min(group, max(batch_run, 1))), shared_cost_ratio=_shared_ratio(workers),
                   rworkers=rworkers, rworkers_needed=needed, pipeline_depth=depth, kv_reserve=kv_reserve,
-                  kv_tokens_capacity=cap)
+                  kv_tokens_capacity=cap, rworker_capacity_sequences=r_fit,
+                  balance_waiting=held_in_memory - batch_run)
     if batch_run < 1:
         held = _held_per_seq(profile, workers or ([tier] if tier is not None else []), gen_len, prompt_len,
                              kv_reserve, shared_prefix, group)
@@ -399,7 +425,8 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
                           s_layer_s=0.0, r_layer_s=0.0, link_layer_s=0.0,
                           layer_s=math.inf, prefill_s=0.0, step_latency_s=math.inf, tokens_per_s=0.0,
                           bound="capacity", efficiency=0.0)
-    t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth, kv_reserve=kv_reserve, **share)
+    t = layer_times(profile, batch_run, gen_len, prompt_len, rworkers, depth, kv_reserve=kv_reserve, split=split,
+                    **share)
     sp: Split = t["split"]
     held_t = _held_per_seq(profile, [tier] if sp.tier else [], gen_len, prompt_len, kv_reserve, shared_prefix, group)
     held_r = _held_per_seq(profile, workers, gen_len, prompt_len, kv_reserve, shared_prefix, group)
@@ -422,7 +449,7 @@ def predict(profile: Profile, batch: int, gen_len: int, prompt_len: int = 0,
     return Prediction(**common, batch_run=batch_run, kv_tokens_needed=need, s_layer_s=t["s"], r_layer_s=t["r"],
                       link_layer_s=t["link"], layer_s=t["layer"], prefill_s=prefill,
                       step_latency_s=step, tokens_per_s=batch_run / step,
-                      bound="capacity" if batch_run < batch else t["bound"],
+                      bound="capacity" if batch_run == fit < batch else t["bound"],
                       efficiency=sw.efficiency(batch_run / depth) / grid_best,
                       tier_sequences=sp.tier, rworker_sequences=sp.rworkers,
                       tier_kv_bytes=sp.tier * held_t * token_bytes, rworker_kv_bytes=sp.rworkers * held_r * token_bytes,

@@ -4,8 +4,11 @@ From a measured profile (`--profile profile.json`) or stated hardware (`--gpu-pr
 `--cpu-bw`, `--cpu-mem`, `--link-bw`, `--model`, `--device-kv-gb`, `--device-kv-gbps`); stated
 flags given with a profile replace those parts of it (what-if). With the S-worker's own KV tier
 (the profile's, a stated GPU's by default, or stated) it says how the batch splits between the tier
-and the R-workers; `--rworkers 0` plans a GPU-only engine. Without --batch it sweeps B and marks
-the knee of E(B).
+and the R-workers; `--rworkers 0` plans a GPU-only engine. What runs of a batch follows the
+engine's balance rule (sizing/balance.py): the tier first where it is the faster place, the
+R-workers only while one more sequence raises tokens/s. Without --batch it sweeps B from 1 to what
+memory holds, marks the knee of E(B) and says the best. Given several counts (`--rworkers 0 1 2
+4`), it gives each count's best tokens/s, the card alone first, and what each socket adds.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import sys
 
 from fastdecode.model.hf_cache import looks_like_repo_id
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
+from fastdecode.sizing.balance import Workload, best_depth, best_per_sockets, sweep_batches
 from fastdecode.sizing.fidelity import fidelity, fidelity_line
 from fastdecode.sizing.hardware import (
     GPU_PRESETS,
@@ -27,9 +31,9 @@ from fastdecode.sizing.hardware import (
     stated_tier,
 )
 from fastdecode.sizing.link_report import link_line, link_report
-from fastdecode.sizing.model import predict
+from fastdecode.sizing.model import Prediction, predict_run
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
-from fastdecode.sizing.split import ALL_ON_TIER, BALANCED, NONE_ON_TIER, R_FULL, TIER_FULL
+from fastdecode.sizing.split import ALL_ON_TIER, BALANCED, NONE_ON_TIER, R_FULL, TIER_FULL, Split
 from fastdecode.sizing.tensor_parallel import add_options as add_tp_options
 from fastdecode.sizing.tensor_parallel import (
     sizing_from_args,
@@ -39,8 +43,9 @@ from fastdecode.sizing.tensor_parallel import (
 )
 from rworker.protocol.kvformat import kv_elem_bytes
 
-SWEEP = [2 ** i for i in range(4, 15)]     # 16 .. 16384
 KV_DTYPES = ["bf16", "fp16", "fp32", "fp8", "int8"]
+AUTO_DEPTH = "auto"         # --pipeline-depth: the better of 1 and 2 at each batch
+ENGINE_DEPTH = 2            # generate's default --pipeline-depth: where the knee is counted under auto
 
 
 # stated hardware where a flag is not given (a measured profile's own values win over these)
@@ -54,11 +59,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tgt = p.add_argument_group("target")
     tgt.add_argument("--context", type=int, default=1024, help="generation length S, tokens (default: %(default)s)")
     tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens (default: %(default)s)")
-    tgt.add_argument("--batch", type=int, help=f"batch B (default: a sweep over B from {SWEEP[0]} to {SWEEP[-1]})")
-    tgt.add_argument("--rworkers", type=int, help="R-workers P; 0 with the S-worker's own tier: a GPU-only "
-                                                   "engine (default: the number needed)")
-    tgt.add_argument("--pipeline-depth", type=int, default=2,
-                     help="mini-batches in flight, 1 = no pipeline (default: %(default)s)")
+    tgt.add_argument("--batch", type=int, help="batch B offered (default: a sweep over B from 1 to what memory "
+                                                "holds)")
+    tgt.add_argument("--rworkers", type=int, nargs="+", metavar="P",
+                     help="R-workers (CPU sockets) P; 0 with the S-worker's own tier: a GPU-only engine; several "
+                          "counts: each one's best tokens/s and what it adds, the card alone (0) first "
+                          "(default: the number needed)")
+    tgt.add_argument("--pipeline-depth", type=_depth, default=AUTO_DEPTH,
+                     help=f"mini-batches in flight, 1 = no pipeline; {AUTO_DEPTH}: the better of 1 and 2 at each "
+                          f"batch of a sweep or of several --rworkers, {ENGINE_DEPTH} (generate's default) for one "
+                          "--batch on one count (default: %(default)s)")
     tgt.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill chunk (default: one admitted micro-batch, B/16 prompts, "
                           "up to the profile's largest chunk)")
@@ -75,6 +85,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     return p
+
+
+def _depth(text: str) -> int | str:
+    """--pipeline-depth: a count, or AUTO_DEPTH."""
+    if text == AUTO_DEPTH:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or {AUTO_DEPTH!r}, got {text!r}") from None
 
 
 def add_hardware_options(p: argparse.ArgumentParser):
@@ -162,7 +182,8 @@ def build_profile(args) -> Profile:
         STATED_LINK_LATENCY_US if args.link_latency is None else args.link_latency))
     overhead = STATED_OVERHEAD_US if args.rworker_overhead_us is None else args.rworker_overhead_us
     if not args.profile:
-        gpu_only = getattr(args, "rworkers", None) == 0 and args.device_kv
+        counts = socket_counts(getattr(args, "rworkers", None))
+        gpu_only = bool(counts) and not any(counts) and args.device_kv
         missing = [f for f, v in (("--gpu-profile", args.gpu_profile), ("--model", args.model),
                                   ("--cpu-bw", args.cpu_bw or gpu_only or None)) if v is None]
         if missing:
@@ -244,10 +265,33 @@ def _profile_tier(prof: Profile, args):
     return tier
 
 
+def socket_counts(rworkers) -> list[int]:
+    """--rworkers as a list: plan's counts (a list, or None: the number needed), or simulate's one."""
+    if rworkers is None:
+        return []
+    return list(rworkers) if isinstance(rworkers, (list, tuple)) else [rworkers]
+
+
+def stated_depth(args) -> int | None:
+    """--pipeline-depth as stated; None: auto."""
+    return None if args.pipeline_depth == AUTO_DEPTH else args.pipeline_depth
+
+
+def plan_depth(args) -> int | None:
+    """The depth to plan at: as stated; under auto the better of 1 and 2 at each batch (None) where
+    plan looks for the best (a sweep, several socket counts), generate's default where it prices one
+    --batch on one machine."""
+    depth = stated_depth(args)
+    if depth is None and args.batch and len(socket_counts(args.rworkers)) < 2:
+        return ENGINE_DEPTH
+    return depth
+
+
 def _check(args) -> None:
+    counts = [("--rworkers", p, 0) for p in socket_counts(args.rworkers)]
     for flag, v, lo in (("--context", args.context, 1), ("--prompt-len", args.prompt_len, 0),
-                        ("--batch", args.batch, 1), ("--rworkers", args.rworkers, 0),
-                        ("--pipeline-depth", args.pipeline_depth, 1), ("--prefill-chunk", args.prefill_chunk, 1)):
+                        ("--batch", args.batch, 1), *counts, ("--pipeline-depth", stated_depth(args), 1),
+                        ("--prefill-chunk", args.prefill_chunk, 1)):
         if v is not None and v < lo:
             raise PlanError(f"{flag} must be >= {lo} (got {v})")
     check_hardware(args)
@@ -280,19 +324,37 @@ def _check_sharing(args) -> None:
         raise PlanError(f"--prefix-group must be >= 1 (got {args.prefix_group})")
 
 
+def workload(args) -> Workload:
+    """The target flags as the balance rule's Workload."""
+    return Workload(args.context, args.prompt_len, args.prefill_chunk, args.kv_reserve, args.shared_prefix,
+                    args.prefix_group)
+
+
+def _split_of(prof: Profile, pred: Prediction) -> Split | None:
+    """The split `pred` runs, to price it at other depths (None without a tier: placement's, all
+    on the R-workers)."""
+    if prof.device_tier is None:
+        return None
+    return Split(pred.tier_sequences, pred.rworker_sequences, pred.tier_split, pred.tier_capacity_sequences,
+                 pred.rworker_capacity_sequences)
+
+
 def _row(prof: Profile, batch: int, args) -> dict:
-    share = dict(shared_prefix=args.shared_prefix, prefix_group=args.prefix_group)
-    pred = predict(prof, batch, args.context, args.prompt_len, args.rworkers, args.pipeline_depth, args.prefill_chunk,
-                   args.kv_reserve, **share)
-    flat = predict(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, args.prefill_chunk, args.kv_reserve,
-                   **share)
+    """One batch: what the balance rule runs of it at its (better) depth, the same sequences at
+    depth 1, the link's figures, and what --kv-reserve grow would hold."""
+    work, share = workload(args), dict(shared_prefix=args.shared_prefix, prefix_group=args.prefix_group)
+    rworkers = socket_counts(args.rworkers)
+    pred = best_depth(prof, batch, work, rworkers[0] if rworkers else None, plan_depth(args))
+    split = _split_of(prof, pred)
+    flat = predict_run(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, pred.rworkers_needed, split,
+                       args.prefill_chunk, args.kv_reserve, **share)
     row = {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s, "tokens_per_s_depth1": flat.tokens_per_s}
     if pred.rworker_sequences >= 1:          # something crosses the link
         row.update(link_report(prof, pred.batch_run, args.context, args.prompt_len, pred.rworkers,
-                               args.pipeline_depth, kv_reserve=args.kv_reserve, **share))
+                               pred.pipeline_depth, kv_reserve=args.kv_reserve, split=split, **share))
     if args.kv_reserve == "full" and pred.bound == "capacity":      # what the other policy would hold
-        row["batch_run_if_grow"] = predict(prof, batch, args.context, args.prompt_len, pred.rworkers,
-                                           args.pipeline_depth, args.prefill_chunk, "grow", **share).batch_run
+        grow = dataclasses.replace(work, kv_reserve="grow")
+        row["batch_run_if_grow"] = best_depth(prof, batch, grow, pred.rworkers, pred.pipeline_depth).batch_run
     return row
 
 
@@ -334,8 +396,10 @@ def _target_line(args) -> str:
     if args.shared_prefix:
         kv += (f" of its own + a {args.shared_prefix}-token prefix shared by "
                + ("the whole batch" if args.prefix_group is None else f"groups of {args.prefix_group}"))
+    depth = plan_depth(args)
     return (f"target: generation S = {args.context}, prompt {args.prompt_len} -> {kv}; "
-            f"pipeline depth {args.pipeline_depth}; --kv-reserve {args.kv_reserve}")
+            + (f"pipeline depth {depth}" if depth else "pipeline depth 1 or 2, the better at each batch")
+            + f"; --kv-reserve {args.kv_reserve}")
 
 
 def _sharing_line(r: dict) -> str:
@@ -367,71 +431,160 @@ def _fmt_p(row) -> str:
     return "-" if row["rworkers_needed"] is None else str(row["rworkers_needed"])
 
 
+def card_alone_words(row: dict, card_tokens_per_s: float) -> str:
+    """What a socket count whose best puts nothing on its R-workers comes to."""
+    n = row["rworkers"]
+    return (f"{n} R-worker{'s' if n != 1 else ''} add{'s' if n == 1 else ''} nothing here: the card alone is best "
+            f"({card_tokens_per_s:,.0f} tokens/s); the R-workers would take sequences only past their balance point")
+
+
+def _balance_line(r: dict) -> str:
+    return (f"balance: {r['batch_run']:,} sequences run, {r['balance_waiting']:,} more that memory holds wait: the "
+            f"R-workers take sequences only up to their balance point (one more would lower tokens/s)")
+
+
+def _best_line(r: dict) -> str:
+    split = f" ({r['tier_sequences']:,} on the tier, {r['rworker_sequences']:,} on the R-workers)" \
+        if r["tier_capacity_sequences"] and r["rworkers"] else ""
+    return (f"best: {r['tokens_per_s']:,.0f} tokens/s at batch {r['batch_run']:,}{split}, depth "
+            f"{r['pipeline_depth']}, step {r['step_latency_s'] * 1e3:.1f} ms; bound: {r['bound']}")
+
+
 def run(args) -> int:
     try:
         _check(args)
         prof = build_profile(args)
-        knee = prof.s_worker.knee() * args.pipeline_depth     # each mini-batch at the knee
-        batches = [args.batch] if args.batch else sorted(set(SWEEP + [knee]))
+        depth = plan_depth(args)
+        knee = prof.s_worker.knee() * (depth or ENGINE_DEPTH)     # each mini-batch at the knee
+        counts = socket_counts(args.rworkers)
+        if len(counts) > 1:
+            rows = best_per_sockets(prof, counts, args.context, args.prompt_len, depth,
+                                    [args.batch] if args.batch else None, args.prefill_chunk, args.kv_reserve,
+                                    args.shared_prefix, args.prefix_group)
+            return _report_sockets(prof, rows, knee, args)
+        batches = [args.batch] if args.batch else sweep_batches(prof, workload(args), counts[0] if counts else None,
+                                                                 depth, also=(knee,))
         rows = [_row(prof, b, args) for b in batches]
     except (PlanError, ValueError) as e:
         print(f"fastdecode plan: error: {e}", file=sys.stderr)
         return 2
     pick = rows[0] if args.batch else next(r for r in rows if r["batch"] == knee)
+    best = best_of_rows(rows)
     fid = fidelity(prof.s_worker.device, pick["bound"], prof.source == "measured")
     if args.json:
-        out = {**pick, "knee_batch": knee, "model": prof.model.name, "s_worker": prof.s_worker.device,
-               "profile_source": prof.source, "fidelity": fid,
-               "device_tier": dataclasses.asdict(prof.device_tier) if prof.device_tier is not None else None}
+        out = {**pick, "knee_batch": knee, **_about(prof), "fidelity": fid}
         if not args.batch:
-            out["sweep"] = rows
+            out["sweep"], out["best"] = rows, best
         print(json.dumps(out, indent=1))
         return 0
-    print("\n".join(_header(prof, knee, args.pipeline_depth, args)))
+    print("\n".join(_header(prof, knee, depth or ENGINE_DEPTH, args)))
     print(_target_line(args))
     if args.batch:
-        r = pick
-        where = f"{r['rworkers']} R-workers" + (" and the S-worker's tier" if prof.device_tier is not None else "")
-        print(f"batch {r['batch']}" + (f" (memory holds {r['batch_run']})" if r["batch_run"] < r["batch"] else "")
-              + f": KV {r['kv_tokens_needed']:,.0f} tokens reserved of {r['kv_tokens_capacity']:,.0f} on "
-              f"{where}; R-workers needed: {_fmt_p(r)}")
-        if prof.device_tier is not None and r["batch_run"]:
-            print(_split_line(r))
-        if r["shared_prefix"]:
-            print(_sharing_line(r))
-        if "batch_run_if_grow" in r:
-            print(f"  (with --kv-reserve grow, sequences reserve as they grow: memory holds {r['batch_run_if_grow']})")
-        tier_ms = f" + tier {r['tier_layer_s'] * 1e3:.3f} ms" if r["tier_sequences"] else ""
-        print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms{tier_ms}, R {r['r_layer_s'] * 1e3:.3f} ms, "
-              f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
-        if "link_bound_by" in r and (r["bound"] == "link" or not r["link_hidden"]):
-            print(link_line(r))
-        if r["prefill_s"]:
-            own = r["prompt_len"] - r["shared_prefix"] + r["shared_prefix"] / r["prefix_group"]
-            print(f"prefill of {r['batch_run'] * own / args.context:,.0f} prompt tokens per step: "
-                  f"{r['prefill_s'] * 1e3:.1f} ms on the S-worker")
-        print(f"step latency {r['step_latency_s'] * 1e3:.1f} ms (depth 1: {r['step_latency_depth1_s'] * 1e3:.1f} ms), "
-              f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_depth1']:,.0f} at depth 1), "
-              f"{r['step_latency_s'] * 1e3:.1f} ms/token per sequence; bound: {r['bound']}")
-        print(fidelity_line(fid, r["bound"]))
+        _print_batch(prof, pick, fid, args)
         return 0
-    tier = prof.device_tier is not None
-    print(f"{'batch':>7} {'E(B)':>6} {'P need':>6} {'P':>5} " + (f"{'tier':>6} {'tier ms':>8} " if tier else "")
-          + f"{'S ms':>8} {'R ms':>8} {'link ms':>8} {'step ms':>9} {'tokens/s':>10} {'bound':>8}")
-    for r in rows:
-        print(f"{r['batch']:>7} {r['efficiency']:>6.0%} {_fmt_p(r):>6} {r['rworkers']:>5} "
-              + (f"{r['tier_sequences']:>6} {r['tier_layer_s'] * 1e3:>8.3f} " if tier else "")
-              + f"{r['s_layer_s'] * 1e3:>8.3f} {r['r_layer_s'] * 1e3:>8.3f} {r['link_layer_s'] * 1e3:>8.3f} "
-              f"{r['step_latency_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10,.0f} {r['bound']:>8}"
-              + ("  <- knee" if r["batch"] == knee else ""))
+    _print_sweep(prof, rows, knee)
+    if socket_counts(args.rworkers):                # the best of one machine (the count needed varies by row)
+        print(_best_line(best))
+        if best["rworkers"] and prof.device_tier is not None and not best["rworker_sequences"]:
+            print(card_alone_words(best, best["tokens_per_s"]))
     print(f"at the knee (batch {knee}): " + fidelity_line(fid, pick["bound"]))
     return 0
 
 
-def main(argv=None) -> int:
+def best_of_rows(rows: list[dict]) -> dict:
+    """The row with the most tokens/s (ties: the smaller batch)."""
+    return max(rows, key=lambda r: r["tokens_per_s"])
+
+
+def _about(prof: Profile) -> dict:
+    """--json's keys on the machine planned."""
+    return {"model": prof.model.name, "s_worker": prof.s_worker.device, "profile_source": prof.source,
+            "device_tier": dataclasses.asdict(prof.device_tier) if prof.device_tier is not None else None}
+
+
+def _print_batch(prof: Profile, r: dict, fid: dict, args) -> None:
+    """plan --batch: the one batch in words."""
+    where = f"{r['rworkers']} R-workers" + (" and the S-worker's tier" if prof.device_tier is not None else "")
+    held = r["batch_run"] + r["balance_waiting"]
+    print(f"batch {r['batch']}" + (f" (memory holds {held})" if held < r["batch"] else "")
+          + f": KV {r['kv_tokens_needed']:,.0f} tokens reserved of {r['kv_tokens_capacity']:,.0f} on "
+          f"{where}; R-workers needed: {_fmt_p(r)}")
+    if r["balance_waiting"]:
+        print(_balance_line(r))
+    if prof.device_tier is not None and r["batch_run"]:
+        print(_split_line(r))
+    if r["shared_prefix"]:
+        print(_sharing_line(r))
+    if "batch_run_if_grow" in r:
+        print(f"  (with --kv-reserve grow, sequences reserve as they grow: memory holds {r['batch_run_if_grow']})")
+    tier_ms = f" + tier {r['tier_layer_s'] * 1e3:.3f} ms" if r["tier_sequences"] else ""
+    print(f"per layer: S {r['s_layer_s'] * 1e3:.3f} ms{tier_ms}, R {r['r_layer_s'] * 1e3:.3f} ms, "
+          f"link {r['link_layer_s'] * 1e3:.3f} ms -> {r['layer_s'] * 1e3:.3f} ms")
+    if "link_bound_by" in r and (r["bound"] == "link" or not r["link_hidden"]):
+        print(link_line(r))
+    if r["prefill_s"]:
+        own = r["prompt_len"] - r["shared_prefix"] + r["shared_prefix"] / r["prefix_group"]
+        print(f"prefill of {r['batch_run'] * own / args.context:,.0f} prompt tokens per step: "
+              f"{r['prefill_s'] * 1e3:.1f} ms on the S-worker")
+    print(f"step latency {r['step_latency_s'] * 1e3:.1f} ms at depth {r['pipeline_depth']} (depth 1: "
+          f"{r['step_latency_depth1_s'] * 1e3:.1f} ms), {r['tokens_per_s']:,.0f} tokens/s "
+          f"({r['tokens_per_s_depth1']:,.0f} at depth 1), {r['step_latency_s'] * 1e3:.1f} ms/token per sequence; "
+          f"bound: {r['bound']}")
+    print(fidelity_line(fid, r["bound"]))
+
+
+def _print_sweep(prof: Profile, rows: list[dict], knee: int) -> None:
+    """The sweep's table: a row per batch offered, `run` what the balance rule runs of it."""
+    tier = prof.device_tier is not None
+    print(f"{'batch':>7} {'run':>7} {'d':>2} {'E(B)':>6} {'P need':>6} {'P':>5} "
+          + (f"{'tier':>6} {'tier ms':>8} " if tier else "")
+          + f"{'S ms':>8} {'R ms':>8} {'link ms':>8} {'step ms':>9} {'tokens/s':>10} {'bound':>8}")
+    for r in rows:
+        print(f"{r['batch']:>7} {r['batch_run']:>7} {r['pipeline_depth']:>2} {r['efficiency']:>6.0%} {_fmt_p(r):>6} "
+              f"{r['rworkers']:>5} " + (f"{r['tier_sequences']:>6} {r['tier_layer_s'] * 1e3:>8.3f} " if tier else "")
+              + f"{r['s_layer_s'] * 1e3:>8.3f} {r['r_layer_s'] * 1e3:>8.3f} {r['link_layer_s'] * 1e3:>8.3f} "
+              f"{r['step_latency_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10,.0f} {r['bound']:>8}"
+              + ("  <- knee" if r["batch"] == knee else ""))
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+,.0f}"
+
+
+def _report_sockets(prof: Profile, rows: list[dict], knee: int, args) -> int:
+    """plan --rworkers P1 P2 ...: each count's best, what it adds, and the words where the card
+    alone is best."""
+    best = best_of_rows(rows)
+    fid = fidelity(prof.s_worker.device, best["bound"], prof.source == "measured")
+    if args.json:
+        print(json.dumps({**_about(prof), "knee_batch": knee, "fidelity": fid, "sockets": rows}, indent=1))
+        return 0
+    print("\n".join(_header(prof, knee, plan_depth(args) or ENGINE_DEPTH, args)))
+    print(_target_line(args))
+    print(f"{'R-workers':>9} {'tokens/s':>10} {'+previous':>10} {'+card':>8} {'batch':>7} {'d':>2} {'tier':>6} "
+          f"{'on R':>6} {'step ms':>9} {'bound':>8}")
+    for r in rows:
+        over_card = r["over_card_alone_tokens_per_s"] if r["rworkers"] else None      # the card's own row: "-"
+        print(f"{r['rworkers']:>9} {r['tokens_per_s']:>10,.0f} {_signed(r['adds_tokens_per_s']):>10} "
+              f"{_signed(over_card):>8} {r['batch_run']:>7} {r['pipeline_depth']:>2} {r['tier_sequences']:>6} "
+              f"{r['rworker_sequences']:>6} {r['step_latency_s'] * 1e3:>9.1f} {r['bound']:>8}")
+    card = rows[0]["tokens_per_s"] if rows[0]["rworkers"] == 0 else None
+    for r in rows:
+        if r["card_alone_best"]:
+            print(card_alone_words(r, card))
+    print(f"at the best ({best['rworkers']} R-workers): " + fidelity_line(fid, best["bound"]))
+    return 0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """plan's flags, as `fastdecode plan` parses them (build_profile(parse([...])) gives the profile)."""
     parser = argparse.ArgumentParser(prog="fastdecode")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)]))
+    return parser.parse_args(["plan", *argv])
+
+
+def main(argv=None) -> int:
+    return run(parse(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

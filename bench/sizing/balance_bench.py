@@ -1,0 +1,120 @@
+"""Every socket adds: the balance rule against memory-bound admission, through the simulator.
+
+One H100 S-worker with its own KV tier (the `h100` preset) and P CPU sockets as R-workers (350 GB/s
+read at the kernel's 75%, a 25 GB/s link with 3 us latency), P = 0 (the card alone) to 64, on the
+workloads of issue 49: Llama-3-8B with 2,000 chats (prompts 900-1,100, outputs 128-1,024,
+`--max-batch 4096`) and 300 prompts of 28-32k tokens (outputs 128-512). Each point runs the
+engine's admission and placement (`fastdecode simulate`) twice: with the balance rule
+(sched/balance.py, generate's default) and without it (`--no-balance`: memory alone bounds the
+batch, the rule before it). Reported per point: output tokens/s over the whole job, its ratio to the
+best of every smaller socket count (the target: >= 0.98) and to the card alone, and the sequences
+the tier and the R-workers held on average.
+
+    python3 bench/sizing/balance_bench.py        # writes bench/sizing/results/balance.{json,png}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, REPO)
+
+from fastdecode.sim.cli import add_parser, simulate_args  # noqa: E402
+
+HARDWARE = "--gpu-profile h100 --cpu-bw 350 --cpu-eff 0.75 --link-bw 25 --link-latency 3"
+WORKLOADS = {
+    "llama-3-8b chat": "--model llama-3-8b --requests 2000 --prompt-len uniform:900:1100 "
+                       "--output-len uniform:128:1024 --max-batch 4096",
+    "llama-3-8b 32k": "--model llama-3-8b --requests 300 --prompt-len uniform:28000:32000 "
+                      "--output-len uniform:128:512 --max-batch 4096",
+}
+SOCKETS = [0, 1, 2, 4, 8, 16, 32, 64]
+
+
+def simulate(workload: str, sockets: int, schedule: str, balance: bool) -> dict:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    argv = f"simulate {HARDWARE} {WORKLOADS[workload]} --rworkers {sockets} --schedule {schedule} --seed 1"
+    args = parser.parse_args(argv.split() + ([] if balance else ["--no-balance"]))
+    t = time.perf_counter()
+    doc = simulate_args(args)
+    s = doc["summary"]
+    return {"workload": workload, "sockets": sockets, "schedule": schedule, "balance": balance,
+            "output_tokens_per_s": round(s["output_tokens_per_s"], 2), "running_mean": round(s["running_mean"], 1),
+            "tier_kv_share": round(s["tier_kv_share"], 4), "bound": s["bound"],
+            "sim_seconds": round(time.perf_counter() - t, 2), "command": "fastdecode " + argv
+            + ("" if balance else " --no-balance")}
+
+
+def ratios(rows: list[dict]) -> None:
+    """x_best_smaller: tokens/s over the best of every smaller socket count; x_card: over P = 0."""
+    for key in {(r["workload"], r["schedule"], r["balance"]) for r in rows}:
+        series = sorted((r for r in rows if (r["workload"], r["schedule"], r["balance"]) == key),
+                        key=lambda r: r["sockets"])
+        card = series[0]["output_tokens_per_s"]
+        best = 0.0
+        for r in series:
+            r["x_card"] = round(r["output_tokens_per_s"] / card, 3)
+            r["x_best_smaller"] = round(r["output_tokens_per_s"] / best, 3) if best else None
+            best = max(best, r["output_tokens_per_s"])
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(6 * len(WORKLOADS), 4))
+    for ax, workload in zip(axes, WORKLOADS):
+        for balance, style in ((True, "o-"), (False, "x--")):
+            for schedule in ("stabilized", "fifo"):
+                pts = sorted((r["sockets"], r["output_tokens_per_s"]) for r in rows if r["workload"] == workload
+                             and r["balance"] == balance and r["schedule"] == schedule)
+                if pts:
+                    ax.plot([max(p, 0.5) for p, _ in pts], [t for _, t in pts], style,
+                            label=f"{schedule}, {'balance' if balance else 'memory-bound (--no-balance)'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("CPU sockets (0 plotted at 0.5: the card alone)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{workload}: one H100 + P sockets (simulated)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sockets", type=int, nargs="+", default=SOCKETS)
+    ap.add_argument("--schedules", nargs="+", default=["stabilized", "fifo"])
+    ap.add_argument("--only", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--label", default="balance")
+    args = ap.parse_args()
+    rows = []
+    for workload in args.only:
+        for schedule in args.schedules:
+            for balance in (True, False):
+                for p in args.sockets:
+                    rows.append(simulate(workload, p, schedule, balance))
+                    print(json.dumps(rows[-1]), flush=True)
+    ratios(rows)
+    os.makedirs(RESULTS, exist_ok=True)
+    out = os.path.join(RESULTS, f"{args.label}.json")
+    with open(out, "w") as f:
+        json.dump({"hardware": HARDWARE, "workloads": WORKLOADS, "rows": rows}, f, indent=1)
+    try:
+        plot(rows, out.replace(".json", ".png"))
+    except ImportError:
+        print("no matplotlib: plot skipped", file=sys.stderr)
+    worst = min((r["x_best_smaller"] for r in rows if r["balance"] and r["x_best_smaller"]), default=None)
+    print(f"wrote {out}; with the balance rule the worst tokens/s against the best smaller socket count: {worst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The balance rule: a sequence starts only while it raises the job's tokens/s.
+
+A decode step decodes B sequences in T(B) seconds, so the job runs at B / T(B) tokens/s. One more
+sequence pays when (B + 1) / T(B + 1) >= B / T(B), i.e. when the time it adds to the step is no
+more than the step's time per sequence. The step's time comes from the sides that run it:
+
+    S      = s(B) + tier_load / tier_speed        the S-part (head and sampling included), then the
+                                                  S-worker's own tier's attention on the same path
+    R      = (R_load + sum_w overhead_w v_w)      the R-workers as one pool of speeds v_w: the time
+             / sum_w v_w                          at which all end with the load spread evenly
+                                                  (placement spreads it; one worker's share judged
+                                                  alone would refuse every sequence of an R-bound
+                                                  job with several workers)
+    L      = link_fixed + link_row x R_rows       the R-workers' rows there and back on the link
+    T(B)   = max(S, R, (S + L + R) / d)           depth d >= 2: per layer a mini-batch's S-part, its
+                                                  trip and attention must fit in the S-part of the
+                                                  other d - 1 mini-batches
+    T(B)   = s(B) + max(tier part, L + R)         depth 1: the R-workers run beside the tier only
+
+so an R-worker takes sequences for free while its attention fits in the S-side's time, and past
+that only while the longer step buys more sequences than it costs: a step the R-workers already
+bind gains nothing from a sequence added there while another place (the tier) holds sequences.
+Memory stays a cap (placement refuses a worker without room), not the target.
+
+Everything is learnt from the job's own decode steps (`observe`), so the balance follows the job:
+s(B) by batch (an exponential average per band of B, interpolated between bands, extended past the
+largest seen along the last slope: where that guesses high, the steps there correct it),
+each worker's seconds per KV token from its kernel time (placement's start-up speeds are the
+prior), each R-worker's overhead (its busy time beyond the kernel), and the link's seconds per
+R-row from the steps the S-worker waited in: d x T - S - R of such a step is the trip. `load` is
+placement's projected load (prompt + half the generation bound, all layers), the tokens a
+sequence holds over its life on average.
+
+The rule weighs the S-worker's own tier against the R-workers: with R-workers alone every sequence
+they hold adds to a step they bind in proportion, so memory bounds the batch there as before (the
+class still learns, for the report). The engine (engine/llm_engine.py) and the simulator
+(sim/core.py) both run this class: placement
+asks `times_with` where a sequence makes the step grow least, the scheduler asks `admits` before
+it starts one, `follow_balance` sets the stabilized schedule's target, and each decode step's
+measurements go to `observe`.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastdecode.sched.placement import Placement
+
+WEIGHT = 0.3              # the exponential averages' weight of the newest step
+BANDS_PER_OCTAVE = 4      # s(B) is learnt per quarter-octave band of B
+TIE = 1e-9                # relative slack of the marginal test (a step time that does not change pays)
+WAITED = 0.02             # a step whose S-worker waited this fraction of it for the R-workers teaches the link
+TRIP_WEIGHT = 0.05        # the trip's averages: slower, so they keep the spread of rows that tells fixed from per-row
+
+
+class BatchCurve:
+    """s(B): seconds of an S-part decode step at B rows, learnt per band of B."""
+
+    def __init__(self):
+        self.points: dict[int, list[float]] = {}       # band -> [mean B, mean seconds]
+
+    @staticmethod
+    def _band(rows: int) -> int:
+        return int(math.floor(math.log2(max(rows, 1)) * BANDS_PER_OCTAVE))
+
+    def observe(self, rows: int, seconds: float, weight: float = WEIGHT) -> None:
+        if rows < 1 or not seconds > 0:
+            return
+        p = self.points.get(self._band(rows))
+        if p is None:
+            self.points[self._band(rows)] = [float(rows), float(seconds)]
+        else:
+            p[0] += weight * (rows - p[0])
+            p[1] += weight * (seconds - p[1])
+
+    @property
+    def known(self) -> bool:
+        return bool(self.points)
+
+    def __call__(self, rows: float) -> float:
+        """Seconds at `rows`: linear between the learnt points, flat below them, and above them along
+        the last two points' slope (0 if it falls), as a dense part's time grows with its rows
+        (0: nothing learnt)."""
+        if not self.points:
+            return 0.0
+        pts = sorted(self.points.values())
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+            if rows <= b1:
+                return s0 + (s1 - s0) * (rows - b0) / max(b1 - b0, 1e-9)
+        if len(pts) < 2:
+            return pts[-1][1]
+        (b0, s0), (b1, s1) = pts[-2], pts[-1]
+        return s1 + max(s1 - s0, 0.0) / max(b1 - b0, 1e-9) * (rows - b1)
+
+
+class StepBalance:
+    def __init__(self, placement: Placement, depth: int, tier: int | None = None,
+                 fixed_s: list[float] | None = None, speeds_known: bool = True):
+        """fixed_s [W]: each worker's kernel seconds per step whatever it holds (its calls' fixed
+        cost, measured at start-up); speeds_known: placement's speeds were measured (else its
+        first decode step sets them)."""
+        n = len(placement.capacity_tokens)
+        self.placement = placement
+        self.depth = max(int(depth), 1)
+        self.tier = tier                                  # the S-worker's own tier's worker index
+        self.s_curve = BatchCurve()
+        self.fixed = list(fixed_s) if fixed_s is not None else [0.0] * n
+        self.known = [speeds_known] * n
+        self.overhead = [0.0] * n                         # seconds per step an R-worker spends besides its kernel
+        self.link = [0.0, 0.0]                            # the trip per step: seconds fixed, seconds per R-row
+        self._trips = None                                # EMAs of rows, seconds, rows^2, rows x seconds
+        self.refused = 0                                  # sequences held back by the rule (the report's)
+        self.last: dict = {}                              # the latest step as measured (describe())
+
+    def attach(self) -> StepBalance:
+        """Placement's worker choice by this step model: a sequence goes where the step grows least."""
+        self.placement.step_model = self
+        return self
+
+    # ------------------------------------------------------------------ the model
+
+    def _r_pool(self, load: list[float]) -> tuple[float, float, float]:
+        """(the R-workers' load, their summed speed, summed speed x overhead)."""
+        r_load = speed = weighted = 0.0
+        for w, (x, v) in enumerate(zip(load, self.placement.bandwidth)):
+            if w != self.tier:
+                r_load += x
+                speed += v
+                weighted += v * (self.overhead[w] + self.fixed[w])
+        return r_load, speed, weighted
+
+    def _r_rows(self, resident: list[int]) -> int:
+        return sum(resident) - (resident[self.tier] if self.tier is not None else 0)
+
+    def _time(self, rows: float, r_rows: float, tier_load: float, r_load: float, speed: float,
+              weighted: float, s_rows: float | None = None) -> float:
+        """T at these sums; the S-part's time read at `s_rows` (default `rows`)."""
+        s = self.s_curve(rows if s_rows is None else s_rows)
+        tier_s = self.fixed[self.tier] + tier_load / self.placement.bandwidth[self.tier] \
+            if self.tier is not None and tier_load > 0 else 0.0
+        r_s = (r_load + weighted) / speed if r_load > 0 and speed > 0 else 0.0
+        link = self.link[0] + self.link[1] * r_rows if r_rows > 0 else 0.0
+        if self.depth == 1:
+            return s + max(tier_s, link + r_s)
+        return max(s + tier_s, r_s, (s + tier_s + link + r_s) / self.depth)
+
+    def step_time(self, load: list[float], resident: list[int]) -> float:
+        """T(B): one decode step's seconds for these projected loads (tokens, all layers) and
+        sequences per worker (module docstring)."""
+        tier_load = load[self.tier] if self.tier is not None else 0.0
+        return self._time(sum(resident), self._r_rows(resident), tier_load, *self._r_pool(load))
+
+    def times_with(self, extra: list[float]) -> list[float]:
+        """[W] T(B + 1) with one more sequence of extra[w] projected tokens on worker w."""
+        p = self.placement
+        rows, r_rows = sum(p.resident) + 1, self._r_rows(p.resident)
+        tier_load = p.load[self.tier] if self.tier is not None else 0.0
+        r_load, speed, weighted = self._r_pool(p.load)
+        return [self._time(rows, r_rows, tier_load + x, r_load, speed, weighted) if w == self.tier else
+                self._time(rows, r_rows + 1, tier_load, r_load + x, speed, weighted) for w, x in enumerate(extra)]
+
+    def admits(self, seq, worker: int | None = None, shared_tokens: int = 0) -> bool:
+        """Whether starting seq (on `worker`, default where placement puts it: where the step grows
+        least) raises tokens/s. True where no worker has room (placement refuses it on its own)
+        or nothing runs."""
+        p = self.placement
+        w = p.best(seq, None if worker is None else (worker,), shared_tokens)
+        rows = sum(p.resident)
+        if w is None or rows == 0:
+            return True
+        # both sides with the S-part at B + 1 rows: a dense layer's time per row does not rise with
+        # its rows, so the S-part's own growth is never the reason to refuse (a noisy s(B) would be)
+        tier_load = p.load[self.tier] if self.tier is not None else 0.0
+        before = self._time(rows, self._r_rows(p.resident), tier_load, *self._r_pool(p.load), s_rows=rows + 1)
+        extra = [0.0] * len(p.load)
+        extra[w] = p.projected_load(seq, w) - shared_tokens
+        after = self.times_with(extra)[w]
+        if (rows + 1) * before >= rows * after * (1 - TIE):
+            return True
+        self.refused += 1
+        return False
+
+    def balance_batch(self, prompt_len: float, max_tokens: float, cap: int) -> int:
+        """Sequences of this size that run at the balance point (the stabilized schedule's target):
+        those running now, what the tier's free memory holds, and what the R-workers take while
+        each one still raises tokens/s, at most `cap` (a search over the model: once per round)."""
+        p = self.placement
+        x = max(prompt_len + max_tokens / 2, 1.0)                 # projected tokens of one sequence
+        bound = max(prompt_len + max_tokens, 1.0)
+        free = [max(c - r, 0) // bound for c, r in zip(p.capacity_tokens, p.reserved)]     # by memory
+        r_free = sum(f for w, f in enumerate(free) if w != self.tier)
+        rows, r_rows = sum(p.resident), self._r_rows(p.resident)
+        tier_load = p.load[self.tier] if self.tier is not None else 0.0
+        if self.tier is not None:
+            rows += free[self.tier]
+            tier_load += free[self.tier] * x
+        if not self.s_curve.known:
+            return max(1, min(int(rows + (r_free if self.tier is None else 0)), cap))   # nothing learnt yet
+        r_load, speed, weighted = self._r_pool(p.load)
+
+        def rate(n: int, s_rows: int) -> float:     # tokens/s with n more sequences on the R-workers
+            t = self._time(rows + n, r_rows + n, tier_load, r_load + n * x, speed, weighted, s_rows)
+            return (rows + n) / t if t > 0 else math.inf
+
+        lo, hi = 0, int(min(r_free, cap))     # the last n whose sequence still paid (tokens/s rises, then falls)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            paid = rate(mid, rows + mid) >= rate(mid - 1, rows + mid) * (1 - TIE)
+            lo, hi = (mid, hi) if paid else (lo, mid - 1)
+        return max(1, min(int(rows + lo), cap))
+
+    # ------------------------------------------------------------------ learning
+
+    def observe(self, rows: int, s_side_s: float, kv_tokens: list[float], attend_s: list[float],
+                busy_s: list[float] | None = None, r_wait_s: float = 0.0) -> None:
+        """One decode step as measured: its rows; the S-side's seconds (the S-part, the head and the
+        tier's attention; not its waits for the R-workers); per worker the KV tokens it attended
+        (all layers), its kernel seconds and its busy seconds; the S-worker's wait for the R-workers."""
+        p = self.placement
+        tier_s = attend_s[self.tier] if self.tier is not None and self.tier < len(attend_s) else 0.0
+        s_part = max(s_side_s - tier_s, 0.0)
+        self.s_curve.observe(rows, s_part)
+        if self.tier is not None:        # placement's own cost of the tier: the S-part its attention queues behind
+            t = self.tier
+            p.base_s[t] = s_part if p.overflow_only[t] or p.base_s[t] == 0 else \
+                (1 - WEIGHT) * p.base_s[t] + WEIGHT * s_part
+            p.overflow_only[t] = False
+        r_rows = self._r_rows(p.resident)
+        r_att = 0.0
+        for w, (tokens, secs) in enumerate(zip(kv_tokens, attend_s)):
+            kernel = secs - self.fixed[w]           # what the tokens took; a near-empty worker's is its calls
+            if tokens > 0 and secs > 0 and not self.known[w]:
+                p.bandwidth[w] = tokens / max(kernel, secs / 2)
+                self.known[w] = True
+            elif tokens > 0 and kernel > self.fixed[w]:
+                p.bandwidth[w] = 1.0 / ((1 - WEIGHT) / p.bandwidth[w] + WEIGHT * kernel / tokens)
+            if w == self.tier or tokens <= 0:
+                continue
+            busy = busy_s[w] if busy_s is not None and w < len(busy_s) else secs
+            self.overhead[w] += WEIGHT * (max(busy - secs, 0.0) - self.overhead[w])
+            r_att = max(r_att, busy)
+        step = s_side_s + r_wait_s
+        if r_rows and self.depth > 1 and r_wait_s > WAITED * step:
+            self._learn_trip(r_rows, max(self.depth * step - s_side_s - r_att, 0.0))
+        on_tier = p.resident[self.tier] if self.tier is not None else 0
+        self.last = {"sequences_tier": int(on_tier), "sequences_rworkers": int(sum(p.resident) - on_tier),
+                     "s_step_s": round(s_side_s, 6), "r_step_s": round(r_att, 6), "r_wait_s": round(r_wait_s, 6),
+                     "bound": "R" if r_wait_s > WAITED * step else "S", "held_back": self.refused}
+
+    def _learn_trip(self, rows: int, seconds: float) -> None:
+        """The trip's fixed and per-row seconds: a line through the steps the S-worker waited in
+        (slow averages, so the ramp's spread of rows stays in them); one per row while they spread
+        too little to tell the two apart."""
+        point = (rows, seconds, rows * rows, rows * seconds)
+        self._trips = list(point) if self._trips is None else \
+            [a + TRIP_WEIGHT * (b - a) for a, b in zip(self._trips, point)]
+        r, y, rr, ry = self._trips
+        var, cov = rr - r * r, ry - r * y
+        if var > (0.1 * r) ** 2:
+            slope = max(cov / var, 0.0)
+            self.link = [max(y - slope * r, 0.0), slope]
+        else:
+            self.link = [0.0, y / max(r, 1e-9)]
+
+    def describe(self) -> dict:
+        """The balance point as last measured: sequences on the tier and on the R-workers, the S-side's
+        and the slowest R-worker's seconds per step, the S-worker's wait, the bound side, and how
+        many times the rule held the queue's head back so far."""
+        return dict(self.last) or {"held_back": self.refused}
+
+
+def follow_balance(admission, balance: StepBalance, waiting: list[tuple[int, int]], max_batch: int) -> None:
+    """The stabilized schedule's target batch from the balance point (the user's --target-batch or
+    --max-batch an upper limit): it keeps the R-load level at the batch that pays, not at the
+    batch memory holds. Other controllers are left alone (the balance gates their admissions)."""
+    if not hasattr(admission, "target_batch") or not waiting:
+        return
+    if not hasattr(admission, "batch_limit"):
+        admission.batch_limit = admission.target_batch
+    head = waiting[:64]
+    prompt = sum(p for p, _ in head) / len(head)
+    gen = sum(m for _, m in head) / len(head)
+    admission.target_batch = balance.balance_batch(prompt, gen, min(admission.batch_limit, max_batch))
