@@ -71,13 +71,15 @@ def test_r_worker_fills_to_its_balance_point_then_the_queue_waits():
     tier takes the first three (placed where the step grows least), the R-worker then takes
     sequences while its attention fits in the S-side's time or the longer step still pays: 150
     tokens each (prompt + half the bound) at 1e5/s is 1.5 ms, so 10 ms (plus the tier's 0.45 ms)
-    hold 6 of them and a 7th pays for its 0.05 ms; the 8th would stretch the step by more than a sequence's share, and memory has room for thousands."""
+    hold 6 of them; a 7th and 8th stretch the step (a mini-batch's dense half, then its share of
+    the R-worker's: 5 + 0.75 n + 0.75 ms; then the R-worker's own 1.5 n ms) by less than they add
+    (9 / 10.45 < 10 / 11.0 < 11 / 12.0 ms); the 9th would not (12 / 13.5 ms), with memory for thousands."""
     b = toy(tier_tokens=3 * 200)
     started = fill(b, 100)
     p = b.placement
-    assert p.resident == [7, 3] and started == 10    # the 7th's 10.5 ms pays: 10 / 10.5 ms > 9 / 10.45 ms
+    assert p.resident == [8, 3] and started == 11
     assert b.refused == 1
-    assert b.step_time(p.load, p.resident) <= 0.0105
+    assert b.step_time(p.load, p.resident) == pytest.approx(0.012)
 
 
 def test_without_a_tier_every_sequence_an_r_bound_pool_holds_pays():
@@ -124,7 +126,8 @@ def test_observe_learns_speeds_the_s_part_and_the_trip():
     assert p.bandwidth[0] == pytest.approx(5e4, rel=1e-3)
     assert b.s_curve(4) == pytest.approx(0.02)
     assert b.overhead[0] == pytest.approx(0.001, rel=1e-3)
-    assert b.link[0] + 4 * b.link[1] == pytest.approx(2 * 0.03 - 0.02 - 0.009, rel=1e-3)   # d T - S - R
+    piece = 0.009 / 2 + 0.009 / 4 / 2              # the heaviest mini-batch's: R / d + one sequence x (1 - 1/d)
+    assert b.trip(2) == pytest.approx(0.03 - 0.02 / 2 - piece, rel=1e-3)     # T - s / d - P, 2 rows a mini-batch
     d = b.describe()
     assert d["bound"] == "R" and d["sequences_rworkers"] == 4 and d["sequences_tier"] == 0
 

@@ -6,15 +6,17 @@ more than the step's time per sequence. The step's time comes from the sides tha
 
     S      = s(B) + tier_load / tier_speed        the S-part (head and sampling included), then the
                                                   S-worker's own tier's attention on the same path
-    R      = (R_load + sum_w overhead_w v_w)      the R-workers as one pool of speeds v_w: the time
-             / sum_w v_w                          at which all end with the load spread evenly
-                                                  (placement spreads it; one worker's share judged
-                                                  alone would refuse every sequence of an R-bound
-                                                  job with several workers)
-    L      = link_fixed + link_row x R_rows       the R-workers' rows there and back on the link
-    T(B)   = max(S, R, (S + L + R) / d)           depth d >= 2: per layer a mini-batch's S-part, its
-                                                  trip and attention must fit in the S-part of the
-                                                  other d - 1 mini-batches
+    R      = max((R_load + sum_w v_w b_w)         the R-workers as one pool of speeds v_w (placement
+                  / sum_w v_w, one sequence's)    spreads the load; b_w: each one's kernel calls'
+                                                  fixed cost and other work), but never less than the
+                                                  longest one sequence takes on its worker
+    P      = R / d + one sequence's x (1 - 1/d)   the heaviest mini-batch's share: a d-th, plus
+                                                  the part of a sequence that does not divide
+                                                  (a few long sequences cannot be split d ways)
+    L(n)   = link_fixed + link_row x n            n R-rows there and back on the link
+    T(B)   = max(S, R, s(B) / d + L(R_rows / d)   depth d >= 2: a mini-batch's dense part, its rows'
+                 + P)                             trip and attention in turn (its tier rows wait
+                                                  until its R-rows have left)
     T(B)   = s(B) + max(tier part, L + R)         depth 1: the R-workers run beside the tier only
 
 so an R-worker takes sequences for free while its attention fits in the S-side's time, and past
@@ -27,7 +29,8 @@ s(B) by batch (an exponential average per band of B, interpolated between bands,
 largest seen along the last slope: where that guesses high, the steps there correct it),
 each worker's seconds per KV token from its kernel time (placement's start-up speeds are the
 prior), each R-worker's overhead (its busy time beyond the kernel), and the link's seconds per
-R-row from the steps the S-worker waited in: d x T - S - R of such a step is the trip. `load` is
+R-row: T - s / d - P of a step the S-worker waited in is a mini-batch's trip, of any other step
+at least a bound on it. `load` is
 placement's projected load (prompt + half the generation bound, all layers), the tokens a
 sequence holds over its life on average.
 
@@ -122,59 +125,90 @@ class StepBalance:
 
     # ------------------------------------------------------------------ the model
 
-    def _r_pool(self, load: list[float]) -> tuple[float, float, float]:
-        """(the R-workers' load, their summed speed, summed speed x overhead)."""
-        r_load = speed = weighted = 0.0
-        for w, (x, v) in enumerate(zip(load, self.placement.bandwidth)):
-            if w != self.tier:
-                r_load += x
-                speed += v
-                weighted += v * (self.overhead[w] + self.fixed[w])
-        return r_load, speed, weighted
+    def _base(self, w: int) -> float:
+        return self.fixed[w] + self.overhead[w]
+
+    def _r_side(self, load: list[float], resident: list[int]) -> tuple[float, float, float, float]:
+        """The R-workers' sums over those holding sequences: (load, speed, speed x base seconds,
+        the longest one sequence takes on its worker)."""
+        r_load = speed = weighted = single = 0.0
+        for w, (x, n) in enumerate(zip(load, resident)):
+            if w == self.tier or n <= 0:
+                continue
+            v, base = self.placement.bandwidth[w], self._base(w)
+            r_load, speed, weighted = r_load + x, speed + v, weighted + v * base
+            single = max(single, base + x / n / v)
+        return r_load, speed, weighted, single
+
+    def _r_time(self, r_load: float, speed: float, weighted: float, single: float) -> tuple[float, float]:
+        """(R, P): the pool's time (at least one sequence's), and the heaviest mini-batch's share of
+        it: a d-th, plus the part of a sequence that does not divide (a few long sequences are
+        lumps the mini-batches cannot split evenly)."""
+        if r_load <= 0 or speed <= 0:
+            return 0.0, 0.0
+        r_s = max((r_load + weighted) / speed, single)
+        return r_s, self._piece(r_s, single)
+
+    def _piece(self, r_s: float, single: float) -> float:
+        return r_s / self.depth + single * (1 - 1 / self.depth)
 
     def _r_rows(self, resident: list[int]) -> int:
         return sum(resident) - (resident[self.tier] if self.tier is not None else 0)
 
-    def _time(self, rows: float, r_rows: float, tier_load: float, r_load: float, speed: float,
-              weighted: float, s_rows: float | None = None) -> float:
-        """T at these sums; the S-part's time read at `s_rows` (default `rows`)."""
-        s = self.s_curve(rows if s_rows is None else s_rows)
+    def _time(self, s_rows: float, r_rows: float, tier_load: float, r_s: float, piece_s: float) -> float:
+        """T with the S-part at `s_rows` rows, `r_rows` rows on the R-workers, the tier's load, the
+        R-workers' seconds and the heaviest mini-batch's share (module docstring)."""
+        s = self.s_curve(s_rows)
         tier_s = self.fixed[self.tier] + tier_load / self.placement.bandwidth[self.tier] \
             if self.tier is not None and tier_load > 0 else 0.0
-        r_s = (r_load + weighted) / speed if r_load > 0 and speed > 0 else 0.0
-        link = self.link[0] + self.link[1] * r_rows if r_rows > 0 else 0.0
+        if r_rows <= 0:
+            return s + tier_s
         if self.depth == 1:
-            return s + max(tier_s, link + r_s)
-        return max(s + tier_s, r_s, (s + tier_s + link + r_s) / self.depth)
+            return s + max(tier_s, self.trip(r_rows) + r_s)
+        return max(s + tier_s, r_s, s / self.depth + self.trip(max(r_rows / self.depth, 1)) + piece_s)
 
-    def step_time(self, load: list[float], resident: list[int]) -> float:
+    def trip(self, rows: float) -> float:
+        """Seconds of one mini-batch's `rows` R-rows there and back on the link, all layers."""
+        return self.link[0] + self.link[1] * rows
+
+    def step_time(self, load: list[float], resident: list[int], s_rows: int | None = None) -> float:
         """T(B): one decode step's seconds for these projected loads (tokens, all layers) and
-        sequences per worker (module docstring)."""
+        sequences per worker (module docstring); the S-part read at `s_rows` (default B)."""
         tier_load = load[self.tier] if self.tier is not None else 0.0
-        return self._time(sum(resident), self._r_rows(resident), tier_load, *self._r_pool(load))
+        rows = sum(resident) if s_rows is None else s_rows
+        return self._time(rows, self._r_rows(resident), tier_load, *self._r_time(*self._r_side(load, resident)))
 
     def times_with(self, extra: list[float]) -> list[float]:
         """[W] T(B + 1) with one more sequence of extra[w] projected tokens on worker w."""
         p = self.placement
         rows, r_rows = sum(p.resident) + 1, self._r_rows(p.resident)
         tier_load = p.load[self.tier] if self.tier is not None else 0.0
-        r_load, speed, weighted = self._r_pool(p.load)
-        return [self._time(rows, r_rows, tier_load + x, r_load, speed, weighted) if w == self.tier else
-                self._time(rows, r_rows + 1, tier_load, r_load + x, speed, weighted) for w, x in enumerate(extra)]
+        r_load, speed, weighted, single = self._r_side(p.load, p.resident)
+        out = []
+        for w, x in enumerate(extra):
+            if w == self.tier:
+                out.append(self._time(rows, r_rows, tier_load + x, *self._r_time(r_load, speed, weighted, single)))
+                continue
+            v, base = p.bandwidth[w], self._base(w)
+            joins = p.resident[w] == 0                   # a worker new to the pool adds its speed and base
+            r = self._r_time(r_load + x, speed + v * joins, weighted + v * base * joins, max(single, base + x / v))
+            out.append(self._time(rows, r_rows + 1, tier_load, *r))
+        return out
 
     def admits(self, seq, worker: int | None = None, shared_tokens: int = 0) -> bool:
         """Whether starting seq (on `worker`, default where placement puts it: where the step grows
-        least) raises tokens/s. True where no worker has room (placement refuses it on its own)
-        or nothing runs."""
+        least) raises tokens/s. True where no worker has room (placement refuses it on its own),
+        nothing runs, or there is no tier to weigh the R-workers against (module docstring)."""
         p = self.placement
+        if self.tier is None:
+            return True
         w = p.best(seq, None if worker is None else (worker,), shared_tokens)
         rows = sum(p.resident)
         if w is None or rows == 0:
             return True
         # both sides with the S-part at B + 1 rows: a dense layer's time per row does not rise with
         # its rows, so the S-part's own growth is never the reason to refuse (a noisy s(B) would be)
-        tier_load = p.load[self.tier] if self.tier is not None else 0.0
-        before = self._time(rows, self._r_rows(p.resident), tier_load, *self._r_pool(p.load), s_rows=rows + 1)
+        before = self.step_time(p.load, p.resident, s_rows=rows + 1)
         extra = [0.0] * len(p.load)
         extra[w] = p.projected_load(seq, w) - shared_tokens
         after = self.times_with(extra)[w]
@@ -186,23 +220,30 @@ class StepBalance:
     def balance_batch(self, prompt_len: float, max_tokens: float, cap: int) -> int:
         """Sequences of this size that run at the balance point (the stabilized schedule's target):
         those running now, what the tier's free memory holds, and what the R-workers take while
-        each one still raises tokens/s, at most `cap` (a search over the model: once per round)."""
+        each one still raises tokens/s (spread over them by speed), at most `cap` (a search over
+        the model: once per admission round)."""
         p = self.placement
         x = max(prompt_len + max_tokens / 2, 1.0)                 # projected tokens of one sequence
         bound = max(prompt_len + max_tokens, 1.0)
         free = [max(c - r, 0) // bound for c, r in zip(p.capacity_tokens, p.reserved)]     # by memory
-        r_free = sum(f for w, f in enumerate(free) if w != self.tier)
-        rows, r_rows = sum(p.resident), self._r_rows(p.resident)
+        r_workers = [w for w in range(len(free)) if w != self.tier]
+        r_free = sum(free[w] for w in r_workers)
+        rows = sum(p.resident)
         tier_load = p.load[self.tier] if self.tier is not None else 0.0
         if self.tier is not None:
             rows += free[self.tier]
             tier_load += free[self.tier] * x
         if not self.s_curve.known:
             return max(1, min(int(rows + (r_free if self.tier is None else 0)), cap))   # nothing learnt yet
-        r_load, speed, weighted = self._r_pool(p.load)
+        r_load, speed, weighted, single = self._r_side(p.load, p.resident)
+        all_speed = sum(p.bandwidth[w] for w in r_workers)             # n more spread over every R-worker
+        all_weighted = sum(p.bandwidth[w] * self._base(w) for w in r_workers)
+        one = max((self._base(w) + x / p.bandwidth[w] for w in r_workers), default=0.0)
 
         def rate(n: int, s_rows: int) -> float:     # tokens/s with n more sequences on the R-workers
-            t = self._time(rows + n, r_rows + n, tier_load, r_load + n * x, speed, weighted, s_rows)
+            r = (self._r_time(r_load + n * x, all_speed, all_weighted, max(single, one)) if n else
+                 self._r_time(r_load, speed, weighted, single))
+            t = self._time(s_rows, self._r_rows(p.resident) + n, tier_load, *r)
             return (rows + n) / t if t > 0 else math.inf
 
         lo, hi = 0, int(min(r_free, cap))     # the last n whose sequence still paid (tokens/s rises, then falls)
@@ -229,7 +270,7 @@ class StepBalance:
                 (1 - WEIGHT) * p.base_s[t] + WEIGHT * s_part
             p.overflow_only[t] = False
         r_rows = self._r_rows(p.resident)
-        r_att = 0.0
+        r_att = single = 0.0
         for w, (tokens, secs) in enumerate(zip(kv_tokens, attend_s)):
             kernel = secs - self.fixed[w]           # what the tokens took; a near-empty worker's is its calls
             if tokens > 0 and secs > 0 and not self.known[w]:
@@ -242,9 +283,13 @@ class StepBalance:
             busy = busy_s[w] if busy_s is not None and w < len(busy_s) else secs
             self.overhead[w] += WEIGHT * (max(busy - secs, 0.0) - self.overhead[w])
             r_att = max(r_att, busy)
+            single = max(single, busy / max(p.resident[w], 1))
         step = s_side_s + r_wait_s
-        if r_rows and self.depth > 1 and r_wait_s > WAITED * step:
-            self._learn_trip(r_rows, max(self.depth * step - s_side_s - r_att, 0.0))
+        if r_rows and self.depth > 1:       # T = s / d + trip + P where the S-worker waited, T >= that where not
+            rows_mb = max(r_rows / self.depth, 1)
+            trip = max(step - s_part / self.depth - self._piece(r_att, single), 0.0)
+            if r_wait_s > WAITED * step or self.trip(rows_mb) > trip:
+                self._learn_trip(rows_mb, trip)
         on_tier = p.resident[self.tier] if self.tier is not None else 0
         self.last = {"sequences_tier": int(on_tier), "sequences_rworkers": int(sum(p.resident) - on_tier),
                      "s_step_s": round(s_side_s, 6), "r_step_s": round(r_att, 6), "r_wait_s": round(r_wait_s, 6),
