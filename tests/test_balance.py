@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fastdecode.sched.admission import StabilizedAdmission
 from fastdecode.sched.balance import BatchCurve, StepBalance, follow_balance
 from fastdecode.sched.placement import Placement
 from fastdecode.sim.core import SimConfig, simulate
@@ -133,10 +134,8 @@ def test_observe_learns_speeds_the_s_part_and_the_trip():
 
 
 def test_follow_balance_sets_the_stabilized_target_within_the_users_limit():
-    class Stabilized:
-        target_batch = 50
     b = toy(tier_tokens=3 * 200)
-    adm = Stabilized()
+    adm = StabilizedAdmission(50)
     follow_balance(adm, b, [(100, 100)] * 10, max_batch=4096)
     assert adm.batch_limit == 50 and 3 <= adm.target_batch <= 12      # the tier's 3 and about 6 on the R-worker
     follow_balance(adm, toy(tier_speed=None), [(100, 100)] * 10, max_batch=4096)

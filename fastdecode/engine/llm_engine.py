@@ -353,7 +353,7 @@ class LLMEngine:
         """Free what finished, record the step (--stats-json, the summary), return the finished requests."""
         self.free_kv(self.scheduler.drop_finished())
         if stats is not None and running and not (prefill is not None and prefill.mixed):
-            rpart_setup.learn_step(self, running, stats)
+            rpart_setup.learn_step(self, stats)
         self.recorder.record(self.step_no, len(running), self.scheduler.running, self.runner, stats,
                              t_prefill, time.perf_counter() - t0, decode=bool(running),
                              tokens=self.num_output_tokens - tokens_before, prefill=prefill)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from fastdecode.engine.kv_tiers import (
     TierChoice,
     activation_reserve_bytes,
@@ -166,14 +168,18 @@ def tier_summary(eng) -> dict:
                                             **eng.balance.describe()}}
 
 
-def learn_step(eng, running, stats) -> None:
+def learn_step(eng, stats) -> None:
     """A decode step's measurements to the balance (sched/balance.py), which learns from them the
     S-part's time by batch, each worker's speed and overhead, and the tier's cost to placement."""
-    p = eng.placement
-    tokens = [0.0] * len(p.capacity_tokens)           # [W] KV tokens (all layers) each worker attended
-    for s in running:
-        tokens[s.worker] += p.live_tokens(s.worker, s.kv_len)
-    eng.balance.observe(len(running), eng.runner.last_s_time, tokens, list(stats.attend_s), list(stats.busy_s),
+    p, rows = eng.placement, eng.runner.last_rows          # rows: [B, (worker, position)]
+    n = len(p.capacity_tokens)
+    if p.windows:       # a windowed layer reads its window: per row
+        tokens = [0.0] * n
+        for w, pos in rows.tolist():
+            tokens[w] += p.live_tokens(w, pos + 1)
+    else:               # [W] KV tokens (all layers) each worker attended: positions + the new one
+        tokens = np.bincount(rows[:, 0], weights=rows[:, 1] + 1, minlength=n).tolist()
+    eng.balance.observe(len(rows), eng.runner.last_s_time, tokens, list(stats.attend_s), list(stats.busy_s),
                         eng.runner.last_r_wait)
 
 

@@ -53,6 +53,7 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.last_s_time = 0.0          # S-worker compute (incl. waiting it could not hide), seconds
         self.last_r_wait = 0.0          # S-worker time blocked on R-worker replies
+        self.last_rows = np.zeros((0, 2), np.int64)   # [B, (worker, position)] of the last decode's rows
         self.decode_rows = 0            # sequence-steps decoded (rows that crossed to the R-part)
         self.prefill_rows = 0           # prompt tokens whose K/V were shipped
         self.prefill_threads = 0        # torch threads for prefill (0: as decode), where the R-part idles
@@ -351,6 +352,7 @@ class ModelRunner:
         #    every upload before the first kernel (the device is idle: the last step ended by
         #    reading its tokens), so nothing later makes the host wait for queued kernels
         meta = self._decode_meta(seqs)         # [B, (seq id, worker, position, last token, generated)]
+        self.last_rows = meta[:, 1:3]
         plans = []                           # per mini-batch: (sequences, rows per worker, seq ids, rows of meta)
         for rows in split_by_r_load(meta[:, 2], meta[:, 0], self.depth):
             rows = rows[np.lexsort((meta[rows, 0], meta[rows, 1]))]          # by worker, then seq id

@@ -249,6 +249,7 @@ class StabilizedAdmission:
         if max_gen is not None and max_gen < 1:
             raise ValueError("max_gen must be >= 1")
         self.target_batch = target_batch
+        self.batch_limit = target_batch      # the asked-for B: a balance (sched/balance.py) moves target_batch below it
         self.admit_every = admit_every
         self.max_gen = max_gen
         self.w_lim = w_lim

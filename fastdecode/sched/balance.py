@@ -321,10 +321,8 @@ def follow_balance(admission, balance: StepBalance, waiting: list[tuple[int, int
     """The stabilized schedule's target batch from the balance point (the user's --target-batch or
     --max-batch an upper limit): it keeps the R-load level at the batch that pays, not at the
     batch memory holds. Other controllers are left alone (the balance gates their admissions)."""
-    if not hasattr(admission, "target_batch") or not waiting:
+    if not hasattr(admission, "batch_limit") or not waiting:
         return
-    if not hasattr(admission, "batch_limit"):
-        admission.batch_limit = admission.target_batch
     head = waiting[:64]
     prompt = sum(p for p, _ in head) / len(head)
     gen = sum(m for _, m in head) / len(head)

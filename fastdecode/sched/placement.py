@@ -121,21 +121,16 @@ class Placement:
         then its projected load at its bandwidth (the lower, the better: the step ends earliest).
         With a step model (sched/balance.py) the whole step's time comes first: seq goes where the
         step grows least, and among places that leave it as it is, where its worker ends earliest."""
-        own = self.base_s[w] + (self.load[w] + self.projected_load(seq, w) - shared_tokens) / self.bandwidth[w]
-        if self.step_model is None:
-            return own
-        extra = [0.0] * len(self.load)
-        extra[w] = self.projected_load(seq, w) - shared_tokens
-        return self.step_model.times_with(extra)[w] + own * OWN_TIE
+        return self._costs(seq, (w,), shared_tokens)[w]
 
     def _costs(self, seq: Sequence, workers, shared_tokens: int) -> dict[int, float]:
-        """cost() of every worker in `workers`, the step model's sums taken once."""
-        if self.step_model is None:
-            return {w: self.cost(w, seq, shared_tokens) for w in workers}
+        """cost() of every worker in `workers` (the step model's sums taken once)."""
         extra = [self.projected_load(seq, w) - shared_tokens for w in range(len(self.load))]
+        own = {w: self.base_s[w] + (self.load[w] + extra[w]) / self.bandwidth[w] for w in workers}
+        if self.step_model is None:
+            return own
         steps = self.step_model.times_with(extra)
-        return {w: steps[w] + OWN_TIE * (self.base_s[w] + (self.load[w] + extra[w]) / self.bandwidth[w])
-                for w in workers}
+        return {w: steps[w] + OWN_TIE * own[w] for w in workers}
 
     def set_speeds(self, tokens_per_s: list[float]) -> None:
         """Measured speeds (KV tokens of all layers read per second), one per worker."""

@@ -139,13 +139,14 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
         gen = np.array([seqs[i].generated for i in running], np.int64)
         worker = np.array([seqs[i].worker for i in running], np.int64)
         kv = trace.prompt_len[idx] + gen                                   # [m] tokens attended
-        res = step_fn(kv, costs.read_tokens(kv), idx + 1, worker, cfg.depth, W, costs.layers, costs.s_table,
+        read = costs.read_tokens(kv)                                       # [m] tokens read per layer
+        res = step_fn(kv, read, idx + 1, worker, cfg.depth, W, costs.layers, costs.s_table,
                       float(costs.head_table[idx.size]), costs.r_token_s, costs.r_call_s, costs.out_bytes_row,
                       costs.back_bytes_row, costs.link, costs.msg_bytes, costs.msg_time, tier)
         decode = float(res[0])
         tier_busy = float(res[4 + tier]) if tier >= 0 else 0.0
         if idx.size:
-            _observe(balance, costs, res, worker, kv, W)
+            _observe(balance, res, worker, read, W)
         t_end = now + prefill + decode
         if old:
             gaps.append((t_end - now, old))
@@ -175,12 +176,11 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
                   gap_count=g[:, 1].astype(np.int64), admission=controller.describe())
 
 
-def _observe(balance: StepBalance, costs: Costs, res: np.ndarray, worker: np.ndarray, kv: np.ndarray,
-             W: int) -> None:
+def _observe(balance: StepBalance, res: np.ndarray, worker: np.ndarray, read: np.ndarray, W: int) -> None:
     """A simulated decode step to the balance, as the engine hands it a measured one: the S-side's
     busy time (S-part, head and the tier's attention), per worker its KV tokens and attention
     seconds, and the S-worker's wait for the R-workers (the step less its busy time)."""
-    tokens = np.bincount(worker, weights=costs.read_tokens(kv), minlength=W)           # [W]
+    tokens = np.bincount(worker, weights=read, minlength=W)                            # [W]
     attend = np.asarray(res[4:4 + W], np.float64)                                      # [W]
     balance.observe(int(worker.size), float(res[1]), tokens.tolist(), attend.tolist(), None,
                     max(float(res[0]) - float(res[1]), 0.0))
