@@ -6,10 +6,12 @@ more than the step's time per sequence. The step's time comes from the sides tha
 
     S      = s(B) + tier_load / tier_speed        the S-part (head and sampling included), then the
                                                   S-worker's own tier's attention on the same path
-    R      = max((R_load + sum_w v_w b_w)         the R-workers as one pool of speeds v_w (placement
-                  / sum_w v_w, one sequence's)    spreads the load; b_w: each one's kernel calls'
-                                                  fixed cost and other work), but never less than the
-                                                  longest one sequence takes on its worker
+    R      = max((R_load + sum_w v_w b_w)         the k R-workers as one pool of speeds v_w
+                 / sum_w v_w, one sequence's,     (placement spreads the load; b_w: each one's
+                 ceil(n / k) sequences' where     kernel calls' fixed cost and other work), at
+                 n / k < 2)                       least the longest one sequence takes, and with
+                                                  few of the n R-rows a worker, the fullest
+                                                  worker's whole sequences
     P      = R / d + one sequence's x (1 - 1/d)   the heaviest mini-batch's share: a d-th, plus
                                                   the part of a sequence that does not divide
                                                   (a few long sequences cannot be split d ways)
@@ -54,6 +56,7 @@ WEIGHT = 0.3              # the exponential averages' weight of the newest step
 BANDS_PER_OCTAVE = 4      # s(B) is learnt per quarter-octave band of B
 TIE = 1e-9                # relative slack of the marginal test (a step time that does not change pays)
 WAITED = 0.02             # a step whose S-worker waited this fraction of it for the R-workers teaches the link
+LUMPY_ROWS = 2            # under this many R-rows a worker, R counts whole sequences on the fullest worker
 TRIP_WEIGHT = 0.05        # the trip's averages: slower, so they keep the spread of rows that tells fixed from per-row
 
 
@@ -128,25 +131,32 @@ class StepBalance:
     def _base(self, w: int) -> float:
         return self.fixed[w] + self.overhead[w]
 
-    def _r_side(self, load: list[float], resident: list[int]) -> tuple[float, float, float, float]:
-        """The R-workers' sums over those holding sequences: (load, speed, speed x base seconds,
-        the longest one sequence takes on its worker)."""
-        r_load = speed = weighted = single = 0.0
-        for w, (x, n) in enumerate(zip(load, resident)):
-            if w == self.tier or n <= 0:
-                continue
-            v, base = self.placement.bandwidth[w], self._base(w)
-            r_load, speed, weighted = r_load + x, speed + v, weighted + v * base
-            single = max(single, base + x / n / v)
-        return r_load, speed, weighted, single
+    def _pool(self) -> tuple[float, float, int]:
+        """The R-workers as one pool: (their summed speed, summed speed x base seconds, how many)."""
+        speed = weighted = 0.0
+        count = 0
+        for w, v in enumerate(self.placement.bandwidth):
+            if w != self.tier:
+                speed, weighted, count = speed + v, weighted + v * self._base(w), count + 1
+        return speed, weighted, count
 
-    def _r_time(self, r_load: float, speed: float, weighted: float, single: float) -> tuple[float, float]:
-        """(R, P): the pool's time (at least one sequence's), and the heaviest mini-batch's share of
-        it: a d-th, plus the part of a sequence that does not divide (a few long sequences are
-        lumps the mini-batches cannot split evenly)."""
-        if r_load <= 0 or speed <= 0:
+    def _single(self, load: list[float], resident: list[int]) -> float:
+        """The longest one sequence takes on its R-worker (its worker's mean per sequence)."""
+        return max((self._base(w) + x / n / self.placement.bandwidth[w]
+                    for w, (x, n) in enumerate(zip(load, resident)) if w != self.tier and n > 0), default=0.0)
+
+    def _r_time(self, r_load: float, r_rows: int, single: float, pool: tuple[float, float, int]) -> tuple[float, float]:
+        """(R, P): the R-workers' seconds per step and the heaviest mini-batch's share of them.
+        R: the load spread over the pool by speed, at least one sequence's time, and where the
+        rows are few (under LUMPY_ROWS a worker) whole sequences: n rows on k workers leave
+        ceil(n / k) on the fullest. P: a d-th of R, plus the part of a sequence that does not
+        divide (a few long sequences are lumps the mini-batches cannot split evenly)."""
+        speed, weighted, count = pool
+        if r_load <= 0 or speed <= 0 or r_rows <= 0:
             return 0.0, 0.0
-        r_s = max((r_load + weighted) / speed, single)
+        per_worker = r_rows / count
+        lumps = single * math.ceil(per_worker - 1e-9) if per_worker < LUMPY_ROWS else 0.0
+        r_s = max((r_load + weighted) / speed, single, lumps)
         return r_s, self._piece(r_s, single)
 
     def _piece(self, r_s: float, single: float) -> float:
@@ -176,22 +186,24 @@ class StepBalance:
         sequences per worker (module docstring); the S-part read at `s_rows` (default B)."""
         tier_load = load[self.tier] if self.tier is not None else 0.0
         rows = sum(resident) if s_rows is None else s_rows
-        return self._time(rows, self._r_rows(resident), tier_load, *self._r_time(*self._r_side(load, resident)))
+        r_rows = self._r_rows(resident)
+        r = self._r_time(sum(load) - tier_load, r_rows, self._single(load, resident), self._pool())
+        return self._time(rows, r_rows, tier_load, *r)
 
     def times_with(self, extra: list[float]) -> list[float]:
         """[W] T(B + 1) with one more sequence of extra[w] projected tokens on worker w."""
         p = self.placement
         rows, r_rows = sum(p.resident) + 1, self._r_rows(p.resident)
         tier_load = p.load[self.tier] if self.tier is not None else 0.0
-        r_load, speed, weighted, single = self._r_side(p.load, p.resident)
+        r_load, single, pool = sum(p.load) - tier_load, self._single(p.load, p.resident), self._pool()
         out = []
         for w, x in enumerate(extra):
             if w == self.tier:
-                out.append(self._time(rows, r_rows, tier_load + x, *self._r_time(r_load, speed, weighted, single)))
+                out.append(self._time(rows, r_rows, tier_load + x, *self._r_time(r_load, r_rows, single, pool)))
                 continue
-            v, base = p.bandwidth[w], self._base(w)
-            joins = p.resident[w] == 0                   # a worker new to the pool adds its speed and base
-            r = self._r_time(r_load + x, speed + v * joins, weighted + v * base * joins, max(single, base + x / v))
+            n = p.resident[w] + 1                        # seq's worker: its mean per sequence with seq on it
+            mine = self._base(w) + (p.load[w] + x) / n / p.bandwidth[w]
+            r = self._r_time(r_load + x, r_rows + 1, max(single, mine), pool)
             out.append(self._time(rows, r_rows + 1, tier_load, *r))
         return out
 
@@ -235,15 +247,14 @@ class StepBalance:
             tier_load += free[self.tier] * x
         if not self.s_curve.known:
             return max(1, min(int(rows + (r_free if self.tier is None else 0)), cap))   # nothing learnt yet
-        r_load, speed, weighted, single = self._r_side(p.load, p.resident)
-        all_speed = sum(p.bandwidth[w] for w in r_workers)             # n more spread over every R-worker
-        all_weighted = sum(p.bandwidth[w] * self._base(w) for w in r_workers)
-        one = max((self._base(w) + x / p.bandwidth[w] for w in r_workers), default=0.0)
+        r_rows, pool = self._r_rows(p.resident), self._pool()
+        r_load = sum(p.load) - (p.load[self.tier] if self.tier is not None else 0.0)
+        single = max(self._single(p.load, p.resident),
+                     max((self._base(w) + x / p.bandwidth[w] for w in r_workers), default=0.0))
 
         def rate(n: int, s_rows: int) -> float:     # tokens/s with n more sequences on the R-workers
-            r = (self._r_time(r_load + n * x, all_speed, all_weighted, max(single, one)) if n else
-                 self._r_time(r_load, speed, weighted, single))
-            t = self._time(s_rows, self._r_rows(p.resident) + n, tier_load, *r)
+            r = self._r_time(r_load + n * x, r_rows + n, single, pool)
+            t = self._time(s_rows, r_rows + n, tier_load, *r)
             return (rows + n) / t if t > 0 else math.inf
 
         lo, hi = 0, int(min(r_free, cap))     # the last n whose sequence still paid (tokens/s rises, then falls)
