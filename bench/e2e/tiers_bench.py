@@ -10,6 +10,9 @@ the largest batch that fits (--hf). Writes bench/e2e/results/tiers_<label>.json 
     # dev box: the hybrid (-n 2) against all on the R-worker (-n 2 --no-device-kv) and local mode
     python3 bench/e2e/tiers_bench.py --label devbox-2core --configs local=1: \\
         remote=2:--no-device-kv hybrid=2:--device-kv
+    # dev box: the S-worker's in-process tier beside an R-worker made slow (the portable kernel)
+    python3 bench/e2e/tiers_bench.py --label devbox-2core-balance --slow-rworkers portable \\
+        --configs local=1: hybrid=2:--device-kv "hybrid-memory-bound=2:--device-kv --no-balance"
     # GPU box: 0 and 14 R-workers (the card alone, the card + 14 cores) against HF
     python3 bench/e2e/tiers_bench.py --label h100-box --model random:llama-3-8b --device cuda \\
         --configs card=1: card+14=15: --prompt-len 4096 --prompts 256 --gen 256 --hf
@@ -60,7 +63,10 @@ def run_config(args, name: str, ranks: int, flags: list[str], inp: str, tmp: str
     cmd = [sys.executable, "-m", "fastdecode", "generate", "-m", args.model, "-i", inp, "-o", out, "--overwrite",
            "--max-batch", str(args.max_batch), "--stats-json", stats, "--device", args.device] \
         + shlex.split(args.extra) + flags
-    if ranks > 1:
+    if ranks > 1 and args.slow_rworkers:    # MPMD (MPICH's Hydra): rank 0 as asked, the R-workers on a slower kernel
+        cmd = shlex.split(args.launcher) + ["-n", "1"] + cmd + [":", "-n", str(ranks - 1), "-env", "FASTDECODE_ISA",
+                                                                  args.slow_rworkers] + cmd
+    elif ranks > 1:
         cmd = shlex.split(args.launcher) + ["-n", str(ranks)] + cmd
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=args.timeout)
@@ -115,6 +121,9 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=32000, help="prompt ids are drawn below this")
     ap.add_argument("--extra", default="--kv-dtype bf16", help="flags every configuration gets")
     ap.add_argument("--launcher", default="mpiexec")
+    ap.add_argument("--slow-rworkers", metavar="ISA", default=None,
+                    help="run the R-workers (ranks 1..) on this kernel path (FASTDECODE_ISA, e.g. portable): "
+                         "R-workers made deliberately slower than the S-worker's own tier (MPICH's -env)")
     ap.add_argument("--hf", action="store_true", help="HF generate on the same GPU, largest batch that fits")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--rounds", type=int, default=1, help="runs of each configuration, interleaved; the median counts")
@@ -123,7 +132,8 @@ def main(argv=None) -> None:
     inp = os.path.join(tmp, "in.jsonl")
     request_file(inp, args.prompts, args.prompt_len, args.gen, args.vocab)
     result = {"label": args.label, "model": args.model, "prompts": args.prompts, "prompt_len": args.prompt_len,
-              "gen": args.gen, "max_batch": args.max_batch, "extra": args.extra, "copy_GBps_before": copy_bandwidth(),
+              "gen": args.gen, "max_batch": args.max_batch, "extra": args.extra, "slow_rworkers": args.slow_rworkers,
+              "copy_GBps_before": copy_bandwidth(),
               "runs": [], "hf": []}
     path = os.path.join(RESULTS, f"tiers_{args.label}")
     specs = [(name, int(rest.split(":", 1)[0]), shlex.split(rest.split(":", 1)[1]))
