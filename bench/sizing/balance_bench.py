@@ -1,9 +1,10 @@
 """Every socket adds: the balance rule against memory-bound admission, through the simulator.
 
 One H100 S-worker with its own KV tier (the `h100` preset) and P CPU sockets as R-workers (350 GB/s
-read at the kernel's 75%, a 25 GB/s link with 3 us latency), P = 0 (the card alone) to 64, on the
-workloads of issue 49: Llama-3-8B with 2,000 chats (prompts 900-1,100, outputs 128-1,024,
-`--max-batch 4096`) and 300 prompts of 28-32k tokens (outputs 128-512). Each point runs the
+read at the kernel's 75%, a 25 GB/s link with 3 us latency), P = 0 (the card alone) to 64, on two
+workloads on which memory-bound admission fell behind the card alone: Llama-3-8B with 2,000 chats
+(prompts 900-1,100, outputs 128-1,024, `--max-batch 4096`) and 300 prompts of 28-32k tokens
+(outputs 128-512). Each point runs the
 engine's admission and placement (`fastdecode simulate`) at pipeline depth 1 and 2 and keeps the
 better (as a user would tune it, and as `plan` recommends), with the balance rule
 (sched/balance.py, generate's default) and without it (`--no-balance`: memory alone bounds the
