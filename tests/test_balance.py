@@ -166,3 +166,15 @@ def test_one_socket_never_puts_the_job_behind_the_card_alone():
     two = run_stated(2, True)
     assert one >= 0.98 * card and two >= 0.98 * max(card, one)
     assert run_stated(1, False) < 0.8 * card          # memory-bound admission: the socket held the job back
+
+
+def test_the_run_report_says_the_balance_point():
+    from fastdecode.batch.report_text import balance_line
+    b = toy(tier_tokens=3 * 200)
+    fill(b, 100)
+    b.observe(11, 0.0105, [1200.0, 450.0], [0.012, 0.0005], [0.0125, 0.0005], r_wait_s=0.0015)
+    run = {"balance": {"gates_admission": True, **b.describe()}}
+    assert balance_line(run) == ("balance: 3 sequence(s) on the tier, 8 on the R-workers; S-side 10.5 ms, "
+                                 "slowest R-worker 12.5 ms a step, bound R; the queue's head held back 1 time(s)")
+    assert balance_line({"balance": {"gates_admission": False, **b.describe()}}) is None
+    assert balance_line({}) is None

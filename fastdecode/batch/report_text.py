@@ -72,6 +72,17 @@ def tiers_line(run: dict) -> str | None:
         f"{t['kv_capacity_bytes'] / 2**30:.1f} GiB" for t in tiers)
 
 
+def balance_line(run: dict) -> str | None:
+    """The balance point (sched/balance.py) as the last decode step measured it, where the rule
+    weighed the S-worker's own tier against the R-workers."""
+    b = run.get("balance") or {}
+    if not b.get("gates_admission") or "s_step_s" not in b:
+        return None
+    return (f"balance: {b['sequences_tier']} sequence(s) on the tier, {b['sequences_rworkers']} on the R-workers; "
+            f"S-side {b['s_step_s'] * 1e3:.1f} ms, slowest R-worker {b['r_step_s'] * 1e3:.1f} ms a step, bound "
+            f"{b['bound']}; the queue's head held back {b['held_back']} time(s)")
+
+
 def text_lines(run: dict, report: dict | None = None) -> list[str]:
     """run: a run's summary (--stats-json's `summary`, a report's `this_run`); report: the run
     report, for the output file's requests. The Throughput line comes last."""
@@ -85,7 +96,7 @@ def text_lines(run: dict, report: dict | None = None) -> list[str]:
                    f"retries those lines)")
     out.append(f"tokens: {run['prompt_tokens']} prompt, {run['output_tokens']} generated")
     out.append(f"time: {run['wall_s']:.1f} s, {run['steps']} steps ({run['decode_steps']} decoding)")
-    for line in (prefill_line(run), prefix_line(run), tiers_line(run)):
+    for line in (prefill_line(run), prefix_line(run), tiers_line(run), balance_line(run)):
         if line:
             out.append(line)
     bound = bound_line(run)
