@@ -108,9 +108,7 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
     if tier >= 0:           # as LLMEngine sets it up: measured speeds, the tier's S-part time still unknown
         placement.set_speeds(costs.speeds())
         placement.overflow_only[tier] = costs.profile.device_tier.kind == "local"
-    balance = StepBalance(placement, cfg.depth, tier if tier >= 0 else None,
-                          fixed_s=(costs.r_call_s * costs.layers * cfg.depth).tolist(), speeds_known=tier >= 0)
-    gate = balance.attach() if cfg.balance and tier >= 0 else None     # as the engine: with a tier to weigh
+    balance, gate = _balance(placement, costs, cfg)
     capacity = placement.total_capacity_tokens()
     order = np.lexsort((np.arange(n), trace.arrival_s))          # FIFO: by arrival, then trace order
     seqs = [_Seq(i + 1, int(trace.prompt_len[i]), int(trace.max_tokens[i])) for i in range(n)]
@@ -174,6 +172,15 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
     g = np.asarray(gaps, dtype=np.float64).reshape(-1, 2)
     return SimRun(steps=steps, admitted_step=admitted_step, finish_s=finish_s, gap_s=g[:, 0],
                   gap_count=g[:, 1].astype(np.int64), admission=controller.describe())
+
+
+def _balance(placement: Placement, costs: Costs, cfg: SimConfig) -> tuple[StepBalance, StepBalance | None]:
+    """As the engine builds it: the balance (learning from every step), and it as the gate and
+    placement's step model where a tier sits beside the R-workers (else None)."""
+    tier = costs.tier
+    balance = StepBalance(placement, cfg.depth, tier if tier >= 0 else None,
+                          fixed_s=(costs.r_call_s * costs.layers * cfg.depth).tolist(), speeds_known=tier >= 0)
+    return balance, (balance.attach() if cfg.balance and tier >= 0 else None)
 
 
 def _observe(balance: StepBalance, res: np.ndarray, worker: np.ndarray, read: np.ndarray, W: int) -> None:
