@@ -104,7 +104,8 @@ def test_batch_prompt_shapes_and_their_errors():
     assert prompts_of({"prompt": [[1, 2], []]}) == ("invalid_request",
                                                     "body.prompt[1] must be a non-empty list of token ids")
     assert prompts_of({"prompt": [A, ""]}) == ("invalid_request", "body.prompt[1] must be a non-empty string")
-    code, message = prompts_of({"prompt": [A, [1]]})
+    assert prompts_of({"prompt": [A, [1]]}) == [A, [1]]                  # mixed, as LLM.generate takes them
+    code, message = prompts_of({"prompt": [1, A]})
     assert code == "invalid_request" and message.startswith("body.prompt must be a string, a list of token ids")
     assert prompts_of({"prompt": [[1, -2]]})[0] == "invalid_request"
 
@@ -141,10 +142,12 @@ def test_a_prompt_list_answers_as_separate_lines(llm, tmp_path):
         batch_line("ids", {**greedy, "prompt": [ids_a, ids_b]}),
         batch_line("sa", {**sampled, "prompt": A}), batch_line("sb", {**sampled, "prompt": B}),
         batch_line("both", {**sampled, "prompt": [A, B]}),
+        batch_line("mixed", {**greedy, "prompt": [A, ids_b]}),
         batch_line("echo", {"max_tokens": 2, "temperature": 0, "prompt": [A, B], "echo": True}),
         batch_line("empty-inner", {**greedy, "prompt": [ids_a, []]}),
         batch_line("vocab", {**greedy, "prompt": [ids_a, [1, VOCAB + 1]]})])
     assert choices(rows["ids"]) == [(0, choices(rows["a"])[0][1]), (1, choices(rows["b"])[0][1])]
+    assert choices(rows["mixed"]) == [(0, choices(rows["a"])[0][1]), (1, choices(rows["b"])[0][1])]
     separate = [text for cid in ("sa", "sb") for _, text in choices(rows[cid])]
     assert choices(rows["both"]) == list(enumerate(separate))             # prompt i's choices are i*n..i*n+n-1
     usage = rows["both"]["response"]["body"]["usage"]
@@ -155,3 +158,14 @@ def test_a_prompt_list_answers_as_separate_lines(llm, tmp_path):
     assert rows["empty-inner"]["error"]["message"] == "body.prompt[1] must be a non-empty list of token ids"
     assert rows["vocab"]["response"]["status_code"] == 400
     assert rows["vocab"]["error"]["message"].startswith(f"body.prompt[1]: prompt token ids {VOCAB + 1} are not")
+
+
+def test_the_usage_guides_mixed_prompt_list_is_served():
+    """docs/usage.md's example line (a string and a token-id list in one `prompt`) parses to its two prompts."""
+    import pathlib
+    import re
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "usage.md").read_text()
+    example = next(m.group(1) for m in re.finditer(r"```json\n(.*?)```", doc, re.S) if '"prompt": [' in m.group(1))
+    line = parse_line(1, " ".join(example.split("\n")), Limits())
+    assert line.error is None, line.error
+    assert [type(p) for p in line.prompts] == [str, list] and line.prompts[1] == [12615, 36411, 418]

@@ -54,8 +54,9 @@ class Body(BaseModel):
     """Both endpoints' body fields; which apply to which endpoint is checked by jsonl.py."""
     model_config = ConfigDict(strict=True, extra="allow")
     model: StrictStr | None = None
-    # one prompt (text, or token ids) or several (OpenAI's batched prompts: strings or token-id lists)
-    prompt: Union[StrictStr, list[TokenId], list[StrictStr], list[list[TokenId]], None] = None
+    # one prompt (text, or token ids) or several (OpenAI's batched prompts: strings and token-id lists,
+    # mixed as LLM.generate takes them)
+    prompt: Union[StrictStr, list[TokenId], list[Union[StrictStr, list[TokenId]]], None] = None
     messages: list[Message] | None = None
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
@@ -118,7 +119,7 @@ _KIND = {"int_type": "an integer", "float_type": "a number", "bool_type": "bool"
          "literal_error": "one of {expected}", "greater_than_equal": "a number >= {ge}",
          "greater_than": "a number > {gt}", "string_too_short": "non-empty", "too_short": "non-empty",
          "missing": "present", "model_type": "an object", "model_attributes_type": "an object"}
-_UNIONS = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists", "stop": "a string or a list of strings",
+_UNIONS = {"prompt": "a string, a list of token ids, or a list of strings and token-id lists", "stop": "a string or a list of strings",
            "content": "a string or a list of text parts", "logprobs": "an integer (completions) or bool (chat)"}
 _UNION_BRANCHES = {"str", "int", "float", "bool", "none"}
 
