@@ -214,15 +214,35 @@ def test_a_chat_template_that_runs_forever_stops_at_its_budget():
     assert tiny_tokenizer("{{ messages[0].content }}").encode_chat([{"role": "user", "content": "t3"}]) == [3]
 
 
+def test_a_chat_template_that_writes_more_than_the_context_holds_is_stopped():
+    from fastdecode.model.template_budget import MIN_TEMPLATE_CHARS, TemplateBudgetExceeded
+    one_piece = tiny_tokenizer("{{ 'x' * %d }}{{ messages[0].content }}" % (2 * MIN_TEMPLATE_CHARS))
+    with pytest.raises(TemplateBudgetExceeded, match="wrote more than 1,048,576 characters"):
+        one_piece.encode_chat([{"role": "user", "content": "t3"}])
+    # 10^9 characters in pieces: stopped at the bound, not after a gigabyte is written and tokenized
+    looping = tiny_tokenizer(WRITES_1E9 + "{{ messages[0].content }}")
+    t0 = time.time()
+    with pytest.raises(TemplateBudgetExceeded, match="characters"):
+        looping.encode_chat([{"role": "user", "content": "t3"}])
+    assert time.time() - t0 < 5
+    under_the_bound = tiny_tokenizer("{% for i in range(900) %}{{ 'x' * 1000 }}{% endfor %}")
+    assert len(under_the_bound.encode_chat([{"role": "user", "content": "t3"}])) == 1     # one unknown word
+
+
+WRITES_1E9 = "{% for i in range(100000) %}{% for j in range(10) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}"
+
+
 def test_a_line_whose_template_runs_past_its_budget_is_a_400_and_the_job_goes_on(tmp_path):
     model = tmp_path / "m"
     hf_dir(model, BASE)
-    tok = tiny_tokenizer("{% if messages[0].content == 't9' %}" + ENDLESS + "{% endif %}{{ messages[0].content }}")
+    tok = tiny_tokenizer("{% if messages[0].content == 't9' %}" + ENDLESS + "{% endif %}"
+                         "{% if messages[0].content == 't8' %}" + WRITES_1E9 + "{% endif %}{{ messages[0].content }}")
     tok.hf.save_pretrained(str(model))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     chat = "/v1/chat/completions"
     inp.write_text("\n".join([
         batch_line("slow", {"messages": [{"role": "user", "content": "t9"}], "max_tokens": 2}, chat),
+        batch_line("huge", {"messages": [{"role": "user", "content": "t8"}], "max_tokens": 2}, chat),
         batch_line("fine", {"messages": [{"role": "user", "content": "t5"}], "max_tokens": 2}, chat),
         batch_line("ids", {"prompt": [3, 4, 5], "max_tokens": 2}),
     ]) + "\n")
@@ -231,6 +251,8 @@ def test_a_line_whose_template_runs_past_its_budget_is_a_400_and_the_job_goes_on
     rows = {r["custom_id"]: r for r in read_output(str(out))}
     assert rows["slow"]["response"]["status_code"] == 400
     assert "chat template ran past its budget" in rows["slow"]["error"]["message"], rows["slow"]
+    assert rows["huge"]["response"]["status_code"] == 400
+    assert "chat template wrote more than" in rows["huge"]["error"]["message"], rows["huge"]
     assert rows["fine"]["response"]["status_code"] == 200 and rows["ids"]["response"]["status_code"] == 200
 
 

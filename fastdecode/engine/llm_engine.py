@@ -57,7 +57,8 @@ class LLMEngine:
         self.s_cores = self._setup_cores()
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         tokenizer = resolve_model(args.tokenizer, args.tokenizer_revision) if args.tokenizer else None
-        self.tokenizer = Tokenizer(self.source, digest, tokenizer) if self.source.kind != "random" or tokenizer \
+        self.tokenizer = Tokenizer(self.source, digest, tokenizer, self.max_model_len) \
+            if self.source.kind != "random" or tokenizer \
             else TokenIdsOnly(self.config.vocab_size)
         world = comm.Get_size() - s_ranks + 1 if comm is not None else 1      # the S-worker and the R-workers
         self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, world,

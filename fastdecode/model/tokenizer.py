@@ -10,7 +10,7 @@ import json
 import os
 
 from fastdecode.model.source import ModelSource, cache_dir
-from fastdecode.model.template_budget import template_budget
+from fastdecode.model.template_budget import max_template_chars, template_budget, too_long
 
 
 class TokenIdsOnly:
@@ -39,10 +39,16 @@ class TokenIdsOnly:
 
 
 class Tokenizer:
-    def __init__(self, source: ModelSource, digest: str | None = None, tokenizer: ModelSource | None = None):
+    max_chat_chars = max_template_chars(0)      # what a chat template may write (set per model in __init__)
+
+    def __init__(self, source: ModelSource, digest: str | None = None, tokenizer: ModelSource | None = None,
+                 max_model_len: int = 0):
         """The tokenizer of `source`, or of `tokenizer` where given (vLLM's `tokenizer`: another
-        model's); `digest` names a GGUF model's converted tokenizer in the cache."""
+        model's); `digest` names a GGUF model's converted tokenizer in the cache; `max_model_len`
+        bounds what a chat template may write (template_budget.max_template_chars)."""
         from transformers import AutoTokenizer
+
+        self.max_chat_chars = max_template_chars(max_model_len)
 
         own = tokenizer or source
         if own.kind == "hf":
@@ -92,13 +98,15 @@ class Tokenizer:
                     continue_final_message: bool = False, tools: list | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
         """A conversation through the chat template (the model's, or `chat_template`), within its time
-        budget (template_budget.py), its text tokenized without added special tokens (the template
-        writes them), as HF's apply_chat_template(tokenize=True) does."""
-        with template_budget():
+        and size budget (template_budget.py), its text tokenized without added special tokens (the
+        template writes them), as HF's apply_chat_template(tokenize=True) does."""
+        with template_budget(max_chars=self.max_chat_chars):
             text = self.hf.apply_chat_template(messages, chat_template=chat_template, tools=tools, tokenize=False,
                                                add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message,
                                                **(template_kwargs or {}))
+        if len(text) > self.max_chat_chars:          # written in one piece, or outside a generator frame
+            raise too_long(len(text), self.max_chat_chars)
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True,
