@@ -142,3 +142,49 @@ def test_plan_takes_a_repo_id_from_the_cache(hub):
     proc = run_fastdecode(["plan", "--model", "org/absent", "--gpu-profile", "h100", "--cpu-bw", "100"], timeout=120,
                           env={"HF_HUB_CACHE": str(hub)})
     assert proc.returncode == 2 and "hf download org/absent" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- revisions stay in the cache
+
+@pytest.fixture
+def cache_with_outside(tmp_path, monkeypatch):
+    """A cache holding org/tiny at main, and beside it (outside the cache) a model directory and a
+    file holding a commit hash, for revisions and refs that try to reach them."""
+    root = tmp_path / "hub"
+    repo = root / "models--org--tiny"
+    (repo / "snapshots" / MAIN).mkdir(parents=True)
+    (repo / "snapshots" / MAIN / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(MAIN)
+    (tmp_path / "outside" / "model").mkdir(parents=True)
+    (tmp_path / "outside" / "model" / "config.json").write_text("{}")
+    (tmp_path / "outside_ref").write_text(MAIN)
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    return repo
+
+
+def test_a_revision_is_a_ref_or_a_commit_never_a_path(cache_with_outside):
+    from fastdecode.model.hf_cache import cached_snapshot
+    assert cached_snapshot("org/tiny").endswith(MAIN)
+    # refs/../../../outside_ref is a file holding a commit, outside refs/: read before, refused now
+    for revision in ("../../../outside_ref", "../../../../../../../../../dev/zero", "/dev/zero", "main/../main"):
+        with pytest.raises(ConfigError, match="is not a branch, tag or commit") as e:
+            cached_snapshot("org/tiny", revision)
+        assert "\n" not in str(e.value) and repr(revision) in str(e.value)
+
+
+def test_a_ref_file_resolves_only_to_a_snapshot_inside_the_cache(cache_with_outside):
+    from fastdecode.model.hf_cache import cached_snapshot
+    refs = cache_with_outside / "refs"
+    (refs / "escape").write_text("../../outside/model")       # snapshots/../../outside/model: another model
+    with pytest.raises(ConfigError, match=r"refs/escape holds '\.\./\.\./outside/model', not a commit hash"):
+        cached_snapshot("org/tiny", "escape")
+    os.symlink(cache_with_outside.parent.parent / "outside_ref", refs / "linked")   # a link out of refs/
+    with pytest.raises(ConfigError, match="is not a file inside"):
+        cached_snapshot("org/tiny", "linked")
+    os.symlink("/dev/zero", refs / "zero")                    # a device: never read endlessly
+    with pytest.raises(ConfigError, match="is not a file inside"):
+        cached_snapshot("org/tiny", "zero")
+    (refs / "huge").write_text("a" * 10**6)                   # read up to a hash's length, not whole
+    with pytest.raises(ConfigError, match="not a commit hash"):
+        cached_snapshot("org/tiny", "huge")

@@ -3,14 +3,16 @@ local Hugging Face cache, never downloaded.
 
 The cache is the one `hf download` and transformers fill: `$HF_HUB_CACHE`, else `$HF_HOME/hub`,
 else `~/.cache/huggingface/hub`, read when a model is resolved (so a job's environment decides).
-huggingface_hub resolves the revision offline (a branch or tag through `refs/`, a full commit
-hash through `snapshots/`); a model or revision not there is an error that says how to get it.
+A revision resolves offline, as huggingface_hub lays the cache out (a branch or tag through the
+commit hash its `refs/` file holds, a full commit hash directly), and only to a directory under
+the repo's `snapshots/`; a model or revision not there is an error that says how to get it.
 """
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import stat
 
 from fastdecode.model.config import ConfigError
 
@@ -34,14 +36,45 @@ def hub_cache_dir() -> str:
 
 def cached_snapshot(repo_id: str, revision: str | None = None) -> str:
     """The snapshot directory of `repo_id` at `revision` (default: main) in the local cache;
-    ConfigError saying how to get it where it is not there."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    ConfigError saying how to get it where it is not there. A revision is a full commit hash or a
+    ref (branch, tag) under the repo's `refs/`, whose file holds a commit hash; either names a
+    directory under its `snapshots/`, never a path elsewhere (a `../` revision, or a ref file that
+    is a device, a link out of `refs/` or holds a path, is refused naming it)."""
+    from huggingface_hub.file_download import repo_folder_name
     cache = hub_cache_dir()
-    try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
-    except (LocalEntryNotFoundError, FileNotFoundError):
-        raise ConfigError(_missing_message(repo_id, revision, cache)) from None
+    repo_dir = os.path.join(cache, repo_folder_name(repo_id=repo_id, repo_type="model"))
+    rev = revision or "main"
+    commit = rev if _COMMIT.match(rev) else _ref_commit(repo_dir, rev)
+    snapshot = os.path.join(repo_dir, "snapshots", commit) if commit else None
+    if snapshot is None or not os.path.isdir(snapshot):
+        raise ConfigError(_missing_message(repo_id, revision, cache))
+    return snapshot
+
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_REF_BYTES = 256              # a ref file holds a 40-character commit hash (and perhaps a newline)
+
+
+def _ref_commit(repo_dir: str, ref: str) -> str | None:
+    """The commit hash a ref's file holds; None where the repo has no such ref."""
+    parts = ref.split("/")
+    if ref.startswith("/") or "\\" in ref or "\0" in ref or any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(f"--revision {ref!r} is not a branch, tag or commit: a revision names a ref under the "
+                          f"cache's refs/ or a full commit hash, never a path")
+    refs = os.path.join(repo_dir, "refs")
+    path = os.path.join(refs, *parts)
+    if not os.path.lexists(path):
+        return None
+    real_refs = os.path.realpath(refs)
+    if not os.path.realpath(path).startswith(real_refs + os.sep) or not stat.S_ISREG(os.stat(path).st_mode):
+        raise ConfigError(f"the Hugging Face cache's ref file {path} is not a file inside {refs}: a ref holds a "
+                          f"commit hash; remove it, or `hf download` the revision again")
+    with open(path, "rb") as f:
+        held = f.read(_REF_BYTES).decode("ascii", "replace").strip()
+    if not _COMMIT.match(held):
+        raise ConfigError(f"the Hugging Face cache's ref file {path} holds {held[:60]!r}, not a commit hash: "
+                          f"a ref names a snapshot of the repo; remove it, or `hf download` the revision again")
+    return held
 
 
 def _missing_message(repo_id: str, revision: str | None, cache: str) -> str:
