@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastdecode.flag_ranges import MIN_TIMEOUT_S, duration
+from fastdecode.flag_ranges import MIN_TIMEOUT_S, count_range_error, duration
 
 
 def positive_int(text: str) -> int:
@@ -14,8 +14,9 @@ def positive_int(text: str) -> int:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    error = count_range_error(v)
+    if error:
+        raise argparse.ArgumentTypeError(f"{error}, got {text!r}")
     return v
 
 

@@ -6,7 +6,8 @@ as an R-worker until rank 0 closes, then ends the process. With `tensor_parallel
 `mpirun -n T+R`) ranks 1..T-1 serve as the S-worker's other ranks the same way.
 
 `LLM(...)` takes EngineArgs' fields and vLLM's keyword arguments (vllm_args.py: `max_num_seqs` is
-the max batch; one without a meaning here is accepted at its no-op value, refused at any other).
+the max batch; one without a meaning here is accepted at its no-op value, refused at any other),
+within the ranges the command line's flags take (flag_ranges.py): a ValueError names the one out.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.prompt_inputs import params_per_prompt, parse_prompts
 from fastdecode.engine.request_checks import RequestError
 from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
+from fastdecode.flag_ranges import engine_args_error, machine_error
 from fastdecode.launch import mpi_env
 from fastdecode.vllm_args import engine_kwargs
 
@@ -32,7 +34,10 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs):
         from fastdecode.launch.env_vars import environment_error
         args = EngineArgs(model=model, **engine_kwargs(kwargs, _ENGINE_FIELDS))
-        error = environment_error(runs_kernels=mpi_env.launched_rank() > 0 or mpi_env.launched_size() <= 1)
+        rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
+        # the command line's ranges, and its check of sizes against this machine (flag_ranges.py)
+        error = engine_args_error(args) or machine_error(args, rank, size) \
+            or environment_error(runs_kernels=rank > 0 or size <= 1)
         if error:
             raise ValueError(error)
         s_ranks = args.tensor_parallel_size

@@ -38,7 +38,7 @@ def test_vllm_kwargs_with_a_meaning_here_are_mapped():
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(tensor_parallel_size=2), "--tensor-parallel-size 2 needs 2 MPI ranks for the S-worker, and the job has 1"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1], got 1.5"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5: expected a fraction in (0, 1]"),
     (dict(quantization="int4"), "quantization"),
     (dict(trust_remote_code=True), "trust_remote_code=True is not supported by fastdecode: fastdecode runs its own "
                                    "implementation of each model family"),
