@@ -22,6 +22,7 @@ import torch
 from fastdecode.model.config import ConfigError, ModelConfig
 from fastdecode.rpart.base import RBackend
 from rworker.host.capacity import default_capacity_bytes
+from rworker.protocol.kvformat import PAGE_TOKENS
 
 TIER_KV_DTYPES = ("fp32", "bf16", "fp16")       # the device tier's pages; int8 stays on the R-workers
 TORCH_TIER_ENV = "FASTDECODE_DEVICE_TIER"       # "torch": the GPU's tier (torch pages) on any device, for tests
@@ -42,13 +43,20 @@ def gib(n: float) -> str:
 
 
 def choose_tier(enabled: bool | None, asked: int | None, device: torch.device, kv_dtype: str, world: int,
-                ranks_here: int) -> TierChoice:
+                ranks_here: int, kv_token_bytes: int = 0) -> TierChoice:
     """The tier of a job: `enabled` False is --no-device-kv, True --device-kv, None auto; `asked`
-    --device-kv-memory (None: auto);
-    `ranks_here` the ranks on the S-worker's node (itself included). Raises ConfigError where an
-    asked size cannot be met (checked again against free memory once the weights are in)."""
+    --device-kv-memory (None: auto); `ranks_here` the ranks on the S-worker's node (itself
+    included); `kv_token_bytes` a token's KV over all layers (a page of PAGE_TOKENS of them, the
+    least a tier can hold).
+    Raises ConfigError where an asked size cannot be met (checked again against free memory once
+    the weights are in): less than a page, more than the device or machine has, or on a CPU S-worker
+    so much that the R-workers beside it would be left nothing."""
     if enabled is False:
         return TierChoice("", 0, "--no-device-kv")
+    page_bytes = PAGE_TOKENS * kv_token_bytes
+    if asked is not None and asked < page_bytes:
+        raise ConfigError(f"--device-kv-memory {asked:,} bytes is less than one KV page of this model "
+                          f"({gib(page_bytes)}): a size is in bytes unless it has a unit (K, M, G, T: 40G)")
     if device.type == "cuda" or os.environ.get(TORCH_TIER_ENV, "").strip() == "torch":
         if kv_dtype not in TIER_KV_DTYPES:
             return TierChoice("", 0, f"{kv_dtype} KV lives on the R-workers only")
@@ -60,17 +68,28 @@ def choose_tier(enabled: bool | None, asked: int | None, device: torch.device, k
             raise ConfigError(f"--device-kv-memory {gib(asked)} is more than the {gib(free)} free on {device} "
                               f"(before the weights load): ask for less, or --no-device-kv")
         return TierChoice("device", asked)
+    if asked is not None:
+        _check_host_tier(asked, ranks_here - 1 if world > 1 else 0)
     if world <= 1:
-        return TierChoice("", 0, "local mode: the in-process store is the whole R-part")
+        unused = " (--device-kv-memory sizes nothing here: --rworker-mem sizes the store)" if asked else ""
+        return TierChoice("", 0, "local mode: the in-process store is the whole R-part" + unused)
     if enabled is None and asked is None:
         return TierChoice("", 0, "a CPU S-worker's attention would run in turn with its dense layers; "
                                  "--device-kv turns it on")
-    if asked is not None:
-        import psutil
-        total = psutil.virtual_memory().total
-        if asked > total:
-            raise ConfigError(f"--device-kv-memory {gib(asked)} is more than this machine's memory ({gib(total)})")
     return TierChoice("local", asked if asked is not None else default_capacity_bytes(share=max(ranks_here, 1)))
+
+
+def _check_host_tier(asked: int, rworkers_here: int) -> None:
+    """A CPU S-worker's tier fits this machine, and leaves the R-workers on its node some memory
+    (each takes what is available less a reserve and the tier: none left would end them at start-up)."""
+    import psutil
+    total = psutil.virtual_memory().total
+    if asked > total:
+        raise ConfigError(f"--device-kv-memory {gib(asked)} is more than this machine's memory ({gib(total)})")
+    room = default_capacity_bytes()
+    if rworkers_here > 0 and asked >= room:
+        raise ConfigError(f"--device-kv-memory {gib(asked)} leaves nothing for the {rworkers_here} R-worker(s) on "
+                          f"this node: {gib(room)} is available after the reserve; ask for less")
 
 
 def activation_reserve_bytes(config: ModelConfig, dtype: torch.dtype, max_prefill_tokens: int,

@@ -62,7 +62,7 @@ class LLMEngine:
             else TokenIdsOnly(self.config.vocab_size)
         world = comm.Get_size() - s_ranks + 1 if comm is not None else 1      # the S-worker and the R-workers
         self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, world,
-                                self.layout[0] if self.layout else 1)
+                                self.layout[0] if self.layout else 1, self.kv_bytes_per_token)
         tp = self.tp
         weights = load_weights(self.source, self.config, self.dtype, self.device, self.weight_format,
                                tp.shard if tp else None)
