@@ -341,7 +341,7 @@ def test_plan_reads_an_hf_config(tmp_path, capsys):
            "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     code, out, _ = run_plan(capsys, "--gpu-profile", "a10", "--model", str(tmp_path), "--cpu-bw", "30",
-                            "--batch", "64", "--json")
+                            "--batch", "64", "--pipeline-depth", "2", "--json")
     assert code == 0
     d = json.loads(out)
     expected = stated_profile(GPU_PRESETS["a10"], MODEL_PRESETS["smollm2-135m"], 30, 256)

@@ -199,7 +199,8 @@ def test_plan_flags_state_replace_or_drop_the_tier(tmp_path):
     assert code == 0 and json.loads(out)["tier_sequences"] > 888
     code, out, _ = run_plan("--profile", str(tiered), "--no-device-kv", *common)
     assert code == 0 and json.loads(out)["tier_sequences"] == 0 and json.loads(out)["device_tier"] is None
-    code, text, _ = run_plan("--profile", str(tiered), "--batch", "1024", "--context", "1024", "--rworkers", "1")
+    code, text, _ = run_plan("--profile", str(tiered), "--batch", "1024", "--context", "1024", "--rworkers", "1",
+                             "--pipeline-depth", "2")
     assert code == 0 and "split: 888 sequences" in text and "the two sides of the step end together" in text
 
 

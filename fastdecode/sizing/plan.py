@@ -57,8 +57,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_hardware_options(p)
     tgt = p.add_argument_group("target")
-    tgt.add_argument("--context", type=int, default=1024, help="generation length S, tokens (default: %(default)s)")
-    tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens (default: %(default)s)")
+    tgt.add_argument("--output-len", "--context", dest="context", type=int, default=1024,
+                     help="tokens each sequence generates, S, after its prompt (vLLM's benchmarks' --output-len; "
+                          "prompt + S is what vLLM's --max-model-len bounds; default: %(default)s)")
+    tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens (vLLM's --input-len; default: "
+                                                                "%(default)s)")
     tgt.add_argument("--batch", type=int, help="batch B offered (default: a sweep over B from 1 to what memory "
                                                 "holds)")
     tgt.add_argument("--rworkers", type=int, nargs="+", metavar="P",
@@ -67,8 +70,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           "(default: the number needed)")
     tgt.add_argument("--pipeline-depth", type=_depth, default=AUTO_DEPTH,
                      help=f"mini-batches in flight, 1 = no pipeline; {AUTO_DEPTH}: the better of 1 and 2 at each "
-                          f"batch of a sweep or of several --rworkers, {ENGINE_DEPTH} (generate's default) for one "
-                          "--batch on one count (default: %(default)s)")
+                          f"batch, named where it is not generate's default ({ENGINE_DEPTH}) (default: %(default)s)")
     tgt.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill chunk (default: one admitted micro-batch, B/16 prompts, "
                           "up to the profile's largest chunk)")
@@ -277,14 +279,17 @@ def stated_depth(args) -> int | None:
     return None if args.pipeline_depth == AUTO_DEPTH else args.pipeline_depth
 
 
-def plan_depth(args) -> int | None:
-    """The depth to plan at: as stated; under auto the better of 1 and 2 at each batch (None) where
-    plan looks for the best (a sweep, several socket counts), generate's default where it prices one
-    --batch on one machine."""
-    depth = stated_depth(args)
-    if depth is None and args.batch and len(socket_counts(args.rworkers)) < 2:
-        return ENGINE_DEPTH
-    return depth
+# the depth to plan at: as stated; under auto the better of 1 and 2 at each batch, one --batch's too
+# (the plan recommends the best depth, and depth_advice names it where it is not generate's default)
+plan_depth = stated_depth
+
+
+def depth_advice(row: dict, args) -> str | None:
+    """The flag to give generate where the depth plan chose is not its default."""
+    if stated_depth(args) is not None or "tokens_per_s_depth2" not in row:
+        return None
+    return (f"run generate with --pipeline-depth {row['pipeline_depth']}: its default, {ENGINE_DEPTH}, gives "
+            f"{row['tokens_per_s_depth2']:,.0f} tokens/s here")
 
 
 def _check(args) -> None:
@@ -349,6 +354,10 @@ def _row(prof: Profile, batch: int, args) -> dict:
     flat = predict_run(prof, batch, args.context, args.prompt_len, pred.rworkers, 1, pred.rworkers_needed, split,
                        args.prefill_chunk, args.kv_reserve, **share)
     row = {**pred.to_dict(), "step_latency_depth1_s": flat.step_latency_s, "tokens_per_s_depth1": flat.tokens_per_s}
+    if pred.pipeline_depth != ENGINE_DEPTH:      # what generate's default depth would give: the advice's figure
+        row["tokens_per_s_depth2"] = predict_run(prof, batch, args.context, args.prompt_len, pred.rworkers, ENGINE_DEPTH,
+                                                 pred.rworkers_needed, split, args.prefill_chunk, args.kv_reserve,
+                                                 **share).tokens_per_s
     if pred.rworker_sequences >= 1:          # something crosses the link
         row.update(link_report(prof, pred.batch_run, args.context, args.prompt_len, pred.rworkers,
                                pred.pipeline_depth, kv_reserve=args.kv_reserve, split=split, **share))
@@ -388,7 +397,7 @@ def run(args) -> int:
     print("\n".join(text.header(prof, knee, depth or ENGINE_DEPTH, args)))
     print(text.target_line(args, depth))
     if args.batch:
-        text.print_batch(prof, pick, fid, args)
+        text.print_batch(prof, pick, fid, args, depth_advice(pick, args))
         return 0
     text.print_sweep(prof, rows, knee)
     if socket_counts(args.rworkers):                # the best of one machine (the count needed varies by row)

@@ -3,6 +3,7 @@ words, the sweep's table and the table per socket count (fastdecode/sizing/plan.
 from __future__ import annotations
 
 from fastdecode.sizing.fidelity import fidelity_line
+from fastdecode.sizing.hardware import GPU_MEMORY_UTILIZATION
 from fastdecode.sizing.link_report import link_line
 from fastdecode.sizing.schema import Profile
 from fastdecode.sizing.split import ALL_ON_TIER, BALANCED, NONE_ON_TIER, R_FULL, TIER_FULL
@@ -36,8 +37,14 @@ def header(prof: Profile, knee: int, depth: int, args=None) -> list[str]:
     weights = weight_bytes_per_gpu(m, tp) if tp is not None and tp.active else m.weight_bytes()
     if tp is not None and tp.active:
         lines.append(f"S-worker: {tp.describe()}: {weights / 1e9:.1f} GB of weights per GPU")
-    if mem and weights > mem:
-        lines.append(f"warning: weights {weights / 1e9:.1f} GB exceed the GPU's {mem / 1e9:.0f} GB")
+    if prof.cores_shared:
+        lines.append(f"warning: {prof.cores_shared}")
+    budget = mem * GPU_MEMORY_UTILIZATION
+    if mem and weights > budget:        # generate refuses to load them: the plan is of a job that never starts
+        lines.append(f"warning: {weights / 1e9:.1f} GB of weights per GPU exceed the job's budget of "
+                     f"{budget / 1e9:.0f} GB ({GPU_MEMORY_UTILIZATION:g} x the GPU's {mem / 1e9:.0f} GB, generate's "
+                     f"--gpu-memory-utilization): the job would not start; give the S-worker more GPUs "
+                     f"(--tensor-parallel-size)" + ("" if tp is not None and tp.fp8 else " or fp8 weights (--quantization fp8)"))
     return lines
 
 
@@ -48,7 +55,8 @@ def target_line(args, depth: int | None) -> str:
     if args.shared_prefix:
         kv += (f" of its own + a {args.shared_prefix}-token prefix shared by "
                + ("the whole batch" if args.prefix_group is None else f"groups of {args.prefix_group}"))
-    return (f"target: generation S = {args.context}, prompt {args.prompt_len} -> {kv}; "
+    return (f"target: each sequence a {args.prompt_len}-token prompt, then S = {args.context} generated tokens "
+            f"(--output-len; vLLM's --max-model-len would be {args.prompt_len + args.context}) -> {kv}; "
             + (f"pipeline depth {depth}" if depth else "pipeline depth 1 or 2, the better at each batch")
             + f"; --kv-reserve {args.kv_reserve}")
 
@@ -101,8 +109,8 @@ def best_line(r: dict) -> str:
             f"{r['pipeline_depth']}, step {r['step_latency_s'] * 1e3:.1f} ms; bound: {r['bound']}")
 
 
-def print_batch(prof: Profile, r: dict, fid: dict, args) -> None:
-    """plan --batch: the one batch in words."""
+def print_batch(prof: Profile, r: dict, fid: dict, args, advice: str | None = None) -> None:
+    """plan --batch: the one batch in words; `advice` the flag generate needs to run it so."""
     where = f"{r['rworkers']} R-workers" + (" and the S-worker's tier" if prof.device_tier is not None else "")
     held = r["batch_run"] + r["balance_waiting"]
     print(f"batch {r['batch']}" + (f" (memory holds {held})" if held < r["batch"] else "")
@@ -129,6 +137,8 @@ def print_batch(prof: Profile, r: dict, fid: dict, args) -> None:
           f"{r['step_latency_depth1_s'] * 1e3:.1f} ms), {r['tokens_per_s']:,.0f} tokens/s "
           f"({r['tokens_per_s_depth1']:,.0f} at depth 1), {r['step_latency_s'] * 1e3:.1f} ms/token per sequence; "
           f"bound: {r['bound']}")
+    if advice:
+        print(advice)
     print(fidelity_line(fid, r["bound"]))
 
 

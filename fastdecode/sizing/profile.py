@@ -100,7 +100,24 @@ def run_profile(engine: LLMEngine, settings: ProfileSettings | None = None, log=
                    kv_dtype_bytes=kv_elem_bytes(engine.kv_dtype, c.head_dim), source="measured", notes=notes,
                    device_tier=tier)
     link.hop_s = time_chain_hop(engine, prof, log=log)
+    prof.cores_shared = shared_cores_note(engine, platform.node())
+    if prof.cores_shared:
+        log(f"warning: {prof.cores_shared}")
     return prof
+
+
+def shared_cores_note(engine: LLMEngine, node: str) -> str:
+    """Where the job's ranks on the S-worker's node outnumber its physical cores, why plans from
+    this profile run fast: it times the S-part and each R-worker alone, each with the cores to
+    itself, while a job's step runs them at once on those cores. "" where each rank has a core."""
+    from rworker.host.threads import physical_cpus
+    ranks_here, cores = (engine.layout[0] if engine.layout else 1), len(physical_cpus())
+    if ranks_here <= cores:
+        return ""
+    return (f"the {ranks_here} ranks on {node} share its {cores} physical cores: the profile timed the S-part and "
+            f"each R-worker alone, but a job's steps run them at once on these cores, so a job here runs slower "
+            f"than plans from this profile say, by more than their fidelity range (2x on a 2-core machine with 3 "
+            f"ranks); a profile cannot measure that: profile and run with a core per rank")
 
 
 def s_part_grid(engine: LLMEngine, batches: list[int] | None, log=None) -> list[int]:

@@ -306,6 +306,8 @@ class Profile:
     source: str = "measured"        # or "stated"
     notes: str = ""
     device_tier: TierProfile | None = None     # the S-worker's own KV tier (None: all KV on the R-workers)
+    cores_shared: str = ""          # why a job where it was measured runs slower than its parts timed alone
+                                    # (its ranks share cores: profile.shared_cores_note); "" where they do not
 
     def workers(self, count: int) -> list[RWorkerProfile]:
         """`count` R-workers: the profiled ones, repeated in order when more are asked for."""
@@ -359,7 +361,7 @@ class Profile:
                              f">= 0, page_tokens >= 1 and kind one of {', '.join(TIER_KINDS)}")
         return cls(model=from_known_keys(ModelDims, d["model"]), s_worker=s, r_workers=workers, link=link,
                    kv_dtype_bytes=d.get("kv_dtype_bytes", 2), source=d.get("source", "measured"),
-                   notes=d.get("notes", ""), device_tier=tier)
+                   notes=d.get("notes", ""), device_tier=tier, cores_shared=str(d.get("cores_shared", "")))
 
     @classmethod
     def from_json(cls, text: str) -> "Profile":
