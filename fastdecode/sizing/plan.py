@@ -58,10 +58,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_hardware_options(p)
     tgt = p.add_argument_group("target")
     tgt.add_argument("--output-len", "--context", dest="context", type=int, default=1024,
-                     help="tokens each sequence generates, S, after its prompt (vLLM's benchmarks' --output-len; "
-                          "prompt + S is what vLLM's --max-model-len bounds; default: %(default)s)")
-    tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens (vLLM's --input-len; default: "
-                                                                "%(default)s)")
+                     help="tokens each sequence generates, S, after its prompt, as vLLM's benchmarks' "
+                          "--output-len; prompt + S is what vLLM's --max-model-len bounds (default: %(default)s)")
+    tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens, as vLLM's --input-len "
+                                                                "(default: %(default)s)")
     tgt.add_argument("--batch", type=int, help="batch B offered (default: a sweep over B from 1 to what memory "
                                                 "holds)")
     tgt.add_argument("--rworkers", type=int, nargs="+", metavar="P",
