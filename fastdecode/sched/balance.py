@@ -267,18 +267,20 @@ class StepBalance:
     # ------------------------------------------------------------------ learning
 
     def observe(self, rows: int, s_side_s: float, kv_tokens: list[float], attend_s: list[float],
-                busy_s: list[float] | None = None, r_wait_s: float = 0.0) -> None:
+                busy_s: list[float] | None = None, r_wait_s: float = 0.0, repeat: int = 1) -> None:
         """One decode step as measured: its rows; the S-side's seconds (the S-part, the head and the
         tier's attention; not its waits for the R-workers); per worker the KV tokens it attended
-        (all layers), its kernel seconds and its busy seconds; the S-worker's wait for the R-workers."""
+        (all layers), its kernel seconds and its busy seconds; the S-worker's wait for the R-workers.
+        repeat: the averages move as if `repeat` such steps came in a row (the simulator's spans)."""
         p = self.placement
+        weight = 1 - (1 - WEIGHT) ** repeat
         tier_s = attend_s[self.tier] if self.tier is not None and self.tier < len(attend_s) else 0.0
         s_part = max(s_side_s - tier_s, 0.0)
-        self.s_curve.observe(rows, s_part)
+        self.s_curve.observe(rows, s_part, weight)
         if self.tier is not None:        # placement's own cost of the tier: the S-part its attention queues behind
             t = self.tier
             p.base_s[t] = s_part if p.overflow_only[t] or p.base_s[t] == 0 else \
-                (1 - WEIGHT) * p.base_s[t] + WEIGHT * s_part
+                (1 - weight) * p.base_s[t] + weight * s_part
             p.overflow_only[t] = False
         r_rows = self._r_rows(p.resident)
         r_att = single = 0.0
@@ -288,11 +290,11 @@ class StepBalance:
                 p.bandwidth[w] = tokens / max(kernel, secs / 2)
                 self.known[w] = True
             elif tokens > 0 and kernel > self.fixed[w]:
-                p.bandwidth[w] = 1.0 / ((1 - WEIGHT) / p.bandwidth[w] + WEIGHT * kernel / tokens)
+                p.bandwidth[w] = 1.0 / ((1 - weight) / p.bandwidth[w] + weight * kernel / tokens)
             if w == self.tier or tokens <= 0:
                 continue
             busy = busy_s[w] if busy_s is not None and w < len(busy_s) else secs
-            self.overhead[w] += WEIGHT * (max(busy - secs, 0.0) - self.overhead[w])
+            self.overhead[w] += weight * (max(busy - secs, 0.0) - self.overhead[w])
             r_att = max(r_att, busy)
             single = max(single, busy / max(p.resident[w], 1))
         step = s_side_s + r_wait_s
@@ -300,19 +302,20 @@ class StepBalance:
             rows_mb = max(r_rows / self.depth, 1)
             trip = max(step - s_part / self.depth - self._piece(r_att, single), 0.0)
             if r_wait_s > WAITED * step or self.trip(rows_mb) > trip:
-                self._learn_trip(rows_mb, trip)
+                self._learn_trip(rows_mb, trip, repeat)
         on_tier = p.resident[self.tier] if self.tier is not None else 0
         self.last = {"sequences_tier": int(on_tier), "sequences_rworkers": int(sum(p.resident) - on_tier),
                      "s_step_s": round(s_side_s, 6), "r_step_s": round(r_att, 6), "r_wait_s": round(r_wait_s, 6),
                      "bound": "R" if r_wait_s > WAITED * step else "S", "held_back": self.refused}
 
-    def _learn_trip(self, rows: int, seconds: float) -> None:
+    def _learn_trip(self, rows: int, seconds: float, repeat: int = 1) -> None:
         """The trip's fixed and per-row seconds: a line through the steps the S-worker waited in
         (slow averages, so the ramp's spread of rows stays in them); one per row while they spread
         too little to tell the two apart."""
         point = (rows, seconds, rows * rows, rows * seconds)
+        weight = 1 - (1 - TRIP_WEIGHT) ** repeat
         self._trips = list(point) if self._trips is None else \
-            [a + TRIP_WEIGHT * (b - a) for a, b in zip(self._trips, point)]
+            [a + weight * (b - a) for a, b in zip(self._trips, point)]
         r, y, rr, ry = self._trips
         var, cov = rr - r * r, ry - r * y
         if var > (0.1 * r) ** 2:

@@ -71,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print the summary as JSON (default: a few lines)")
     out.add_argument("--no-numba", action="store_true",
                      help="run the event loop as plain Python even where numba is installed (same results)")
+    out.add_argument("--span-steps", action="store_true",
+                     help="take the steps between two events (a start, an end) in closed form: much faster on "
+                          "long generations at small batches; figures within about 0.5%% of stepping each step")
     return p
 
 
@@ -92,7 +95,7 @@ def _config(args, prof):
                      max_prefill_tokens=args.max_prefill_tokens, target_batch=args.target_batch,
                      admit_every=args.admit_every, max_gen=args.max_gen,
                      learn_lengths=args.stabilize_lengths == "learnt", use_numba=not args.no_numba,
-                     balance=args.balance)
+                     balance=args.balance, span_steps=args.span_steps)
 
 
 def simulate_args(args) -> dict:

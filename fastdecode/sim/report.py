@@ -26,10 +26,13 @@ def summary(run: SimRun, trace: Trace) -> dict:
     r_busy = st["r_busy_s"].sum(axis=0)                               # [P]
     r_max = float(st["r_busy_s"].max(axis=1, initial=0.0).sum()) if t_end.size else 0.0
     prefill = float(st["prefill_s"].sum())
-    kv_all = float(st["kv_tokens"].sum() + st["tier_kv_tokens"].sum())
+    span = st["span"]                                                 # [T] steps each record stands for
+    tier_kv = float((st["tier_kv_tokens"] * span).sum())
+    kv_all = float((st["kv_tokens"].sum(axis=1) * span).sum()) + tier_kv
+    decoding = st["active"] > 0
     done = run.finish_s >= 0
     return {
-        "wall_s": _r(wall, 4), "steps": int(t_end.size), "decode_steps": int((st["active"] > 0).sum()),
+        "wall_s": _r(wall, 4), "steps": int(span.sum()), "decode_steps": int(span[decoding].sum()),
         "requests": len(trace), "requests_finished": int(done.sum()),
         "output_tokens": out_tokens, "prompt_tokens": int(trace.prompt_len[done].sum()),
         "output_tokens_per_s": _r(out_tokens / wall, 3) if wall else None,
@@ -47,10 +50,11 @@ def summary(run: SimRun, trace: Trace) -> dict:
                         "device_tier": _r(float(st["tier_busy_s"].sum()) / wall, 4) if wall else None,
                         "link_out": _r(float(st["link_out_s"].sum()) / wall, 4) if wall else None,
                         "link_back": _r(float(st["link_back_s"].sum()) / wall, 4) if wall else None},
-        "running_mean": _r(float(st["active"][st["active"] > 0].mean()), 2) if decode_s else None,
+        "running_mean": _r(float(np.average(st["active"][decoding], weights=span[decoding])), 2)
+        if decode_s else None,
         "running_max": int(st["active"].max(initial=0)),
         # where the KV lived: the S-worker's own tier's share of the KV tokens held, over the decode steps
-        "tier_kv_share": _r(float(st["tier_kv_tokens"].sum()) / kv_all, 4) if kv_all else None,
+        "tier_kv_share": _r(tier_kv / kv_all, 4) if kv_all else None,
     }
 
 
@@ -68,8 +72,8 @@ def timeline(run: SimRun, bins: int = TIMELINE_BINS) -> list[dict]:
 
     span, s_busy = per_bin(step_s), per_bin(st["s_time_s"] + st["prefill_s"])
     r_max = per_bin(st["r_busy_s"].max(axis=1, initial=0.0))
-    tokens, rows = per_bin(st["tokens"].astype(np.float64)), per_bin(st["active"].astype(np.float64))
-    count = np.bincount(which, minlength=bins)
+    tokens, rows = per_bin(st["tokens"].astype(np.float64)), per_bin((st["active"] * st["span"]).astype(np.float64))
+    count = np.bincount(which, weights=st["span"], minlength=bins)
     out = []
     for b in np.flatnonzero(count):
         out.append({"t_s": _r(edges[b + 1], 4), "running_mean": _r(rows[b] / count[b], 2),
@@ -81,22 +85,26 @@ def timeline(run: SimRun, bins: int = TIMELINE_BINS) -> list[dict]:
 
 def step_rows(run: SimRun, max_rows: int = MAX_ROWS) -> tuple[list[dict], int]:
     """The steps as `--stats-json` rows (fastdecode/engine/stats.py StepRecorder), every
-    stride-th of them: -> (rows, stride)."""
+    stride-th of them: -> (rows, stride). A span (SimConfig.span_steps) is one row, its last
+    step's number and end, its times and tokens a step's mean."""
     st = run.steps
     n = st["t_s"].size
     stride = max(1, -(-n // max_rows))
+    last_step = np.cumsum(st["span"])
     rows = []
     for i in range(0, n, stride):
-        prefill = float(st["prefill_s"][i])
-        row = {"step": i + 1, "t_s": _r(st["t_s"][i]), "active": int(st["active"][i]),
-               "tokens": int(st["tokens"][i]), "kv_tokens": [int(x) for x in st["kv_tokens"][i]],
-               "prefill_s": _r(prefill), "step_s": _r(prefill + st["decode_s"][i])}
+        prefill, per = float(st["prefill_s"][i]), 1.0 / st["span"][i]
+        row = {"step": int(last_step[i]), "t_s": _r(st["t_s"][i]), "active": int(st["active"][i]),
+               "tokens": int(round(st["tokens"][i] * per)), "kv_tokens": [int(x) for x in st["kv_tokens"][i]],
+               "prefill_s": _r(prefill), "step_s": _r(prefill + st["decode_s"][i] * per)}
+        if st["span"][i] > 1:
+            row["span"] = int(st["span"][i])
         if st["active"][i]:
-            row["s_time_s"] = _r(st["s_time_s"][i])
-            row["r_time_max_s"] = _r(float(st["r_busy_s"][i].max(initial=0.0)))
-            row["r_busy_s"] = [_r(x) for x in st["r_busy_s"][i]]
+            row["s_time_s"] = _r(st["s_time_s"][i] * per)
+            row["r_time_max_s"] = _r(float(st["r_busy_s"][i].max(initial=0.0)) * per)
+            row["r_busy_s"] = [_r(x * per) for x in st["r_busy_s"][i]]
             if st["tier_kv_tokens"][i] or st["tier_busy_s"][i]:
-                row["tier_attend_s"] = _r(st["tier_busy_s"][i])
+                row["tier_attend_s"] = _r(st["tier_busy_s"][i] * per)
         if st["tier_kv_tokens"][i]:
             row["tier_kv_tokens"] = int(st["tier_kv_tokens"][i])
         rows.append(row)
