@@ -9,8 +9,8 @@ uninterrupted run gives. Lines a stop found queued but not started, and prompts 
 prefill, start over.
 
 The file is MAGIC, the SHA-256 of the rest, then a numpy .npz archive (no pickles) of a JSON
-manifest and the arrays; written to a temporary file beside it with the output's mode, fsynced and
-renamed over the old one. On load the checksum, the format and the output, input and model it was
+manifest and the arrays; written to a temporary file beside it (a random name) with the output's
+mode, fsynced and renamed over the old one. On load the checksum, the format and the output, input and model it was
 saved for are checked: a file that fails is named on stderr and ignored (its sequences start
 over), never trusted; each entry is checked again against its request when its line is served
 (the prompt's tokens, the samples, the lengths). Entries of lines this run did not reach are
@@ -28,7 +28,7 @@ import zipfile
 
 import numpy as np
 
-from fastdecode.batch.filemode import fsync_dir, open_like
+from fastdecode.batch.filemode import fsync_dir, temp_like
 from fastdecode.engine.continuation import RequestState, SequenceState
 
 MAGIC = b"fastdecode in-flight v1\n"
@@ -84,9 +84,9 @@ def save(path: str, like: str, identity: dict, entries: dict[bytes, Entry]) -> t
     buf = io.BytesIO()
     np.savez(buf, manifest=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **arrays)
     payload = buf.getvalue()
-    tmp = path + ".tmp"
+    f, tmp = temp_like(path, like)
     try:
-        with open_like(tmp, like) as f:
+        with f:
             f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
             f.flush()
             os.fsync(f.fileno())
