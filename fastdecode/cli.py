@@ -250,8 +250,8 @@ def run_s_worker(args, comm) -> int:
                                       skip_engine=lambda: mpi_env.stop_rworkers(comm, args.tensor_parallel_size))
     rows_to_stdout = getattr(args, "rows_to_stdout", False)     # set by validate_generate (batch/stdio.py)
     if rows_to_stdout:                         # -o -: stdout holds the rows, the report goes to stderr
-        from fastdecode.batch.stdio import write_rows_to_stdout
-        write_rows_to_stdout(args)
+        from fastdecode.batch.stdio import deliver_rows
+        code = deliver_rows(args, rep, code)   # 1 where stdout's reader went away before every row
         if code == mpi_env.EXIT_TEMPFAIL:
             print("fastdecode: with -o - a stopped job has nothing to resume from: the rows it finished are on "
                   "stdout; give -o FILE to resume", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ from fastdecode.batch.resume import DONE, MOVED_CAUSES, ResumeIndex
 from fastdecode.batch.schema import Limits, limits_from
 from fastdecode.batch.serve import BatchRunner
 from fastdecode.batch.sidefiles import inflight_path, real, unmatched_path
+from fastdecode.batch.stdio import input_identity
 
 if TYPE_CHECKING:                 # the engine (torch) loads only when a line needs serving
     from fastdecode.engine.llm_engine import LLMEngine
@@ -150,7 +151,8 @@ class BatchJob:
 
     def identity(self, engine: LLMEngine) -> dict:
         """What an in-flight save is for: this output, this input, this model."""
-        return {"output": real(self.output_path), "input": real(self.input_path), "model": engine.served.reported}
+        return {"output": real(self.output_path), "input": input_identity(self.input_path),
+                "model": engine.served.reported}
 
     def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None) -> bool:
         total = self.total_lines
