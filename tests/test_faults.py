@@ -205,16 +205,16 @@ def test_a_full_disk_at_the_rewrite_loses_nothing_and_the_rerun_sorts(tmp_path):
     proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"],
                           env={"FASTDECODE_INJECT_FAULT": "0:rewrite:enospc"})
     assert proc.returncode == 75 and "the final rewrite failed" in proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "out.jsonl.rewrite.tmp").exists()
+    assert not list(tmp_path.glob("out.jsonl.rewrite.*.tmp"))
     rows = read_output(str(out))
     assert sorted(r["custom_id"] for r in rows) == sorted(f"r{i}" for i in range(6))
     report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert report["output_file"]["rewrite_error"] and report["exit_code"] == 75 and report["state"] == "failed"
-    (tmp_path / "out.jsonl.rewrite.tmp").write_text("left by a crash\n")          # and a crash's leftover
+    (tmp_path / "out.jsonl.rewrite.x1y2z3w4.tmp").write_text("left by a crash\n")      # and a crash's leftover
     again = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--quiet"])
     assert again.returncode == 0 and "left by an unfinished rewrite" in again.stderr, again.stderr[-2000:]
     assert [r["custom_id"] for r in read_output(str(out))] == [f"r{i}" for i in range(6)]
-    assert not (tmp_path / "out.jsonl.rewrite.tmp").exists()
+    assert not list(tmp_path.glob("out.jsonl.rewrite.*.tmp"))
 
 
 # ---------------------------------------------------------------------------- flags, before compute

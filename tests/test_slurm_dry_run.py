@@ -3,6 +3,7 @@ command, in a pretend allocation (FD_DRY_*) or an allocation a stand-in scontrol
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 
@@ -48,14 +49,14 @@ def test_single_pretend_allocation(tmp_path):
         "rank 2 cpu1 R-worker, 8 threads, bound to socket/NUMA node 1",
         "rank 3 cpu2 R-worker, 8 threads, bound to socket/NUMA node 0",
         "rank 4 cpu2 R-worker, 8 threads, bound to socket/NUMA node 1"]
-    hosts = os.path.join(tmp_path, "fastdecode-hosts.dry-run")
-    assert f"hosts file {hosts}: gpu1 cpu1 cpu1 cpu2 cpu2" in proc.stdout
+    (hosts,) = re.findall(r"^hosts file (\S+): gpu1 cpu1 cpu1 cpu2 cpu2$", proc.stdout, re.M)
+    assert os.path.dirname(os.path.dirname(hosts)) == str(tmp_path)      # a directory of its own in $TMPDIR
     assert launch(proc.stdout) == (
         'launch: srun --mpi=pmix --ntasks=5 --distribution=arbitrary --cpu-bind=none --label bash -c "$RANK_WRAPPER" '
         "fastdecode-rank fastdecode generate -m /m/llama -i in\\ put.jsonl -o results.jsonl --r-threads 8 "
         "--max-batch 4096")
     assert "exec numactl --cpunodebind=$numa --membind=$numa" in proc.stdout
-    assert not os.path.exists(hosts)                      # nothing left behind, nothing submitted
+    assert not os.path.exists(hosts) and not os.listdir(tmp_path)      # nothing left behind, nothing submitted
 
 
 def test_single_in_an_allocation_reads_it_from_scontrol(tmp_path):

@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from fastdecode.batch.filemode import fsync_dir, open_like
+from fastdecode.batch.filemode import fsync_dir, open_like, open_no_link, temp_like
 from fastdecode.batch.sidefiles import fingerprints_path, real
 from fastdecode.batch.stdio import input_identity
 
@@ -99,7 +99,8 @@ class Recorder:
             whole = start + (size - start) // RECORD * RECORD
             if whole < size:                      # a record cut short by a crash
                 os.truncate(path, whole)
-        self.f = open(path, "ab")  # noqa: SIM115 - open for the job's life, closed by close()
+        # open for the job's life, closed by close(); never through a link planted meanwhile
+        self.f = os.fdopen(open_no_link(path, os.O_WRONLY | os.O_APPEND), "ab")
 
     def add(self, digest: bytes, key: bytes) -> None:
         self.f.write(digest + key)
@@ -137,9 +138,9 @@ def compact(output: str, pairs: Iterator[tuple[bytes, bytes]]) -> None:
         return
     with open(path, "rb") as f:
         head = f.read(found[1])
-    tmp = path + ".tmp"
+    f, tmp = temp_like(path, path)
     try:
-        with open_like(tmp, path) as f:
+        with f:
             f.write(head)
             for digest, key in pairs:
                 f.write(digest + key)

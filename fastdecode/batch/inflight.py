@@ -8,14 +8,16 @@ with its saved tokens and goes on from there, so greedy and seeded sampling give
 uninterrupted run gives. Lines a stop found queued but not started, and prompts in a chunked
 prefill, start over.
 
-The file is MAGIC, the SHA-256 of the rest, then a numpy .npz archive (no pickles) of a JSON
-manifest and the arrays; written to a temporary file beside it with the output's mode, fsynced and
-renamed over the old one. On load the checksum, the format and the output, input and model it was
-saved for are checked: a file that fails is named on stderr and ignored (its sequences start
-over), never trusted; each entry is checked again against its request when its line is served
-(the prompt's tokens, the samples, the lengths). Entries of lines this run did not reach are
-carried into the next save; the file is removed once the rows of the lines it holds are written,
-and when a run gets through the input.
+The file is MAGIC, the SHA-256 of the rest, then a numpy .npz archive (no pickles, arrays stored
+as they are) of a JSON manifest and the arrays; written to a temporary file beside it (a random
+name) with the output's mode, fsynced and renamed over the old one. On load the checksum, the
+format, the output, input and model it was saved for and every field are checked
+(inflight_read.py: a checksum is no proof against a forged file, nor a size against a deflate
+bomb): a file that fails is named on stderr and ignored (its sequences start over), never
+trusted; each entry is checked again against its request when its line is served (the prompt's
+tokens, the samples, the lengths, how a finished sample finished). Entries of lines this run did
+not reach are carried into the next save; the file is removed once the rows of the lines it holds
+are written, and when a run gets through the input.
 """
 from __future__ import annotations
 
@@ -24,12 +26,13 @@ import io
 import json
 import os
 import sys
-import zipfile
 
 import numpy as np
 
-from fastdecode.batch.filemode import fsync_dir, open_like
-from fastdecode.engine.continuation import RequestState, SequenceState
+from fastdecode.batch import inflight_read
+from fastdecode.batch.filemode import fsync_dir, temp_like
+from fastdecode.batch.inflight_read import Untrusted
+from fastdecode.engine.continuation import RequestState
 
 MAGIC = b"fastdecode in-flight v1\n"
 FORMAT = "fastdecode in-flight sequences"
@@ -84,9 +87,9 @@ def save(path: str, like: str, identity: dict, entries: dict[bytes, Entry]) -> t
     buf = io.BytesIO()
     np.savez(buf, manifest=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **arrays)
     payload = buf.getvalue()
-    tmp = path + ".tmp"
+    f, tmp = temp_like(path, like)
     try:
-        with open_like(tmp, like) as f:
+        with f:
             f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
             f.flush()
             os.fsync(f.fileno())
@@ -108,68 +111,17 @@ def discard(path: str) -> None:
 
 # ---------------------------------------------------------------------------- reading
 
-class Untrusted(ValueError):
-    pass
-
-
-def _unpack(manifest: dict, arrays) -> dict[bytes, Entry]:
-    tokens = arrays["tokens"]
-    out: dict[bytes, Entry] = {}
-    at = j = 0
-    for li, line in enumerate(manifest["lines"]):
-        states: list[RequestState | None] = []
-        for r, req in enumerate(line["requests"]):
-            if req is None:
-                states.append(None)
-                continue
-            seqs = []
-            for s in req["sequences"]:
-                n = int(s["tokens"])
-                ids = tokens[at:at + n].tolist()
-                if len(ids) != n:
-                    raise Untrusted("fewer tokens than its manifest lists")
-                at += n
-                logprobs = []
-                if s["logprobs"]:
-                    chosen, rank = arrays[f"lp{j}_chosen"], arrays[f"lp{j}_rank"]
-                    top_ids, top = arrays[f"lp{j}_ids"], arrays[f"lp{j}_top"]
-                    logprobs = [(float(chosen[i]), int(rank[i]), top_ids[i], top[i]) for i in range(len(chosen))]
-                j += 1
-                seqs.append(SequenceState(int(s["sample_index"]), ids, logprobs, s["finish_reason"],
-                                          s["stop_reason"], str(s["text"])))
-            plp = tuple(arrays[f"plp{li}_{r}_{c}"] for c in range(4)) if req["prompt_logprobs"] else None
-            states.append(RequestState(int(req["seed"]), str(req["prompt_digest"]), seqs, plp))
-        out[bytes.fromhex(line["key"])] = (line["custom_id"], states)
-    if at != tokens.size:
-        raise Untrusted("more tokens than its manifest lists")
-    return out
-
-
 def read(path: str, identity: dict) -> dict[bytes, Entry]:
-    """The entries of the file at `path`, saved for `identity`; raises Untrusted saying why not."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data.startswith(MAGIC):
-        raise Untrusted("not an in-flight save of fastdecode")
-    digest, payload = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
-    if hashlib.sha256(payload).digest() != digest:
-        raise Untrusted("its checksum does not match: the file is damaged")
-    try:
-        with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in npz.files}
-        manifest = json.loads(arrays.pop("manifest").tobytes())
-    except (ValueError, KeyError, OSError, zipfile.BadZipFile) as e:
-        raise Untrusted(f"cannot be read: {e}") from None
+    """The entries of the file at `path`, saved for `identity`, every field checked
+    (inflight_read.py); raises Untrusted saying why not."""
+    manifest, arrays = inflight_read.load(path, MAGIC)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise Untrusted(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, expected "
-                        f"{FORMAT!r} version {VERSION}")
+        raise Untrusted(f"format {str(manifest.get('format'))[:60]!r} version {str(manifest.get('version'))[:20]!r}, "
+                        f"expected {FORMAT!r} version {VERSION}")
     for what, want in identity.items():
         if manifest.get(what) != want:
-            raise Untrusted(f"saved for {what} {manifest.get(what)!r}, not this job's {want!r}")
-    try:
-        return _unpack(manifest, arrays)
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise Untrusted(f"its manifest does not fit its arrays ({type(e).__name__}: {e})") from None
+            raise Untrusted(f"saved for {what} {str(manifest.get(what))[:200]!r}, not this job's {want!r}")
+    return inflight_read.entries(manifest, arrays)
 
 
 class Saved:
@@ -186,8 +138,9 @@ class Saved:
             return
         try:
             self.entries = read(path, identity)
-        except (OSError, Untrusted) as e:
-            print(f"fastdecode: {path}: ignored, not trusted ({e}); the sequences it held start over",
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the job goes on without it
+            why = str(e) if isinstance(e, (OSError, Untrusted)) else f"{type(e).__name__}: {e}"
+            print(f"fastdecode: {path}: ignored, not trusted ({why[:300]}); the sequences it held start over",
                   file=sys.stderr, flush=True)
 
     def take(self, key: bytes) -> list[RequestState | None] | None:

@@ -7,8 +7,8 @@ to its last newline, so every run starts from whole lines. The final rewrite (in
 moving out rows that answer no input line) goes to a temporary file beside the real file (a
 symlinked output stays a link to it), with the output's mode and owner, that replaces the output
 atomically. Rows moved out are appended to OUTPUT.unmatched.jsonl first, as they were: a crash
-between the two may leave them there twice, never nowhere. A temporary file an earlier rewrite
-left (a crash, a full disk) is removed when the output is opened: the output itself is whole.
+between the two may leave them there twice, never nowhere. Temporary files an earlier rewrite
+left (a crash) are removed when the output is opened: the output itself is whole.
 
 Each row's record (binding.py: its digest and the key of the request it answers) is written and
 flushed before the row; both are fsynced together.
@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterable, Iterator
 
 from fastdecode.batch import binding
-from fastdecode.batch.filemode import fsync_dir, open_like
+from fastdecode.batch.filemode import fsync_dir, open_like, open_no_link, temp_like
 from fastdecode.batch.fingerprint import row_digest
-from fastdecode.batch.sidefiles import rewrite_tmp
+from fastdecode.batch.sidefiles import leftover_temps, rewrite_base
 from rworker.host import faults
 
 FSYNC_EVERY_S = 10.0      # bound what a lost node can take with it; a kill loses nothing flushed
@@ -67,8 +67,7 @@ class OutputWriter:
     def __init__(self, path: str, input_path: str, overwrite: bool = False):
         binding.check(path, input_path, overwrite)
         self.path = path = os.path.realpath(path)          # write where a symlink points
-        left = rewrite_tmp(path)
-        if os.path.exists(left):
+        for left in leftover_temps(path):
             os.remove(left)
             print(f"fastdecode: {path}: removed {os.path.basename(left)}, left by an unfinished rewrite (the "
                   f"output itself is whole)", file=sys.stderr, flush=True)
@@ -121,10 +120,10 @@ def rewrite(path: str, ranges: Iterable[tuple[int, int]]) -> int:
     """Replace `path` by the byte ranges (offset, length) of it, in the order given; atomic: on an
     error (a full disk) the temporary file is removed and `path` is as it was."""
     path = os.path.realpath(path)
-    tmp = rewrite_tmp(path)
+    dst, tmp = temp_like(rewrite_base(path), path)
     n = 0
     try:
-        with open(path, "rb") as src, open_like(tmp, path) as dst:
+        with dst, open(path, "rb") as src:
             for off, length in ranges:
                 src.seek(off)
                 dst.write(src.read(length))
@@ -145,7 +144,9 @@ def append_rows(src_path: str, ranges: Iterable[tuple[int, int]], dst_path: str)
     """Append the byte ranges of src_path to dst_path (created with src_path's mode), durably."""
     n = 0
     new = not os.path.exists(dst_path)
-    with open(src_path, "rb") as src, (open_like(dst_path, src_path, "ab") if new else open(dst_path, "ab")) as dst:
+    dst = open_like(dst_path, src_path, "ab") if new else \
+        os.fdopen(open_no_link(dst_path, os.O_WRONLY | os.O_APPEND), "ab")
+    with dst, open(src_path, "rb") as src:
         for off, length in ranges:
             src.seek(off)
             dst.write(src.read(length))

@@ -3,8 +3,10 @@ error (exit 2), never found after the run.
 
 Every file the job writes (the output, its side files, the report, the statistics and their
 temporary files) must be a file of its own, none of them the input: a flag naming another's
-file would have the job destroy it. Then rank 0 takes the output's lock (lock.py; a second job
-on the same output ends here) and checks that the output answers this input (binding.py).
+file would have the job destroy it. None of the files the job names after another (side files,
+temporary files, locks) may be a symbolic link: the job would write through it to the file it
+points to. Then rank 0 takes the output's lock (lock.py; a second job on the same output ends
+here) and checks that the output answers this input (binding.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import stat
 
 from fastdecode.batch import binding, lock
+from fastdecode.batch.filemode import LinkRefused
 from fastdecode.batch.report import default_path
 from fastdecode.batch.sidefiles import lock_path, of_output
 
@@ -66,6 +69,25 @@ def check_distinct(args) -> None:
             raise ValueError(f"{user_flag} {user_path} is {other}: give each file the job writes a path of its own")
 
 
+def lock_paths(args) -> list[tuple[str, str]]:
+    """(lock path, what it guards) of every lock the job takes (hold_outputs)."""
+    derived = of_output(args.output).values()
+    locks = [(lock_path(args.output), f"output {args.output}")]
+    for flag, path in (("--summary-json", args.summary_json), ("--stats-json", args.stats_json)):
+        if path and not _same(path, default_path(args.output)) and path not in derived:
+            locks.append((os.path.realpath(path) + ".lock", f"{flag} {path}"))
+    return locks
+
+
+def refuse_links(args) -> None:
+    """No file the job names after another (side, temporary and lock files) is a symbolic link."""
+    named = {args.output, args.summary_json or default_path(args.output), args.stats_json}
+    paths = [path for _, path, _ in written_files(args) if path not in named] + [p for p, _ in lock_paths(args)]
+    for path in paths:
+        if os.path.islink(path):
+            raise ValueError(str(LinkRefused(path)))
+
+
 def check_paths(args) -> None:
     if os.path.isdir(args.input):
         raise ValueError(f"input {args.input} is a directory, expected a JSONL file")
@@ -86,6 +108,7 @@ def check_paths(args) -> None:
     if args.stats_json:
         _writable_file_path(args.stats_json, "--stats-json")
     check_distinct(args)
+    refuse_links(args)
 
 
 def hold_outputs(args) -> None:
@@ -93,11 +116,10 @@ def hold_outputs(args) -> None:
     --stats-json where they lie elsewhere, for the job's life; then refuse an output made from
     another input. Raises ValueError (lock.OutputBusy, binding.ForeignOutput)."""
     try:
-        lock.hold(lock_path(args.output), f"output {args.output}")
-        derived = of_output(args.output).values()
-        for flag, path in (("--summary-json", args.summary_json), ("--stats-json", args.stats_json)):
-            if path and not _same(path, default_path(args.output)) and path not in derived:
-                lock.hold(os.path.realpath(path) + ".lock", f"{flag} {path}")
+        for path, what in lock_paths(args):
+            lock.hold(path, what)
+    except LinkRefused as e:
+        raise ValueError(str(e)) from None
     except OSError as e:
         raise ValueError(f"cannot take the lock of output {args.output}: {e}") from None
     binding.check(args.output, args.input, args.overwrite)

@@ -8,7 +8,7 @@ import errno
 import json
 import os
 
-from fastdecode.batch.filemode import keep_owner_mode, open_like
+from fastdecode.batch.filemode import keep_owner_mode, open_like, open_no_link
 
 SPARE_BYTES = 256 << 10  # allocated for the report's next write while a run is live (a full disk)
 FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -39,7 +39,7 @@ def write_atomic(path: str, obj: dict | bytes) -> None:
 
 def _write_tmp(tmp: str, like: str, data: bytes) -> None:
     try:
-        fd = os.open(tmp, os.O_WRONLY)      # the spare: its blocks are there whatever the disk holds
+        fd = open_no_link(tmp, os.O_WRONLY)      # the spare: its blocks are there whatever the disk holds
     except FileNotFoundError:
         fd = None
     if fd is not None and os.path.exists(like):
@@ -62,7 +62,7 @@ def reserve(path: str) -> None:
     """Allocate the spare temporary file of the report at `path` (best effort)."""
     tmp = path + ".tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
+        fd = open_no_link(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
     except OSError:
         return
     try:

@@ -5,16 +5,21 @@ symlinked output keeps them beside the file it points to):
   OUTPUT.fingerprints     the request each row answers (binding.py)
   OUTPUT.inflight         running sequences saved by a stop, continued by the rerun (inflight.py)
   OUTPUT.unmatched.jsonl  rows that answer no input line, moved out by the final rewrite
-  *.tmp                   a rewrite in progress (replaces its file atomically)
+  NAME.XXXXXXXX.tmp       a rewrite of OUTPUT (NAME: OUTPUT.rewrite), OUTPUT.fingerprints or
+                          OUTPUT.inflight in progress: a random name, replaces its file atomically
+
+None of them is written through a symbolic link (filemode.py): a link in the place of one is an
+error naming it, found before any compute (paths.py).
 """
 from __future__ import annotations
 
+import glob
 import os
+import stat
 
 SUFFIXES = {".lock": "the output's lock", ".fingerprints": "the output's request fingerprints",
-            ".inflight": "the output's saved in-flight sequences", ".unmatched.jsonl": "the output's unmatched rows",
-            ".rewrite.tmp": "the output's rewrite in progress", ".fingerprints.tmp": "the fingerprints' rewrite",
-            ".inflight.tmp": "the in-flight save in progress"}
+            ".inflight": "the output's saved in-flight sequences", ".unmatched.jsonl": "the output's unmatched rows"}
+TEMP_OF = (".rewrite", ".fingerprints", ".inflight")      # NAME.XXXXXXXX.tmp: OUTPUT + one of these
 
 
 def real(output: str) -> str:
@@ -37,8 +42,22 @@ def unmatched_path(output: str) -> str:
     return real(output) + ".unmatched.jsonl"
 
 
-def rewrite_tmp(output: str) -> str:
-    return real(output) + ".rewrite.tmp"
+def rewrite_base(output: str) -> str:
+    """What the output's rewrite's temporary file is named after (NAME.XXXXXXXX.tmp)."""
+    return real(output) + ".rewrite"
+
+
+def leftover_temps(output: str) -> list[str]:
+    """Temporary files of the output's rewrites that a crash left (regular files only)."""
+    found = []
+    for suffix in TEMP_OF:
+        for path in glob.glob(glob.escape(real(output) + suffix) + ".????????.tmp"):
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    found.append(path)
+            except OSError:
+                pass
+    return found
 
 
 def of_output(output: str) -> dict[str, str]:

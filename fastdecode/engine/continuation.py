@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastdecode.engine.sequence import Request, Status
+from fastdecode.engine.sequence import Request, Sequence, Status
 
 FINISH_REASONS = ("stop", "length")
 
@@ -53,9 +53,10 @@ def capture(req: Request) -> RequestState | None:
     return RequestState(req.seed, prompt_digest(req.prompt_ids), seqs, req.prompt_logprobs)
 
 
-def check(req: Request, state: RequestState, vocab_size: int) -> str | None:
+def check(req: Request, state: RequestState, vocab_size: int, stops=None) -> str | None:
     """Why `state` cannot continue `req` (a new Request with its sequences, nothing generated);
-    None if it can."""
+    None if it can. stops: the engine's stop rule (LLMEngine._check_stop), to replay on the
+    saved tokens: a saved state must end, or go on, as they do."""
     p = req.params
     if state.prompt_digest != prompt_digest(req.prompt_ids):
         return "the prompt's tokens differ"
@@ -82,6 +83,25 @@ def check(req: Request, state: RequestState, vocab_size: int) -> str | None:
             return f"sample {s.sample_index}: {len(s.logprobs)} log-probabilities for {n} tokens"
         if not isinstance(s.stop_reason, (int, str, type(None))) or not isinstance(s.text, str):
             return f"sample {s.sample_index}: a stop reason or text of the wrong type"
+        why = _replay(seq, s, stops) if stops is not None else None
+        if why is not None:
+            return f"sample {s.sample_index}: {why}"
+    return None
+
+
+def _replay(seq: Sequence, s: SequenceState, stops) -> str | None:
+    """Why the stop rule does not end the saved tokens as saved: a finished sample where and how
+    it finished (not before its last token), an unfinished one not yet; None if it does."""
+    def ends(ids: list[int]) -> tuple | None:
+        probe = Sequence(seq.seq_id, seq.request, seq.sample_index, seq.max_tokens, output_ids=list(ids))
+        return (probe.finish_reason, probe.stop_reason, probe.text) if stops(probe, ids[-1]) else None
+    end = ends(s.output_ids)
+    if s.finish_reason is None:
+        return None if end is None else f"its {len(s.output_ids)} tokens had finished it ({end[0]})"
+    if end != (s.finish_reason, s.stop_reason, s.text):
+        return f"saved as finished ({s.finish_reason}) where its tokens do not finish it so"
+    if len(s.output_ids) > 1 and ends(s.output_ids[:-1]) is not None:
+        return "its tokens had finished it before its last"
     return None
 
 

@@ -230,7 +230,7 @@ class LLMEngine:
             req.sequences.append(Sequence(self._next_seq_id, req, i, max_tokens))
             self._next_seq_id += 1
         if resume is not None:
-            refused = continuation.check(req, resume, self.config.vocab_size)
+            refused = continuation.check(req, resume, self.config.vocab_size, self._check_stop)
             if refused is None:
                 continuation.restore(req, resume)
             else:
