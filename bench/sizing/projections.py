@@ -90,7 +90,7 @@ def load_json(path: str) -> dict:
 def run_sim(profile, trace: Trace, rworkers: int, max_batch: int, depth: int = 2, schedule: str = "stabilized",
             prefill_tokens: int = 32768) -> dict:
     # span_steps: the steps between two events in closed form (the card alone's small batches at
-    # long contexts are millions of steps; within 0.2% of stepping each one, tests/test_simulate_spans.py)
+    # long contexts are millions of steps; within about 1% of stepping each one, tests/test_simulate_spans.py)
     cfg = SimConfig(rworkers=rworkers, depth=depth, schedule=schedule, max_batch=max_batch,
                     max_prefill_tokens=prefill_tokens, span_steps=True)
     run = simulate(costs_of(profile, rworkers, max_batch), trace, cfg)

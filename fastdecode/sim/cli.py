@@ -73,7 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="run the event loop as plain Python even where numba is installed (same results)")
     out.add_argument("--span-steps", action="store_true",
                      help="take the steps between two events (a start, an end) in closed form: much faster on "
-                          "long generations at small batches; figures within about 0.5%% of stepping each step")
+                          "long generations at small batches; figures within about 1%% of stepping each step")
     return p
 
 
