@@ -178,3 +178,23 @@ def test_the_run_report_says_the_balance_point():
                                  "slowest R-worker 12.5 ms a step, bound R; the queue's head held back 1 time(s)")
     assert balance_line({"balance": {"gates_admission": False, **b.describe()}}) is None
     assert balance_line({}) is None
+
+
+def test_the_progress_line_says_the_balance_point():
+    from types import SimpleNamespace
+
+    from fastdecode.batch.progress import Snapshot, engine_snapshot, progress_line
+    b = toy(tier_tokens=3 * 200)
+    snap = Snapshot(10, 100.0, 1, 4, 11, 0, [1200], [5000])
+    assert "bound=" not in progress_line(10.0, snap, 1.0, 1.0, None)       # no rule, or nothing measured yet
+    fill(b, 100)
+    b.observe(11, 0.0105, [1200.0, 450.0], [0.012, 0.0005], [0.0125, 0.0005], r_wait_s=0.0015)
+    snap.balance = b.describe()
+    line = progress_line(10.0, snap, 1.0, 1.0, None)
+    assert line.endswith(" tier_seqs=3 r_seqs=8 bound=R s_step=0.0105 r_step=0.0125")
+    # the engine's snapshot carries it where the scheduler's rule gates admission, and not elsewhere
+    engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], balance=b),
+                             placement=SimpleNamespace(capacity_tokens=[5000]), num_output_tokens=0, step_no=0)
+    assert engine_snapshot(engine, 0, 4, more_expected=None).balance == b.describe()
+    engine.scheduler.balance = None
+    assert engine_snapshot(engine, 0, 4, more_expected=None).balance is None

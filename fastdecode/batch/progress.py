@@ -66,6 +66,7 @@ class Snapshot:
     kv_capacity: list[int] = field(default_factory=list)     # [R-workers] KV tokens each can hold
     steps_done: int | None = None          # the engine's steps so far (None: not tracked; eta by tokens)
     work: Work | None = None               # the steps the work known now still needs (steps_to_finish)
+    balance: dict | None = None            # the balance point (StepBalance.describe()) where the rule weighs tiers
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,10 @@ def engine_snapshot(engine, requests_done: int, requests_total: int | None, more
         running_left, waiting_left = engine.tokens_left()
         at_once = running if len(waiting_left) or more_expected else engine.args.max_batch
         work = steps_to_finish(running_left, waiting_left, more_expected, at_once)
+    gate = getattr(sched, "balance", None)
     return Snapshot(engine.num_output_tokens - since_tokens, expected, requests_done, requests_total, running,
-                    len(sched.waiting), kv, list(engine.placement.capacity_tokens), engine.step_no, work)
+                    len(sched.waiting), kv, list(engine.placement.capacity_tokens), engine.step_no, work,
+                    gate.describe() if gate is not None else None)
 
 
 def steps_to_finish(running_left, waiting_left, more_tokens: float, at_once: int) -> Work:
@@ -196,8 +199,18 @@ def progress_line(percent: float, snap: Snapshot, rate: float, elapsed: float, e
     kv = ",".join(f"{t}({100 * t / c:.2f}%)" if c else f"{t}(?)" for t, c in zip(snap.kv_tokens, snap.kv_capacity))
     line = (f"{LINE_PREFIX} {percent:.1f}% tokens={snap.tokens_done}/{expected} tok/s={rate:.1f} "
             f"eta={clock(eta)} elapsed={clock(elapsed)} requests={snap.requests_done}/{total} "
-            f"running={snap.running} waiting={snap.waiting} kv={kv or '-'}")
+            f"running={snap.running} waiting={snap.waiting} kv={kv or '-'}{balance_fields(snap.balance)}")
     return f"{line} {state}" if state else line
+
+
+def balance_fields(balance: dict | None) -> str:
+    """The balance point's fields of a progress line (empty until a decode step measured it): the
+    sequences on the S-worker's tier and on the R-workers, the side that bounds the step, and each
+    side's seconds per step."""
+    if not balance or "bound" not in balance:
+        return ""
+    return (f" tier_seqs={balance['sequences_tier']} r_seqs={balance['sequences_rworkers']} "
+            f"bound={balance['bound']} s_step={balance['s_step_s']:.4f} r_step={balance['r_step_s']:.4f}")
 
 
 class Progress:
