@@ -198,3 +198,26 @@ def test_the_progress_line_says_the_balance_point():
     assert engine_snapshot(engine, 0, 4, more_expected=None).balance == b.describe()
     engine.scheduler.balance = None
     assert engine_snapshot(engine, 0, 4, more_expected=None).balance is None
+
+
+def test_lumpy_r_workers_take_a_whole_round_that_pays():
+    """Four slow R-workers (1e5 tokens/s: a 150-token sequence is 1.5 ms) beside a tier holding
+    one sequence, an S-part of 2 ms, one pipeline stage: with one sequence each the step is the
+    S-part, then the longer of the tier's and the R-side's part; a fifth R-sequence puts two on
+    one worker, a whole sequence's time more (tokens/s falls: it does not pay alone), but the
+    round of four that brings every worker to two does pay, so the rule starts it."""
+    b = toy(r_speeds=(1e5,) * 4, tier_tokens=200, depth=1, s_part=0.002)
+    p = b.placement
+    for i in range(5):                                  # the tier's one, then one on each R-worker
+        assert p.place(seq(i), worker=4 if i == 0 else i - 1) is not None
+    assert p.resident == [1, 1, 1, 1, 1]
+    nxt = seq(99)
+    w = p.best(nxt)
+    extra = [0.0] * 5
+    extra[w] = p.projected_load(nxt, w)
+    before = b.step_time(p.load, p.resident, s_rows=6)
+    assert 6 * before < 5 * b.times_with(extra)[w]      # one more alone: tokens/s falls
+    k, t_round = b._level_fill(w, extra[w])
+    assert k == 4 and 9 * before > 5 * t_round          # the round: tokens/s rises
+    assert b.admits(nxt) and b.refused == 0
+    assert b.balance_batch(100, 100, 4096) >= 9

@@ -226,8 +226,29 @@ class StepBalance:
         after = self.times_with(extra)[w]
         if (rows + 1) * before >= rows * after * (1 - TIE):
             return True
+        level = self._level_fill(w, extra[w])        # lumpy R-workers: the round it starts may pay as a whole
+        if level is not None and (rows + level[0]) * before >= rows * level[1] * (1 - TIE):
+            return True
         self.refused += 1
         return False
+
+    def _level_fill(self, w: int, x: float) -> tuple[int, float] | None:
+        """(k, T(B + k)) for k sequences like one of x projected tokens on R-worker w, k the rows
+        that bring every R-worker to the next whole sequence (where the rows are lumps: under
+        LUMPY_ROWS a worker). The first sequence of a round lengthens the step by a whole
+        sequence's time, the rest of the round adds nothing to it: one at a time never pays, the
+        round can. None: not lumpy, or w is the tier."""
+        p = self.placement
+        r_rows, pool = self._r_rows(p.resident), self._pool()
+        count = pool[2]
+        if w == self.tier or not count or (r_rows + 1) / count >= LUMPY_ROWS:
+            return None
+        k = count * math.ceil((r_rows + 1) / count) - r_rows
+        tier_load = p.load[self.tier] if self.tier is not None else 0.0
+        mine = self._base(w) + (p.load[w] + x) / (p.resident[w] + 1) / p.bandwidth[w]
+        r = self._r_time(sum(p.load) - tier_load + k * x, r_rows + k, max(self._single(p.load, p.resident), mine),
+                         pool)
+        return k, self._time(sum(p.resident) + k, r_rows + k, tier_load, *r)
 
     def balance_batch(self, prompt_len: float, max_tokens: float, cap: int) -> int:
         """Sequences of this size that run at the balance point (the stabilized schedule's target):
@@ -257,12 +278,18 @@ class StepBalance:
             t = self._time(s_rows, r_rows + n, tier_load, *r)
             return (rows + n) / t if t > 0 else math.inf
 
-        lo, hi = 0, int(min(r_free, cap))     # the last n whose sequence still paid (tokens/s rises, then falls)
+        top = int(min(r_free, cap))
+        lo, hi = 0, top                       # the last n whose sequence still paid (tokens/s rises, then falls)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             paid = rate(mid, rows + mid) >= rate(mid - 1, rows + mid) * (1 - TIE)
             lo, hi = (mid, hi) if paid else (lo, mid - 1)
-        return max(1, min(int(rows + lo), cap))
+        # lumpy R-workers (under LUMPY_ROWS a worker): a whole round of one more sequence each can
+        # pay where its first sequence alone does not; the best of the rounds' ends
+        count = pool[2]
+        rounds = [count * j - r_rows for j in range(1, LUMPY_ROWS + 1)] if count else []
+        best = max([lo] + [n for n in rounds if lo < n <= top], key=lambda n: (rate(n, rows + n), -n))
+        return max(1, min(int(rows + best), cap))
 
     # ------------------------------------------------------------------ learning
 

@@ -55,10 +55,12 @@ class Costs:
             lens, count = np.unique(prompt_lens, return_counts=True)
             return float(sum(c * p * sw.prefill_time_per_token(p, chunk) for p, c in zip(lens.tolist(), count.tolist())))
         # stated hardware: the dense layers at the best efficiency measured (as `plan`), and the
-        # prompts' K, V over the link
+        # prompts' K, V over the link, each layer's sent as it is computed (the engine's prefill
+        # streams them, rpart/mpi.py): the longer of the two, and one layer of the shorter to fill
         best = max(b / t for b, t in zip(sw.batch_grid, sw.layer_time_s))
         kv = float(prompt_lens[sent].sum() if sent is not None else chunk) * self.kv_bytes_token
-        return chunk * m.num_layers / best + kv / self.link[1]
+        compute, link = chunk * m.num_layers / best, kv / self.link[1]
+        return max(compute, link) + min(compute, link) / m.num_layers
 
     def workers(self) -> list:
         """What placement reads of each worker (fastdecode/sched/placement.py): the R-workers, then
