@@ -10,8 +10,9 @@ better (as a user would tune it, and as `plan` recommends), with the balance rul
 (sched/balance.py, generate's default) and without it (`--no-balance`: memory alone bounds the
 batch, the rule before it). Reported per point: output tokens/s over the whole job, its ratio to the
 best of every smaller socket count (the target: >= 0.98) and to the card alone, the sequences
-running on average, and `plan`'s best tokens/s for that socket count on the same stated hardware
-(its steady state: the simulated job adds its ramp and drain).
+running on average, and `plan`'s best tokens/s for that socket count on the same stated hardware:
+its steady state, and the job's (`plan --requests`: the batch's ramp and drain priced, sizing/job.py;
+the target: the simulated job within 15% of it).
 
     python3 bench/sizing/balance_bench.py        # writes bench/sizing/results/balance.{json,png}
 """
@@ -29,7 +30,8 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, REPO)
 
 from fastdecode.sim.cli import add_parser, simulate_args  # noqa: E402
-from fastdecode.sizing.balance import best_per_sockets  # noqa: E402
+from fastdecode.sizing.balance import Workload, best_per_sockets  # noqa: E402
+from fastdecode.sizing.job import job_tokens_per_s  # noqa: E402
 from fastdecode.sizing.plan import build_profile  # noqa: E402
 
 HARDWARE = "--gpu-profile h100 --cpu-bw 350 --cpu-eff 0.75 --link-bw 25 --link-latency 3"
@@ -64,14 +66,31 @@ def best_depth(workload: str, sockets: int, schedule: str, balance: bool) -> dic
     return {**best, "other_depth_tokens_per_s": min(r["output_tokens_per_s"] for r in runs)}
 
 
-def plan_rows(workload: str, sockets: list[int]) -> dict[int, float]:
-    """plan's best tokens/s per socket count (sizing/balance.py), the workload's mean lengths."""
+def plan_rows(workload: str, sockets: list[int]) -> dict[int, tuple[float, float]]:
+    """plan's best tokens/s per socket count (sizing/balance.py), the workload's mean lengths:
+    (its steady state, and the job's with its ramp and drain for the workload's request count,
+    as `plan --requests` gives it: sizing/job.py; FIFO's job has no ramp)."""
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(f"simulate {HARDWARE} {WORKLOADS[workload]}".split())
     prompt, gen = PLAN_LENGTHS[workload]
-    rows = best_per_sockets(build_profile(args), sockets, gen, prompt)
-    return {r["rworkers"]: round(r["tokens_per_s"], 2) for r in rows}
+    prof = build_profile(args)
+    rows = best_per_sockets(prof, sockets, gen, prompt)
+    work = Workload(gen, prompt)
+    return {r["rworkers"]: (round(r["tokens_per_s"], 2),
+                            {ramp: round(job_tokens_per_s(prof, work, r, args.requests, ramp), 2)
+                             for ramp in (True, False)}) for r in rows}
+
+
+def add_plan(rows: list[dict], plans: dict) -> None:
+    """Each balance row's plan figures and the simulated job's ratio to them."""
+    for r in rows:
+        if not r["balance"] or r["sockets"] not in plans.get(r["workload"], {}):
+            continue
+        steady, job = plans[r["workload"]][r["sockets"]]
+        r["plan_tokens_per_s"], r["plan_job_tokens_per_s"] = steady, job[r["schedule"] == "stabilized"]
+        r["sim_over_plan"] = round(r["output_tokens_per_s"] / steady, 3)
+        r["sim_over_plan_job"] = round(r["output_tokens_per_s"] / r["plan_job_tokens_per_s"], 3)
 
 
 def ratios(rows: list[dict]) -> None:
@@ -107,6 +126,11 @@ def plot(rows: list[dict], path: str) -> None:
                       and r["balance"] and r["schedule"] == "stabilized" and r.get("plan_tokens_per_s"))
         if plan:
             ax.plot([max(p, 0.5) for p, _ in plan], [t for _, t in plan], ":", color="gray", label="plan (steady state)")
+        job = sorted((r["sockets"], r["plan_job_tokens_per_s"]) for r in rows if r["workload"] == workload
+                     and r["balance"] and r["schedule"] == "stabilized" and r.get("plan_job_tokens_per_s"))
+        if job:
+            ax.plot([max(p, 0.5) for p, _ in job], [t for _, t in job], "-.", color="gray",
+                    label="plan --requests (the job: ramp and drain)")
         ax.set_title(f"{workload}: one H100 + P sockets (simulated)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -120,22 +144,25 @@ def main() -> int:
     ap.add_argument("--schedules", nargs="+", default=["stabilized", "fifo"])
     ap.add_argument("--only", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     ap.add_argument("--label", default="balance")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="recompute plan's columns of an existing result (no simulation) and its plot")
     args = ap.parse_args()
-    rows = []
-    for workload in args.only:
-        plan = plan_rows(workload, args.sockets)
-        for schedule in args.schedules:
-            for balance in (True, False):
-                for p in args.sockets:
-                    rows.append(best_depth(workload, p, schedule, balance))
-                    if balance:
-                        rows[-1]["plan_tokens_per_s"] = plan.get(p)
-                        rows[-1]["sim_over_plan"] = round(rows[-1]["output_tokens_per_s"] / plan[p], 3) \
-                            if plan.get(p) else None
-                    print(json.dumps(rows[-1]), flush=True)
+    out = os.path.join(RESULTS, f"{args.label}.json")
+    plans = {w: plan_rows(w, args.sockets) for w in args.only}
+    if args.plan_only:
+        with open(out) as f:
+            rows = json.load(f)["rows"]
+    else:
+        rows = []
+        for workload in args.only:
+            for schedule in args.schedules:
+                for balance in (True, False):
+                    for p in args.sockets:
+                        rows.append(best_depth(workload, p, schedule, balance))
+                        print(json.dumps(rows[-1]), flush=True)
+    add_plan(rows, plans)
     ratios(rows)
     os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, f"{args.label}.json")
     with open(out, "w") as f:
         json.dump({"hardware": HARDWARE, "workloads": WORKLOADS, "rows": rows}, f, indent=1)
     try:

@@ -33,6 +33,7 @@ from fastdecode.sizing.hardware import (
 )
 from fastdecode.sizing.link_report import link_report
 from fastdecode.sizing.model import Prediction, predict_run
+from fastdecode.sizing.plan_sockets import report_sockets
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
 from fastdecode.sizing.split import Split
 from fastdecode.sizing.tensor_parallel import add_options as add_tp_options
@@ -62,6 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           "--output-len; prompt + S is what vLLM's --max-model-len bounds (default: %(default)s)")
     tgt.add_argument("--prompt-len", type=int, default=0, help="prompt length, tokens, as vLLM's --input-len "
                                                                 "(default: %(default)s)")
+    tgt.add_argument("--requests", type=int, default=None,
+                     help="with several --rworkers: the job's request count; each row adds the job's tokens/s, "
+                          "its ramp and drain included (fastdecode/sizing/job.py)")
     tgt.add_argument("--batch", type=int, help="batch B offered (default: a sweep over B from 1 to what memory "
                                                 "holds)")
     tgt.add_argument("--rworkers", type=int, nargs="+", metavar="P",
@@ -296,9 +300,11 @@ def _check(args) -> None:
     counts = [("--rworkers", p, 0) for p in socket_counts(args.rworkers)]
     for flag, v, lo in (("--context", args.context, 1), ("--prompt-len", args.prompt_len, 0),
                         ("--batch", args.batch, 1), *counts, ("--pipeline-depth", stated_depth(args), 1),
-                        ("--prefill-chunk", args.prefill_chunk, 1)):
+                        ("--prefill-chunk", args.prefill_chunk, 1), ("--requests", args.requests, 1)):
         if v is not None and v < lo:
             raise PlanError(f"{flag} must be >= {lo} (got {v})")
+    if args.requests is not None and len(counts) < 2:
+        raise PlanError("--requests prices a job for each of several socket counts: give --rworkers P1 P2 ...")
     check_hardware(args)
     _check_sharing(args)
 
@@ -378,7 +384,7 @@ def run(args) -> int:
             rows = best_per_sockets(prof, counts, args.context, args.prompt_len, depth,
                                     [args.batch] if args.batch else None, args.prefill_chunk, args.kv_reserve,
                                     args.shared_prefix, args.prefix_group)
-            return _report_sockets(prof, rows, knee, args)
+            return report_sockets(prof, rows, knee, args, workload(args), depth, _about(prof))
         batches = [args.batch] if args.batch else sweep_batches(prof, workload(args), counts[0] if counts else None,
                                                                  depth, also=(knee,))
         rows = [_row(prof, b, args) for b in batches]
@@ -417,21 +423,6 @@ def _about(prof: Profile) -> dict:
     """--json's keys on the machine planned."""
     return {"model": prof.model.name, "s_worker": prof.s_worker.device, "profile_source": prof.source,
             "device_tier": dataclasses.asdict(prof.device_tier) if prof.device_tier is not None else None}
-
-
-def _report_sockets(prof: Profile, rows: list[dict], knee: int, args) -> int:
-    """plan --rworkers P1 P2 ...: each count's best, what it adds, and the words where the card
-    alone is best."""
-    best = best_of_rows(rows)
-    fid = fidelity(prof.s_worker.device, best["bound"], prof.source == "measured")
-    if args.json:
-        print(json.dumps({**_about(prof), "knee_batch": knee, "fidelity": fid, "sockets": rows}, indent=1))
-        return 0
-    print("\n".join(text.header(prof, knee, plan_depth(args) or ENGINE_DEPTH, args)))
-    print(text.target_line(args, plan_depth(args)))
-    text.print_sockets(rows)
-    print(f"at the best ({best['rworkers']} R-workers): " + fidelity_line(fid, best["bound"]))
-    return 0
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
