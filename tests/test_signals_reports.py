@@ -93,3 +93,31 @@ def test_rank_0_silent_or_killed_is_reported_with_the_launchers_exit_code(tmp_pa
     assert report["exit_code"] == proc.returncode, (report["exit_code"], proc.returncode, proc.stderr[-2000:])
     if code is not None:
         assert proc.returncode == code
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR2])
+def test_a_signal_that_kills_hydras_mpiexec_is_reported_as_the_launchers_death(tmp_path, sig):
+    """MPICH's mpiexec does not catch SIGHUP or SIGUSR2: it dies of it and its proxies end every
+    rank. The report says the launcher died, names no rank and claims no exit code (the old report
+    named rank 1 as dead and said exit_code 9, what hydra exits with after a rank died, while
+    mpiexec died of the signal: 129, 140)."""
+    from test_launcher_signals import FLAVOUR
+    if FLAVOUR != "hydra":
+        pytest.skip(f"MPICH's hydra mpiexec only (here: {FLAVOUR})")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(inp, 10, 24)
+    job = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "fastdecode", "generate", "-i", str(inp), "-o",
+                            str(out), "--quiet", "--max-batch", "2", "--timeout", "60"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    wait_rows(out, 2, job)
+    job.send_signal(sig)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == -sig, (job.returncode, err[-2000:])          # a shell says 128 + N
+    deadline = time.monotonic() + 30                                       # the ranks end after the launcher
+    while json.loads((tmp_path / "out.jsonl.summary.json").read_text())["state"] == "running" \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert report["state"] == "failed" and report["exit_code"] is None and "failed_rank" not in report, report
+    assert f"the launcher (mpiexec pid {job.pid}) died before the job ended" in report["error"], report
+    assert len(read_output(str(out))) >= 2

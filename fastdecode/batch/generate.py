@@ -250,7 +250,7 @@ class BatchJob:
 
 def idle_summary(wall: float) -> dict:
     """This run's numbers when it served nothing and made no engine."""
-    return {"wall_s": round(wall, 4), "steps": 0, "output_tokens": 0, "prompt_tokens": 0, "requests": 0,
+    return {"wall_s": round(wall, 4), "steps": 0, "decode_steps": 0, "output_tokens": 0, "prompt_tokens": 0, "requests": 0,
             "errors": 0, "requests_per_s": None, "output_tokens_per_s": None, "total_tokens_per_s": None}
 
 

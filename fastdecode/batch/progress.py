@@ -6,9 +6,10 @@ The log line's format is fixed (docs/usage.md, "Progress"), so scripts can read 
     fastdecode: progress 42.1% tokens=5120/12160 tok/s=85.3 eta=0:01:22 elapsed=0:01:00 requests=12/40 running=16 waiting=12 kv=2310(1.21%),2280(1.19%)
 
 Percent is tokens generated over the tokens expected (each request's max_tokens, or the length
-the schedule has learnt, sched/length_model.py; lines not read yet at the mean so far). It never
-goes back, and reads 100.0 only on the last line, which ends in `done` (or `interrupted`).
-tok/s is over the last minute; kv is each R-worker's KV tokens and the share of its capacity, in
+the schedule has learnt, sched/length_model.py; lines not read yet at the mean so far), the job's
+in both: a resumed run counts the earlier runs' rows and the saved tokens it continues as done
+(Snapshot.tokens_before), not as this run's. It never goes back, and reads 100.0 only on the last
+line, which ends in `done` (or `interrupted`). tok/s (this run's tokens) is over the last minute; kv is each R-worker's KV tokens and the share of its capacity, in
 rank order. eta prices what is left as steps, each generating a token for every running
 sequence: the steps come from placing the waiting sequences, in order, into the batch's slots as
 running ones end (steps_to_finish), and a step costs a + c * (its tokens), a and c fitted over
@@ -55,7 +56,8 @@ def interval_from(flag: float | None) -> float:
 
 @dataclass
 class Snapshot:
-    """Where a run stands (sequences for running/waiting; the engine's tokens, this run's)."""
+    """Where a run stands (sequences for running/waiting; tokens: the job's, this run's where no
+    earlier run is counted)."""
     tokens_done: int
     tokens_expected: float | None          # None: not known yet
     requests_done: int
@@ -67,6 +69,8 @@ class Snapshot:
     steps_done: int | None = None          # the engine's steps so far (None: not tracked; eta by tokens)
     work: Work | None = None               # the steps the work known now still needs (steps_to_finish)
     balance: dict | None = None            # the balance point (StepBalance.describe()) where the rule weighs tiers
+    tokens_before: int = 0                 # of tokens_done, those generated before this run (earlier runs'
+                                           # rows, saved tokens it continues): no part of the rate
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,7 @@ class Progress:
                                                            # (the engine's steps at the start are not known)
         self.fixed_cost: float | None = None               # a step's fixed cost in tokens' worth, once learnt
         self.bar = None
+        self.bar_before = 0                                # tokens_before the bar holds already
         if enabled and (bar if bar is not None else _isatty(self.stream)):
             try:
                 from tqdm import tqdm
@@ -252,11 +257,12 @@ class Progress:
 
     def _measure(self, now: float, done: bool) -> tuple[Snapshot, float, float, float | None]:
         snap = self.snapshot()
-        self.samples.append((now, snap.tokens_done, np.nan if snap.steps_done is None else snap.steps_done))
+        ran = snap.tokens_done - snap.tokens_before                # this run's
+        self.samples.append((now, ran, np.nan if snap.steps_done is None else snap.steps_done))
         while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_WINDOW_S:
             self.samples.popleft()
         t0, n0, _ = self.samples[0]
-        rate = (snap.tokens_done - n0) / (now - t0) if now > t0 else 0.0
+        rate = (ran - n0) / (now - t0) if now > t0 else 0.0
         if done:
             snap.tokens_expected = snap.tokens_done
             self.shown = 100.0
@@ -296,6 +302,12 @@ class Progress:
     def _draw(self, snap: Snapshot, eta: float | None) -> None:
         bar = self.bar
         bar.total = max(round(snap.tokens_expected or 0), snap.tokens_done)
+        carried = snap.tokens_before - self.bar_before      # earlier runs' tokens: shown, not in tqdm's rate
+        if carried > 0:
+            bar.n += carried
+            bar.last_print_n += carried
+            bar.initial += carried
+            self.bar_before = snap.tokens_before
         bar.update(snap.tokens_done - bar.n)                # through update: tqdm's own rate
         total = "?" if snap.requests_total is None else snap.requests_total
         bar.set_postfix_str(f"eta {clock(eta)}, requests {snap.requests_done}/{total}, running {snap.running}, "

@@ -45,6 +45,14 @@ ORPHANED = ("the launcher ended the job before rank 0 finished (it killed rank 0
             "rank once one has died: the rank that died first is named on stderr)")
 
 HISTORY_KEEP = 100      # the last runs listed in the report (bounded, whatever the requeue count)
+# each history entry's `figures`: what `fastdecode report --run N` prints of run N (report_text.py);
+# scalars and short dicts only, so a hundred runs keep the report well inside its spare file
+FIGURE_KEYS = ("wall_s", "steps", "decode_steps", "prompt_tokens", "output_tokens", "requests", "errors",
+               "errors_by_code", "model_not_found", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+               "decode_s", "s_bubble_fraction", "r_bubble_fraction", "bound", "prefill", "prefix_hits",
+               "prefix_shared_tokens", "prefix_kv_bytes_saved", "kv_tiers", "balance", "preemptions",
+               "recomputed_tokens", "token_latency_p50_s", "token_latency_p99_s", "skipped_done", "retried",
+               "continued_sequences", "continued_tokens", "saved_in_flight_sequences", "saved_in_flight_tokens")
 
 
 def default_path(output_path: str) -> str:
@@ -95,6 +103,16 @@ def rworker_load(workers, recorder) -> list[dict]:
                     if info.capacity_bytes else None,
                     "attend_share": round(w["attend_s"] / total_attend, 4) if total_attend else None})
     return out
+
+
+def run_figures(this_run: dict) -> dict:
+    """The figures of a run kept in its history entry: FIGURE_KEYS of its summary, the R-workers'
+    prefill appends as the slowest one's (the list grows with the R-workers)."""
+    figures = {k: this_run[k] for k in FIGURE_KEYS if k in this_run}
+    prefill = figures.get("prefill")
+    if isinstance(prefill, dict) and prefill.get("r_append_s"):
+        figures["prefill"] = dict(prefill, r_append_s=[max(prefill["r_append_s"])])
+    return figures
 
 
 def started(path: str, prev: dict, input_path: str, output_path: str, stats_json: str | None = None) -> dict:
@@ -266,5 +284,6 @@ def _finish(path: str, report: dict, job, engine, this_run: dict, signal_name: s
         report.pop("error", None)
     report["history"] = (report.pop("history") + [{
         "run": report["runs"], "state": report["state"], "signal": signal_name, "wall_s": this_run["wall_s"],
-        "requests": this_run["requests"], "errors": this_run["errors"], "skipped_done": index.skipped}])[-HISTORY_KEEP:]
+        "requests": this_run["requests"], "errors": this_run["errors"], "skipped_done": index.skipped,
+        "figures": run_figures(this_run)}])[-HISTORY_KEEP:]
     _commit(path, report)

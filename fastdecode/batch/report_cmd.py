@@ -25,6 +25,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "(pip install 'fastdecode[plot]').")
     p.add_argument("path", help="a run report (OUTPUT.summary.json) or a --stats-json file")
     p.add_argument("-o", "--output", default=None, help="PNG to write (default: print the text report)")
+    p.add_argument("--run", type=int, default=None, metavar="N",
+                   help="print run N of a run report's history (its `runs` numbering) instead of the last run")
     return p
 
 
@@ -78,11 +80,14 @@ def draw(path: str, doc: dict, output: str) -> str:
 def run(args) -> int:
     try:
         doc = load(args.path)
+        if args.output and args.run is not None:
+            raise ReportError("--run prints a run of the history as text; the drawing (-o) is of the run "
+                              "whose --stats-json file the report names")
         if args.output:
             print(draw(args.path, doc, args.output))
         else:
             try:
-                lines = of_document(doc)
+                lines = of_document(doc, args.run)
             except ValueError as e:
                 raise ReportError(f"{args.path}: {e}") from None
             except (KeyError, TypeError) as e:

@@ -10,7 +10,8 @@ import os
 
 from fastdecode.batch.filemode import keep_owner_mode, open_like, open_no_link
 
-SPARE_BYTES = 256 << 10  # allocated for the report's next write while a run is live (a full disk)
+SPARE_BYTES = 512 << 10  # allocated for the report's next write while a run is live (a full disk): a
+                         # hundred runs' figures in its history and 64 R-workers' load take about 200 KiB
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
 

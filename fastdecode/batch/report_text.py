@@ -94,8 +94,9 @@ def text_lines(run: dict, report: dict | None = None) -> list[str]:
         out.append(f"{run['model_not_found']} line(s) named a model this job does not serve (it serves "
                    f"{', '.join(run.get('served_model_names') or ())}; --served-model-name adds names, and a rerun "
                    f"retries those lines)")
-    out.append(f"tokens: {run['prompt_tokens']} prompt, {run['output_tokens']} generated")
-    out.append(f"time: {run['wall_s']:.1f} s, {run['steps']} steps ({run['decode_steps']} decoding)")
+    # a run that made no engine (every line answered before, or a stop before the model load) has no steps
+    out.append(f"tokens: {run.get('prompt_tokens', 0)} prompt, {run.get('output_tokens', 0)} generated")
+    out.append(f"time: {run['wall_s']:.1f} s, {run.get('steps', 0)} steps ({run.get('decode_steps', 0)} decoding)")
     for line in (prefill_line(run), prefix_line(run), tiers_line(run), balance_line(run)):
         if line:
             out.append(line)
@@ -106,8 +107,11 @@ def text_lines(run: dict, report: dict | None = None) -> list[str]:
     return out
 
 
-def of_document(doc: dict) -> list[str]:
-    """The text of a run report or a --stats-json file (ValueError if it is neither)."""
+def of_document(doc: dict, run: int | None = None) -> list[str]:
+    """The text of a run report or a --stats-json file (ValueError if it is neither); run: that run
+    of a run report's history instead of its last."""
+    if run is not None:
+        return of_history(doc, run)
     if isinstance(doc, dict) and isinstance(doc.get("summary"), dict) and "steps" in doc:
         return text_lines(doc["summary"])
     if isinstance(doc, dict) and isinstance(doc.get("this_run"), dict):
@@ -116,3 +120,22 @@ def of_document(doc: dict) -> list[str]:
         raise ValueError(f"the run is {doc['state']}" + (f" ({doc['error']})" if doc.get("error") else "")
                          + ": its report has no figures yet")
     raise ValueError("neither a run report (OUTPUT.summary.json) nor a --stats-json file")
+
+
+def of_history(doc: dict, run: int) -> list[str]:
+    """Run `run` of a run report, from the figures its history entry keeps (ValueError if it has none)."""
+    history = doc.get("history") if isinstance(doc, dict) else None
+    if not isinstance(history, list):
+        raise ValueError("not a run report (OUTPUT.summary.json): only a run report lists its runs")
+    entry = next((h for h in history if isinstance(h, dict) and h.get("run") == run), None)
+    listed = [h.get("run") for h in history if isinstance(h, dict) and isinstance(h.get("run"), int)]
+    if entry is None:
+        kept = f"runs {min(listed)}-{max(listed)}" if listed else "no runs"
+        raise ValueError(f"run {run} is not in its history (it lists {kept})")
+    figures = entry.get("figures")
+    if not isinstance(figures, dict) or "wall_s" not in figures:
+        raise ValueError(f"run {run} ({entry.get('state')}) has no figures in the report: its run ended before "
+                         f"writing them, or an older fastdecode wrote it")
+    head = f"run {run} of {doc.get('runs', max(listed))}: {entry.get('state')}"
+    stopped = entry.get("state") == "interrupted" and entry.get("signal")
+    return [head + (f" ({entry['signal']})" if stopped else "")] + text_lines(figures)

@@ -60,6 +60,13 @@ class Claim(NamedTuple):
 def row_code(text: bytes) -> tuple[str | None, bool] | None:
     """(error code or None, done) of an output row; None if not a row (a line someone else wrote
     there, however deep or large, is junk: never an error)."""
+    facts = row_facts(text)
+    return None if facts is None else facts[:2]
+
+
+def row_facts(text: bytes) -> tuple[str | None, bool, int] | None:
+    """(error code or None, done, generated tokens: usage.completion_tokens, else 0) of an output
+    row; None if not a row."""
     try:
         obj = pydantic_core.from_json(text)
     except ValueError:
@@ -71,7 +78,11 @@ def row_code(text: bytes) -> tuple[str | None, bool] | None:
     code = code if isinstance(code, str) or code is None else str(code)
     resp = obj.get("response")
     status = resp.get("status_code") if isinstance(resp, dict) else None
-    return code, (status == 200 and err is None) or code in DETERMINISTIC_CODES
+    body = resp.get("body") if isinstance(resp, dict) else None
+    usage = body.get("usage") if isinstance(body, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 0
+    return code, (status == 200 and err is None) or code in DETERMINISTIC_CODES, tokens
 
 
 def reclaim_scratch(directory: str, now: float | None = None) -> int:
@@ -117,7 +128,7 @@ class ResumeIndex:
         self.db.executescript("""
             CREATE TABLE bound(digest BLOB PRIMARY KEY, key BLOB) WITHOUT ROWID;
             CREATE TABLE prior(key BLOB PRIMARY KEY, off INTEGER, len INTEGER, code TEXT, done INTEGER,
-                               digest BLOB) WITHOUT ROWID;
+                               digest BLOB, tokens INTEGER) WITHOUT ROWID;
             CREATE TABLE earlier(off INTEGER PRIMARY KEY, len INTEGER, key BLOB, cause TEXT);
             CREATE TABLE ids(cid TEXT PRIMARY KEY, first_line INTEGER) WITHOUT ROWID;
             CREATE TABLE rows(line INTEGER PRIMARY KEY, off INTEGER, len INTEGER, code TEXT, digest BLOB, key BLOB);
@@ -129,6 +140,7 @@ class ResumeIndex:
         self.superseded = 0          # earlier rows replaced by a later row of the same request
         self.skipped = 0             # input lines answered by an earlier run
         self.retried = 0             # input lines whose earlier row was a retryable error
+        self.prior_tokens = 0        # generated tokens of the earlier done rows (a superseded row's not)
         self.rows_total = 0          # lines in the output file now
         self.complete = True         # False: earlier rows not all indexed, claiming would redo them
 
@@ -153,24 +165,26 @@ class ResumeIndex:
 
     def _add_earlier(self, off: int, text: bytes) -> None:
         db = self.db
-        code_done = row_code(text)
+        facts = row_facts(text)
         digest = row_digest(text)
         found = db.execute("SELECT key FROM bound WHERE digest = ?", (digest,)).fetchone()
-        if code_done is None or found is None:
-            cause = "junk" if code_done is None else "unbound"
+        if facts is None or found is None:
+            cause = "junk" if facts is None else "unbound"
             self.junk += cause == "junk"
             self.unbound += cause == "unbound"
             db.execute("INSERT INTO earlier VALUES (?, ?, NULL, ?)", (off, len(text), cause))
             return
-        (key,), (code, done) = found, code_done
+        (key,), (code, done, tokens) = found, facts
         db.execute("INSERT INTO earlier VALUES (?, ?, ?, 'bound')", (off, len(text), key))
-        old = db.execute("SELECT done FROM prior WHERE key = ?", (key,)).fetchone()
+        old = db.execute("SELECT done, tokens FROM prior WHERE key = ?", (key,)).fetchone()
         if old is not None:
             self.superseded += 1
             if old[0] > done:                  # a done row beats a later retryable error
                 return
-        db.execute("INSERT OR REPLACE INTO prior VALUES (?, ?, ?, ?, ?, ?)",
-                   (key, off, len(text), code, int(done), digest))
+            self.prior_tokens -= old[1] if old[0] else 0
+        db.execute("INSERT OR REPLACE INTO prior VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   (key, off, len(text), code, int(done), digest, tokens))
+        self.prior_tokens += tokens if done else 0
 
     def done_prior(self) -> int:
         """Earlier rows that answer a request for good: at least one per input line if every line is done."""

@@ -43,6 +43,7 @@ class BatchRunner:
         self.total_lines: int | None = None        # the input's lines, when the job has counted them
         self.num_requests = 0                      # served this run
         self.errors: Counter[str] = Counter()      # error rows this run, by code
+        self.engine_tokens_before = engine.num_output_tokens    # an engine lent to runs before (tests, API)
 
     @property
     def num_errors(self) -> int:
@@ -146,18 +147,27 @@ class BatchRunner:
         return self.index.skipped + self.num_requests + self.num_errors
 
     def snapshot(self) -> Snapshot:
-        """Progress of this run. Lines not read yet are expected to need as many tokens as the
-        lines read so far that earlier runs had not answered, on average; the earlier runs'
-        rows not met yet are taken to answer as many of the unread lines."""
+        """Progress of the job: its tokens, done and expected, with those of earlier runs (their
+        rows, and the saved tokens this run continues) in both. Lines not read yet are expected
+        to need as many tokens as the lines read so far that earlier runs had not answered, on
+        average; the earlier runs' rows not met yet are taken to answer as many of the unread lines."""
         index, total = self.index, self.total_lines
         new_lines = self.lines_read - index.skipped
+        since = self.engine_tokens_before
         more, expected = 0.0, self.engine.expected_output_tokens()
         if total is not None and not self.exhausted:
             answered_before = max(index.prior_rows - index.junk - index.unbound - index.skipped, 0)
             unread = max(total - self.lines_read - answered_before, 0)
             if unread:
-                more = expected / new_lines * unread if new_lines else None
-        return engine_snapshot(self.engine, self.done_lines(), total, more, engine_expected=expected)
+                more = (expected - since) / new_lines * unread if new_lines else None
+        snap = engine_snapshot(self.engine, self.done_lines(), total, more, since_tokens=since,
+                               engine_expected=expected)
+        continued = self.saved.continued_tokens if self.saved is not None else 0
+        snap.tokens_before = index.prior_tokens + continued
+        snap.tokens_done += snap.tokens_before
+        if snap.tokens_expected is not None:          # the engine's expects continued sequences whole
+            snap.tokens_expected += index.prior_tokens
+        return snap
 
     def run(self, progress: Progress) -> bool:
         """Serve until the input is done or a stop is requested; True if stopped early."""

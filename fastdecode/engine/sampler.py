@@ -1,8 +1,10 @@
 """Batched sampling with vLLM's semantics and per-sequence, batch-independent randomness.
 
 Each sampled row draws its uniform from a counter-based hash of (seed, sample index, output
-position), so a request's tokens depend only on its logits, parameters and seed: never on what
-else is in the batch, on scheduling, or on the number of R-workers.
+position), and turns it into a token by an inverse CDF over an order fixed by its own parameters
+(the vocabulary's, or probability-sorted where it filters with top-k/top-p/min-p), so a request's
+tokens depend only on its logits, parameters and seed: never on what else is in the batch, on
+scheduling, or on the number of R-workers.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class SamplingBatch:
     sample. Whether a row samples is decided on the host, so a greedy batch never waits for the
     device before its argmax is read."""
 
-    __slots__ = ("top_k", "top_p", "min_p", "needs_filter", "seeds", "streams", "positions", "suppress",
+    __slots__ = ("top_k", "top_p", "min_p", "needs_filter", "filter_rows", "seeds", "streams", "positions", "suppress",
                  "sample_rows", "sample_rows_dev", "temperature", "allowed", "bias", "penalties", "logprob_rows",
                  "logprob_k")
 
@@ -64,8 +66,10 @@ class SamplingBatch:
         self.sample_rows = np.flatnonzero(temperature != 0)                  # [m] rows that sample
         self.top_k = cols[:, 1].astype(np.int64)
         self.top_p, self.min_p = cols[:, 2], cols[:, 3]
-        self.needs_filter = bool((self.top_k[self.sample_rows] > 0).any() or (self.top_p[self.sample_rows] < 1).any()
-                                 or (self.min_p[self.sample_rows] > 0).any())
+        picked = self.sample_rows
+        filters = (self.top_k[picked] > 0) | (self.top_p[picked] < 1) | (self.min_p[picked] > 0)
+        self.filter_rows = np.flatnonzero(filters)     # [f] of the m sampling rows: those that filter
+        self.needs_filter = bool(self.filter_rows.size)
         self.seeds, self.streams, self.positions = seeds, streams, positions
         self.suppress = suppress
         self.allowed = None                            # AllowedTokens, set by the caller for rows that have them
@@ -210,7 +214,6 @@ def token_logprobs(logits: torch.Tensor, tokens: np.ndarray, batch: SamplingBatc
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     """logits: [n, V] float32 -> token ids int64 [n] (numpy). `logits` itself is left as it is."""
-    n, vocab = logits.shape
     if batch.suppress or batch.allowed is not None or batch.bias is not None or batch.penalties is not None:
         logits = logits.clone()
     if batch.allowed is not None:        # vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias,
@@ -238,19 +241,33 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     # less each row's maximum before the division: a tiny temperature then sends every other token to
     # -inf (the greedy limit) where logits / T would overflow to inf and the softmax to NaN
     probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / batch.temperature, dim=-1)
-    if batch.needs_filter:
-        probs, order = _filtered_sorted(probs, batch.sample_rows, batch)
-    else:
-        order = None
     pick = batch.sample_rows
     u = torch.from_numpy(uniforms(batch.seeds[pick], batch.streams[pick], batch.positions[pick])).to(logits.device)
+    # a row's draw walks its own order: the vocabulary's, or probability-sorted where it filters;
+    # which order never depends on the other rows, so a draw is the same in any batch
+    if batch.filter_rows.size == pick.size:
+        out[rows] = _filtered_draw(probs, u, pick, batch)
+    elif batch.needs_filter:
+        f = torch.from_numpy(batch.filter_rows).to(logits.device)
+        plain = torch.from_numpy(np.setdiff1d(np.arange(pick.size), batch.filter_rows)).to(logits.device)
+        out[rows[f]] = _filtered_draw(probs[f], u[f], pick[batch.filter_rows], batch)
+        out[rows[plain]] = _inverse_cdf(probs[plain], u[plain])
+    else:
+        out[rows] = _inverse_cdf(probs, u)
+    return out.cpu().numpy()
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [m, V] (unnormalized), u [m] in [0, 1) -> the column [m] where each row's CDF reaches u."""
     cdf = probs.double().cumsum(dim=-1)                                   # [m, V]
     target = u[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target).clamp_(max=vocab - 1).squeeze(1)
-    if order is not None:
-        idx = order.gather(1, idx[:, None]).squeeze(1)
-    out[rows] = idx
-    return out.cpu().numpy()
+    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
+
+
+def _filtered_draw(probs: torch.Tensor, u: torch.Tensor, rows: np.ndarray, batch: SamplingBatch) -> torch.Tensor:
+    """Token ids [m] drawn from probs [m, V] of batch rows `rows` after their top-k/top-p/min-p."""
+    kept, order = _filtered_sorted(probs, rows, batch)
+    return order.gather(1, _inverse_cdf(kept, u)[:, None]).squeeze(1)
 
 
 def _filtered_sorted(probs: torch.Tensor, rows: np.ndarray, batch: SamplingBatch):

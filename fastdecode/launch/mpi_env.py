@@ -147,14 +147,16 @@ def share_end_notices(comm) -> dict | None:
     from rworker.host import end_notice
     where = comm.gather(end_notice.whereabouts(), root=0)
     if comm.Get_rank() == 0:
+        from fastdecode.launch import launcher_watch
         from fastdecode.launch.supervise import launcher_exit_code, launcher_name, on_orphan
         hosts = end_notice.listen_hosts(where)             # per rank: rank 0's addresses towards it
         # a lost rank's supervisor was killed (SIGKILL): what the launcher exits with then, for the report
         lost_code = launcher_exit_code(-int(signal.SIGKILL), launcher_name())
-        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice, lost_code),
+        launcher = launcher_watch.find()                   # ranks lost because it died are no rank's death
+        listener = end_notice.Listener(lambda notice: on_end_notice(comm, notice, lost_code, launcher),
                                        hosts=[h for per_rank in hosts for h in per_rank] or ["127.0.0.1"],
                                        ranks=comm.Get_size() - 1)
-        on_orphan(lambda: lost_rank_report(listener, lost_code))
+        on_orphan(lambda: lost_rank_report(listener, lost_code, launcher=launcher))
         comm.scatter([None] + [listener.address(h) for h in hosts[1:]], root=0)
         return None
     address = comm.scatter(None, root=0)
@@ -162,10 +164,11 @@ def share_end_notices(comm) -> dict | None:
     return address
 
 
-def on_end_notice(comm, notice: dict, lost_code: int | None = None):
+def on_end_notice(comm, notice: dict, lost_code: int | None = None, launcher=None):
     """Rank 0, on the listener's thread: a rank failed (it aborts the job itself) or died. The run
     report names it before the job ends; for a dead rank this returns the abort (exit 1), which
-    runs once the notice is answered."""
+    runs once the notice is answered. Ranks lost because the launcher (launcher_watch.find())
+    died first are reported as that, with no exit code: the launcher's status is not rank 0's to know."""
     from fastdecode.batch.interrupt import STOP
     from fastdecode.batch.report import fail_live
     try:
@@ -175,6 +178,9 @@ def on_end_notice(comm, notice: dict, lost_code: int | None = None):
         return None
     if notice.get("lost") and STOP.requested:
         return None          # the launcher ending every rank after a stop signal (Open MPI): no death
+    died = launcher_died(launcher) if notice.get("lost") else None
+    if died:
+        error, rank, lost_code = died, None, None
     if notice.get("lost"):   # the launcher saw its process killed: the job's exit code is the launcher's
         if fail_live(error, rank, lost_code):
             print(f"fastdecode: {error}", file=sys.stderr, flush=True)     # no supervisor left to say it
@@ -186,15 +192,27 @@ def on_end_notice(comm, notice: dict, lost_code: int | None = None):
     return lambda: abort_job(comm, code)
 
 
-def lost_rank_report(listener, lost_code: int | None = None, settle_s: float = 1.0) -> bytes | None:
-    """Rank 0, ended because its supervisor was killed: if R-worker links to rank 0 have closed
-    without a bye, the report failed naming the rank (one closed) or the ranks (the launcher killed
-    them together). The listener's threads get a moment to write it themselves."""
+def launcher_died(launcher) -> str | None:
+    """The report's error where the launcher noted at start-up has ended, else None."""
+    from fastdecode.launch import launcher_watch
+    return launcher_watch.died_text(launcher) if launcher_watch.gone(launcher) else None
+
+
+def lost_rank_report(listener, lost_code: int | None = None, settle_s: float = 1.0, launcher=None) -> bytes | None:
+    """Rank 0, ended because its supervisor was killed: the report failed saying the launcher died
+    (launcher_watch), else, if R-worker links to rank 0 have closed without a bye, naming the rank
+    (one closed) or the ranks (the launcher killed them together). The listener's threads get a
+    moment to write it themselves."""
     import time
 
     from fastdecode.batch.interrupt import STOP
     from fastdecode.batch.report import failed_note, live_running
-    if STOP.requested or not listener.gone():
+    if STOP.requested:
+        return None
+    died = launcher_died(launcher)
+    if died:
+        return failed_note(died, None, None)
+    if not listener.gone():
         return None
     deadline = time.monotonic() + settle_s
     while live_running() and time.monotonic() < deadline:

@@ -55,7 +55,9 @@ def run_supervised(argv: list[str], summary_path: str | None = None) -> int:
     from fastdecode.batch.interrupt import STOP
     from fastdecode.launch.ranks import launched_rank, role_name
     from rworker.host.end_notice import SUPERVISOR_FD, SupervisorLink
+    from fastdecode.launch import launcher_watch
     rank, started = launched_rank(), time.time()
+    launcher = launcher_watch.find() if rank == 0 else None     # noted while it runs: report_end asks
     from_child, to_supervisor = os.pipe()          # the child passes rank 0's address up
     os.set_inheritable(to_supervisor, True)
     env = dict(os.environ, **{ENV_FLAG: str(os.getpid()), SUPERVISOR_FD: str(to_supervisor)})
@@ -81,16 +83,22 @@ def run_supervised(argv: list[str], summary_path: str | None = None) -> int:
                                             f"{socket.gethostname()})" if rank > 0 else None)
     code = child.wait()                   # retried after each forwarded signal (PEP 475)
     if code not in CLEAN_EXITS:
-        report_end(rank, child.pid, code, link.address() if rank > 0 else None, summary_path, started)
+        report_end(rank, child.pid, code, link.address() if rank > 0 else None, summary_path, started, launcher)
     link.bye()
     return 128 - code if code < 0 else code
 
 
 def report_end(rank: int, pid: int, code: int, rank0_address: dict | None, summary_path: str | None,
-               started: float) -> None:
+               started: float, launcher=None) -> None:
     """A child that ended abnormally: name it on stderr (unless it did: exit code 1), and in the run
-    report, through rank 0 (an R-worker) or directly (rank 0)."""
+    report, through rank 0 (an R-worker) or directly (rank 0); rank 0 ended because the launcher
+    died (launcher_watch) is reported as that."""
+    from fastdecode.launch import launcher_watch
     from fastdecode.launch.ranks import role_name
+    if rank == 0 and summary_path and code != 1 and launcher_watch.gone(launcher):
+        from fastdecode.batch.report_file import mark_file_failed
+        mark_file_failed(summary_path, launcher_watch.died_text(launcher), None, started)
+        return
     who = f"rank {rank} ({role_name(rank)} pid {pid} on {socket.gethostname()})"
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     if code != 1:                         # 1: the child reported its own failure already
