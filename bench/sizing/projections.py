@@ -329,9 +329,12 @@ def main(argv=None) -> None:
            "paper_setting": [] if args.only else paper_setting(),
            "h100": h100_cluster(args.requests, args.only, args.sockets),
            "hf_generate_measured": [r for r in gpu_only["runs"] if r.get("cache") == "dynamic"]}
-    if args.only:       # keep what was not rerun
+    if args.only:       # keep what was not rerun: other workloads, and a rerun workload's other socket counts
         old = load_json(path)
         doc["paper_setting"] = old["paper_setting"]
+        for name, w in doc["h100"].items():
+            kept = [r for r in old["h100"].get(name, {}).get("fastdecode", []) if r["sockets"] not in args.sockets]
+            w["fastdecode"] = sorted(kept + w["fastdecode"], key=lambda r: r["sockets"])
         doc["h100"] = {**old["h100"], **doc["h100"]}
     add_peers(doc)
     doc["seconds"] = round(time.time() - t0, 1)
