@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the scratch index of custom_ids while resuming/deduplicating "
                         "(default: $TMPDIR or /tmp; node-local disk is best)")
     g.add_argument("--stats-json", default=None, help="write per-step statistics and a summary here")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the model, the input's lines and the files as the job would, say what was found, "
+                        "and exit (0, or 2 with the job's error); loads no weights, starts no ranks")
     g.add_argument("--quiet", action="store_true",
                    help="no progress lines and no R-worker roster at start-up (results, warnings and errors "
                         "still print)")
@@ -111,9 +114,10 @@ def validate_generate(args) -> None:
         raise UsageError(str(e)) from None
 
 
-def check_model(args) -> None:
+def check_model(args, world: int | None = None) -> None:
     """vLLM's flags are ones fastdecode serves, the model's config (and a --tokenizer) is readable
-    and servable, --max-model-len fits it, and a chunked-prefill budget holds --max-batch decode rows."""
+    and servable, --max-model-len fits it, and a chunked-prefill budget holds --max-batch decode rows.
+    world: the job's MPI ranks (default: as launched)."""
     from fastdecode.engine.args import check_batch_budget, default_max_batch, resolve_device
     from fastdecode.model.config import ConfigError
     from fastdecode.model.quantization import weight_format
@@ -128,7 +132,8 @@ def check_model(args) -> None:
         config = read_config(source)
         config.resolve_max_model_len(getattr(args, "max_model_len", None))
         weight_format(getattr(args, "quantization", None), source)     # an fp8 checkpoint's scales, too
-        tp_error = usage_error(args.tensor_parallel_size, config, args.device, mpi_env.launched_size())
+        tp_error = usage_error(args.tensor_parallel_size, config, args.device,
+                               world or mpi_env.launched_size())
         if tp_error:
             raise ConfigError(tp_error)
         if args.tokenizer:
@@ -225,6 +230,18 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 
 def cmd_generate(args) -> int:
     return run_job(args, validate_generate, run_s_worker)
+
+
+def cmd_dry_run(args) -> int:
+    """generate --dry-run: the job's start-up checks alone (batch/dry_run.py); 0, or 2 and why."""
+    from fastdecode.batch.dry_run import check_job
+    try:
+        found = check_job(args, check_model)
+    except (UsageError, ValueError) as e:
+        print(f"fastdecode: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    print("\n".join(found), flush=True)
+    return EXIT_OK
 
 
 def run_s_worker(args, comm) -> int:
@@ -336,6 +353,8 @@ def run_command(argv: list[str] | None, words: list[str], job: bool) -> int:
     if job:
         from fastdecode.launch.ranks import set_s_ranks
         set_s_ranks(getattr(args, "tensor_parallel_size", 1))   # which ranks are the S-worker's (role names)
+    if args.command == "generate" and args.dry_run:
+        return cmd_dry_run(args) if rank == 0 else EXIT_OK
     if job and supervise.should_supervise():  # under a launcher: a dead rank gets named
         summary = None
         if args.command == "generate":

@@ -90,6 +90,8 @@ def pytest_configure(config):
     # Engines and R-workers start without the kernel tune (seconds each, a ~1 GB probe): every
     # layout gives the same bits (test_kvstore); tests/test_kernel_tune.py turns it on.
     os.environ.setdefault("FASTDECODE_KERNEL_TUNE", "0")
+    config.addinivalue_line("markers", "quick: the unit tests and one end-to-end run per launcher "
+                                       "(tests/quick_subset.py; README: Run the tests)")
     for key, value in MPI_ENV.items():
         os.environ.setdefault(key, value)
 
@@ -177,3 +179,8 @@ def write_bound_rows(inp, out, rows, model: str = "smollm2-135m") -> None:
                 writer.write(row, keys[line_no])
     finally:
         writer.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    from quick_subset import mark
+    mark(items)                   # `pytest -m quick`: tests/quick_subset.py

@@ -245,3 +245,33 @@ def test_a_stop_before_the_resume_scan_counts_the_rows_already_there(tmp_path):
     _, err = job.communicate(timeout=120)
     assert job.returncode == 75, err[-2000:]
     assert re.search(r"(4 of 8 requests done|holds 4 rows)", err), err[-2000:]
+
+
+# ---------------------------------------------------------------------------- a rank killed at start-up
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_killed_before_mpi_is_up_ends_the_job_at_once(tmp_path, rank):
+    """kill -9 of a rank's process a second after it appears (importing, before MPI_Init): the
+    others, waiting in MPI_Init, end within seconds (not at their 300 s start-up watchdog)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, 2)
+    job = launch(["generate", "-i", str(inp), "-o", str(out), "--quiet"], ranks=3)
+    deadline = time.time() + 60
+    while (child := rank_processes(job, rank)[1]) is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert child is not None, "the rank's process never appeared"
+    time.sleep(1.0)
+    child.kill()
+    t0 = time.time()
+    try:
+        _, err = job.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        for p in psutil.Process(job.pid).children(recursive=True):
+            p.kill()
+        job.kill()
+        job.communicate()
+        pytest.fail(f"the job outlived rank {rank}'s death at start-up by more than 90 s")
+    assert time.time() - t0 < 60
+    assert job.returncode != 0
+    assert f"rank {rank} ({'S-worker' if rank == 0 else 'R-worker'} pid {child.pid} on" in err, err[-2000:]
+    assert "Timeout (" not in err                                   # no rank ended by its watchdog

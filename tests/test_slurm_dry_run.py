@@ -1,11 +1,14 @@
 """The SLURM scripts' --help and --dry-run, without SLURM: the node layout and the exact launch
-command, in a pretend allocation (FD_DRY_*) or an allocation a stand-in scontrol describes."""
+command, in a pretend allocation (FD_DRY_*) or an allocation a stand-in scontrol describes, then
+the job's own start-up checks (`generate --dry-run`: model, input, output), exit 2 as the job."""
 from __future__ import annotations
 
 import os
 import re
 import stat
+import shutil
 import subprocess
+import sys
 
 import pytest
 from conftest import REPO
@@ -15,9 +18,23 @@ HETJOB = os.path.join(REPO, "scripts", "slurm", "fastdecode-hetjob.sbatch")
 NO_SLURM = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_HET_SIZE", "SLURM_RESTART_COUNT", "SLURM_HOSTFILE")
 
 
+def this_checkout_on_path(tmp_path, path: str) -> str:
+    """A `fastdecode` command that runs this checkout's CLI, first on PATH (the scripts' default)."""
+    bin_dir = tmp_path / "fdbin"
+    bin_dir.mkdir(exist_ok=True)
+    program = bin_dir / "fastdecode"
+    program.write_text(f'#!/bin/bash\nPYTHONPATH={REPO} exec {sys.executable} -m fastdecode "$@"\n')
+    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+    return f"{bin_dir}{os.pathsep}{path}"
+
+
 def run(script: str, *args: str, env: dict | None = None, tmp_path=None) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in NO_SLURM and not k.startswith("FD_")}
-    full.update(TMPDIR=str(tmp_path), FD_BIND="numactl", **(env or {}))
+    if not (tmp_path / "requests.jsonl").exists():        # the scripts' default input
+        shutil.copy(os.path.join(REPO, "examples", "prompts.jsonl"), tmp_path / "requests.jsonl")
+    env = dict(env or {})
+    path = this_checkout_on_path(tmp_path, env.pop("PATH", os.environ["PATH"]))
+    full.update(TMPDIR=str(tmp_path), FD_BIND="numactl", PATH=path, **env)
     return subprocess.run(["bash", script, *args], capture_output=True, text=True, env=full, cwd=tmp_path, timeout=60)
 
 
@@ -39,8 +56,9 @@ def launch(stdout: str) -> str:
 
 
 def test_single_pretend_allocation(tmp_path):
+    shutil.copy(os.path.join(REPO, "examples", "prompts.jsonl"), tmp_path / "in put.jsonl")
     proc = run(SINGLE, "--dry-run", tmp_path=tmp_path,
-               env=dict(FD_DRY_NODES="gpu1 cpu1 cpu2", FD_DRY_SOCKETS="2", FD_DRY_CORES="8", FD_MODEL="/m/llama",
+               env=dict(FD_DRY_NODES="gpu1 cpu1 cpu2", FD_DRY_SOCKETS="2", FD_DRY_CORES="8", FD_MODEL="smollm2-135m",
                         FD_INPUT="in put.jsonl", FD_EXTRA_ARGS="--max-batch 4096"))
     assert proc.returncode == 0, proc.stderr
     assert layout(proc.stdout) == [
@@ -53,7 +71,7 @@ def test_single_pretend_allocation(tmp_path):
     assert os.path.dirname(os.path.dirname(hosts)) == str(tmp_path)      # a directory of its own in $TMPDIR
     assert launch(proc.stdout) == (
         'launch: srun --mpi=pmix --ntasks=5 --distribution=arbitrary --cpu-bind=none --label bash -c "$RANK_WRAPPER" '
-        "fastdecode-rank fastdecode generate -m /m/llama -i in\\ put.jsonl -o results.jsonl --r-threads 8 "
+        "fastdecode-rank fastdecode generate -m smollm2-135m -i in\\ put.jsonl -o results.jsonl --r-threads 8 "
         "--max-batch 4096")
     assert "exec numactl --cpunodebind=$numa --membind=$numa" in proc.stdout
     assert not os.path.exists(hosts) and not os.listdir(tmp_path)      # nothing left behind, nothing submitted
@@ -98,11 +116,76 @@ def test_hetjob_pretend_allocation(tmp_path):
 
 
 def test_hetjob_tensor_parallel_s_ranks_on_the_gpu_node(tmp_path):
+    # 3 S-ranks: the embedded model's 9 query and 3 KV heads split three ways (4 is refused, below)
     proc = run(HETJOB, "--dry-run", tmp_path=tmp_path,
-               env=dict(FD_DRY_GPU_NODE="g1", FD_DRY_GPUS="4", FD_DRY_NODES="c1 c2", FD_DRY_SOCKETS="2",
+               env=dict(FD_DRY_GPU_NODE="g1", FD_DRY_GPUS="3", FD_DRY_NODES="c1 c2", FD_DRY_SOCKETS="2",
                         FD_DRY_CORES="8", FD_SRUN_MPI="pmi2"))
     assert proc.returncode == 0, proc.stderr
-    assert layout(proc.stdout) == [f"rank {r} g1 S-rank {r} of 4 (tensor-parallel), GPU {r}" for r in range(4)] + [
-        f"rank {4 + i} c{1 + i // 2} R-worker, 8 threads, bound to socket/NUMA node {i % 2}" for i in range(4)]
-    assert launch(proc.stdout).endswith("--r-threads 8 --tensor-parallel-size 4")
-    assert "FD_S_RANKS=4" in proc.stdout
+    assert layout(proc.stdout) == [f"rank {r} g1 S-rank {r} of 3 (tensor-parallel), GPU {r}" for r in range(3)] + [
+        f"rank {3 + i} c{1 + i // 2} R-worker, 8 threads, bound to socket/NUMA node {i % 2}" for i in range(4)]
+    assert launch(proc.stdout).endswith("--r-threads 8 --tensor-parallel-size 3")
+    assert "FD_S_RANKS=3" in proc.stdout
+    proc = run(HETJOB, "--dry-run", tmp_path=tmp_path, env=dict(FD_DRY_GPUS="4"))
+    assert proc.returncode == 2 and "--tensor-parallel-size 4 must divide the model's 9 query heads" in proc.stderr
+
+
+# ---- the job's start-up checks, before the queue wait (generate --dry-run) -------------------
+
+def check_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("check: "))
+
+
+@pytest.mark.parametrize("script", [SINGLE, HETJOB])
+def test_dry_run_checks_the_model_input_and_output(script, tmp_path):
+    proc = run(script, "--dry-run", tmp_path=tmp_path, env=dict(FD_OUTPUT="done.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    assert check_line(proc.stdout).endswith("-o done.jsonl --r-threads 16 --dry-run")
+    assert "dry run: model smollm2-135m: found and servable" in proc.stdout
+    # examples/prompts.jsonl: five requests and a line the job answers with a 400 row
+    assert "dry run: input requests.jsonl: 6 request lines; 1 would be an error row (the first: line 6:" in proc.stdout
+    assert "dry run: output done.jsonl: new or empty" in proc.stdout
+    assert not os.path.exists(tmp_path / "done.jsonl")        # a check writes nothing
+
+
+@pytest.mark.parametrize("script", [SINGLE, HETJOB])
+def test_dry_run_refuses_a_missing_model(script, tmp_path):
+    proc = run(script, "--dry-run", tmp_path=tmp_path, env=dict(FD_MODEL="/m/llama"))
+    assert proc.returncode == 2
+    assert "fastdecode: error: model '/m/llama' not found" in proc.stderr
+    assert layout(proc.stdout)                                   # the layout was still shown
+
+
+def test_dry_run_refuses_a_model_not_in_the_hf_cache(tmp_path):
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path,
+               env=dict(FD_MODEL="no-such-org/no-such-model", HF_HOME=str(tmp_path / "hf")))
+    assert proc.returncode == 2
+    assert "no-such-org/no-such-model" in proc.stderr and "cache" in proc.stderr, proc.stderr
+
+
+def test_dry_run_refuses_a_missing_or_unparsable_input(tmp_path):
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path, env=dict(FD_INPUT="missing.jsonl"))
+    assert proc.returncode == 2 and "fastdecode: error: input file missing.jsonl not found" in proc.stderr
+    (tmp_path / "table.csv").write_text("id,prompt\n1,hello\n")
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path, env=dict(FD_INPUT="table.csv"))
+    assert proc.returncode == 2
+    assert "input file table.csv: none of its 2 lines is a request" in proc.stderr
+    assert "line 1: not valid JSON" in proc.stderr
+
+
+def test_dry_run_refuses_an_unwritable_or_foreign_output(tmp_path):
+    proc = run(HETJOB, "--dry-run", tmp_path=tmp_path, env=dict(FD_OUTPUT="no/such/dir/out.jsonl"))
+    assert proc.returncode == 2
+    assert "fastdecode: error: output no/such/dir/out.jsonl: directory" in proc.stderr
+    (tmp_path / "taken.jsonl").write_text('{"id": "x", "custom_id": "a"}\n')   # rows with no record of their input
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path, env=dict(FD_OUTPUT="taken.jsonl"))
+    assert proc.returncode == 2
+    assert "fastdecode: error: output taken.jsonl holds rows but no record" in proc.stderr
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path, env=dict(FD_OUTPUT="taken.jsonl", FD_EXTRA_ARGS="--overwrite"))
+    assert proc.returncode == 0, proc.stderr
+    assert "dry run: output taken.jsonl: --overwrite" in proc.stdout
+
+
+def test_dry_run_without_the_program_says_so(tmp_path):
+    proc = run(SINGLE, "--dry-run", tmp_path=tmp_path, env=dict(FASTDECODE_CMD="no-such-fastdecode"))
+    assert proc.returncode == 2
+    assert "FASTDECODE_CMD (no-such-fastdecode) does not run here" in proc.stdout

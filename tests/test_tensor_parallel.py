@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -262,3 +263,49 @@ def test_s_ranks_starting_together_dequantize_a_gguf_once(tmp_path, monkeypatch)
     for r in ranks:
         r.join()
     assert made == ["model.gguf"] and paths == [str(cache)] * 3 and cache.is_file()
+
+
+def test_a_stopped_follower_ends_the_job_within_the_timeout_naming_it(tmp_path):
+    """SIGSTOP of rank 2 (a tensor-parallel S-rank) mid-job, --timeout 10: rank 0 names it from the
+    followers' heartbeats (rank 1, blocked on it too, still beats) and the job ends soon after
+    10 s, not at the followers' 30 s, with exit 75 and failed_rank 2; the rerun resumes."""
+    import signal
+
+    import psutil
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                       "body": {"prompt": f"Count to {i}:", "max_tokens": 24, "temperature": 0,
+                                                "ignore_eos": True}}) + "\n" for i in range(16)))
+    args = ["generate", "-i", str(inp), "-o", str(out), "--tensor-parallel-size", "3", "--device", "cpu",
+            "--max-batch", "2", "--timeout", "10", "--quiet"]
+    job = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "fastdecode"] + args, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    stopped = None
+    try:
+        deadline = time.time() + 300
+        while not (out.exists() and out.read_text().count("\n") >= 2) and time.time() < deadline:
+            time.sleep(0.2)
+        for p in psutil.Process(job.pid).children(recursive=True):
+            env = p.environ()
+            if env.get("PMI_RANK") == "2" and env.get("FASTDECODE_SUPERVISED"):
+                stopped = p
+        assert stopped is not None, "rank 2's process not found"
+        stopped.send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        _, err = job.communicate(timeout=120)
+        took = time.time() - t0
+    finally:
+        if stopped is not None:
+            stopped.kill()
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 75, (job.returncode, err[-2000:])
+    assert took < 20, f"the job took {took:.0f} s to end after its follower stopped (--timeout 10)"
+    report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert report["state"] == "failed" and report["failed_rank"] == 2, report
+    assert "rank 2 (tensor-parallel S-rank on" in report["error"], report
+    kept = read_output(str(out))
+    again = run_fastdecode(args, ranks=3, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = read_output(str(out))
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"r{i}" for i in range(16)) and all(r in rows for r in kept)

@@ -117,7 +117,7 @@ def log_tiers(eng) -> None:
     others = [w for w in workers if not w.tier]
     kind = "R-workers" if eng.layout is not None else "host store"
     held = gib(sum(w.capacity_bytes for w in others))
-    parts = [f"{len(others)} {kind if len(others) != 1 else kind.rstrip('s')} {held}"]
+    parts = [f"{len(others)} {kind if len(others) != 1 else kind.rstrip('s')} up to {held}"]
     if eng.tier_index is not None:
         t = workers[eng.tier_index]
         parts.insert(0, f"S-worker's own tier, {t.tier}, {gib(t.capacity_bytes)}")
@@ -125,7 +125,20 @@ def log_tiers(eng) -> None:
         parts.append(f"no S-worker tier ({eng.tier.why_off})")
     speeds = ", ".join(f"{w.attend_gbps:.0f}" for w in workers if w.attend_gbps)
     print(f"fastdecode: KV tiers: {'; '.join(parts)} of {eng.kv_dtype} KV"
-          + (f"; attention measured at {speeds} GB/s" if speeds else ""), file=sys.stderr, flush=True)
+          + (f"; attention measured at {speeds} GB/s" if speeds else "") + f". {host_cap_note(eng)}",
+          file=sys.stderr, flush=True)
+
+
+def host_cap_note(eng) -> str:
+    """What the host KV figure is: a ceiling the store fills page by page, and what set it (users
+    read "19.4 GiB" on a shared machine as memory taken at start-up)."""
+    kind = "The R-workers'" if eng.layout is not None else "The host store's"
+    if eng.args.rworker_mem:
+        cap = f"--rworker-mem, {gib(eng.args.rworker_mem)} a store"
+    else:
+        share = ", shared among the KV holders of a node" if eng.layout is not None else ""
+        cap = f"the memory available at start-up less a reserve (10%, at least 1 GiB){share} (--rworker-mem sets it)"
+    return f"{kind} figure is a cap, not an allocation: pages are taken as sequences grow, up to {cap}"
 
 
 def place_by_tier_speeds(eng) -> int | None:

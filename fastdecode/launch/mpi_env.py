@@ -59,6 +59,8 @@ def world(init_timeout: float | None = None):
         from fastdecode.launch.info import loaded_libmpi
         mixed_mpi_exit(mixed_mpi_message(1, MPI.Get_library_version(), origin=MPI.__file__,
                                          lib_path=loaded_libmpi()))
+    from rworker.host.notice_link import tell_supervisor_mpi_up
+    tell_supervisor_mpi_up()              # a death from here on is one the launcher acts on
     return comm
 
 

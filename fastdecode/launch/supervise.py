@@ -7,6 +7,10 @@ MPI and no torch): the supervisor forwards signals to the child, and if the chil
 abnormally it prints which rank died and how, then exits with the child's code so the launcher
 ends the job.
 
+A child that dies before MPI is up on every rank (it says so on a pipe once it is) leaves the
+others waiting in MPI_Init, which no launcher ends at once: its supervisor joins MPI in its place
+and aborts the job (start_abort.py).
+
 Signals that arrive before the child has installed its own handlers are held (the child starts
 with them blocked) and delivered then, so a stop during start-up is a stop, not a kill.
 If the supervisor itself dies (SIGKILL: it forwards every other stop signal), the child ends too,
@@ -84,6 +88,9 @@ def run_supervised(argv: list[str], summary_path: str | None = None) -> int:
     code = child.wait()                   # retried after each forwarded signal (PEP 475)
     if code not in CLEAN_EXITS:
         report_end(rank, child.pid, code, link.address() if rank > 0 else None, summary_path, started, launcher)
+        if not link.saw_mpi_up():         # the other ranks wait in MPI_Init, where no launcher ends them
+            from fastdecode.launch.start_abort import end_ranks_waiting_in_mpi_init
+            end_ranks_waiting_in_mpi_init(1)
     link.bye()
     return 128 - code if code < 0 else code
 

@@ -7,7 +7,7 @@ notices' rule, rworker/host/notice_link.py); the store itself listens on every i
 0's node, as torch's does. Collectives wait with a deadline (gloo's `wait(timeout)`; NCCL's own
 watchdog at the group's timeout): rank 0 waits `timeout` for the others, the others three times
 as long for rank 0 (so rank 0, which sees them all, names a silent peer first, as with the
-R-workers). A collective that fails outright (a peer's connection closed: it died) waits a
+R-workers; which one is silent, the followers' heartbeats say: heartbeat.py). A collective that fails outright (a peer's connection closed: it died) waits a
 moment for the dead rank's supervisor to end the job naming it, before failing on its own.
 
 Shapes: n = rows, c = columns of one rank, H_l = heads of one rank, D = head_dim.
@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fastdecode.tp import heartbeat
 from rworker.host.end_notice import listen_hosts, whereabouts
 from rworker.host.wait import PeerTimeout
 
@@ -42,6 +43,7 @@ class TPGroup:
         base = float(timeout_s or DEFAULT_TIMEOUT_S)
         self.timeout_s = base if self.rank == 0 else 3 * base
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.broken = False                          # a collective failed: the group is not ended politely
 
     @property
     def leader(self) -> bool:
@@ -61,8 +63,12 @@ class TPGroup:
             host, port = comm.scatter(None, root=0)
             store = dist.TCPStore(host, port, g.size, is_master=False, timeout=pg_timeout)
         kwargs = {"device_id": device} if g.backend == "nccl" else {}
-        dist.init_process_group(g.backend, store=store, rank=g.rank, world_size=g.size, timeout=pg_timeout, **kwargs)
-        g._store = store
+        # the group's own timeout is this rank's wait: gloo's threads give up with it, so ending
+        # the group after a timeout (its destructor joins them) takes no longer than the wait did
+        dist.init_process_group(g.backend, store=store, rank=g.rank, world_size=g.size, timeout=g._timeout, **kwargs)
+        g._store, g.hosts = store, [w["host"] for w in where] if g.rank == 0 else []
+        if g.rank > 0:
+            heartbeat.start_beating(host, port, g.rank)
         return g
 
     # ------------------------------------------------------------------ waiting
@@ -77,13 +83,22 @@ class TPGroup:
             raise self._failure(e) from None
 
     def _failure(self, e: BaseException) -> BaseException:
+        self.broken = True
         text = " ".join(str(e).split())[:300]
         if "timed out" in text.lower() or "timeout" in text.lower():
-            who = (f"the tensor-parallel S-ranks 1..{self.size - 1}" if self.leader
-                   else "rank 0 (S-worker) or another tensor-parallel S-rank")
-            return PeerTimeout(f"no reply from {who} within {self.timeout_s:.0f} s")
+            who, why = (self._silent() if self.leader
+                        else ("rank 0 (S-worker) or another tensor-parallel S-rank", ""))
+            return PeerTimeout(f"no reply from {who} within {self.timeout_s:.0f} s{why}")
         time.sleep(LOST_PEER_GRACE_S)    # a dead rank's supervisor ends the job naming it meanwhile
         return PeerLost(f"a tensor-parallel collective failed (another S-rank is gone?): {text}")
+
+    def _silent(self) -> tuple[str, str]:
+        """Rank 0, after a timeout: (who, why): the S-ranks whose heartbeat stopped, else all of them."""
+        silent = heartbeat.silent_ranks(self._store, range(1, self.size))
+        if not silent:
+            return f"the tensor-parallel S-ranks 1..{self.size - 1}", ""
+        names = ", ".join(f"rank {r} (tensor-parallel S-rank on {self.hosts[r]})" for r in silent)
+        return names, ": its heartbeat stopped (stopped, hung or cut off); the other S-ranks wait on it"
 
     # ------------------------------------------------------------------ collectives
 
@@ -127,5 +142,5 @@ class TPGroup:
         return int(self.comm.allreduce(int(value), op=MPI.MIN))
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.broken:   # a broken group's threads may still wait on a peer
             dist.destroy_process_group()

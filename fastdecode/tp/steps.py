@@ -52,9 +52,17 @@ def start_message() -> dict:
 
 def send_all(comm, followers: range, message: dict, policy: str = "adaptive", timeout: float | None = None) -> None:
     """Rank 0: `message` to every follower, waiting (politely, at most `timeout`) until each has it."""
-    from rworker.host.wait import wait_all
+    from rworker.host.wait import PeerTimeout, wait_all
     requests = [comm.isend(message, dest=r, tag=TAG_STEP) for r in followers]
-    wait_all(requests, policy, timeout, who=f"the tensor-parallel S-ranks {followers.start}..{followers.stop - 1}")
+    try:
+        wait_all(requests, policy, timeout, who=f"the tensor-parallel S-ranks {followers.start}..{followers.stop - 1}")
+    except PeerTimeout:
+        silent = [r for r, req in zip(followers, requests) if not req.Test()]     # the ones that took nothing
+        if not silent:
+            raise
+        names = ", ".join(f"rank {r} (tensor-parallel S-rank)" for r in silent)
+        raise PeerTimeout(f"no reply from {names} within {timeout:.0f} s: it did not take rank 0's step "
+                          f"message") from None
 
 
 def receive(comm, policy: str = "adaptive", timeout: float | None = None) -> dict:

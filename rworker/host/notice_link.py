@@ -105,6 +105,18 @@ def send(address: dict, notice: dict) -> bool:
 # ---------------------------------------------------------------------------- child -> supervisor
 
 SUPERVISOR_FD = "FASTDECODE_SUPERVISOR_FD"     # in a supervised child: the pipe to its supervisor
+MPI_UP = b"mpi-up\n"       # the child's line once every rank is past MPI's start-up (before the address)
+
+
+def tell_supervisor_mpi_up() -> None:
+    """In a supervised child: MPI is up on every rank. From here a rank that dies is one the launcher
+    sees die (it ends the job); before, only the supervisor can end the ranks waiting in MPI_Init."""
+    fd = int(os.environ.get(SUPERVISOR_FD) or -1)
+    if fd >= 0:
+        try:
+            os.write(fd, MPI_UP)
+        except OSError:
+            pass
 
 
 def tell_supervisor(address: dict) -> None:
@@ -128,6 +140,7 @@ class SupervisorLink:
         self.conn: socket.socket | None = None
         self._address: dict | None = None
         self._read, self._linked = threading.Event(), threading.Event()
+        self.mpi_up = threading.Event()          # the child said MPI is up on every rank
         threading.Thread(target=self._run, name="rank0-link", daemon=True).start()
 
     def _run(self) -> None:
@@ -138,6 +151,9 @@ class SupervisorLink:
                 if not chunk:
                     break
                 data += chunk
+                if data.startswith(MPI_UP):
+                    self.mpi_up.set()
+                    data = data[len(MPI_UP):]
         except OSError:
             pass
         finally:
@@ -161,6 +177,11 @@ class SupervisorLink:
         started still holds it: at most wait_s)."""
         self._read.wait(wait_s)
         return self._address
+
+    def saw_mpi_up(self, wait_s: float = 1.0) -> bool:
+        """Whether the child said MPI was up, asked once it has ended (as address())."""
+        self._read.wait(wait_s)
+        return self.mpi_up.is_set()
 
     def bye(self) -> None:
         """This supervisor ends normally (after whatever it reported): not a lost rank."""
