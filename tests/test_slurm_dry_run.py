@@ -74,7 +74,8 @@ def test_single_pretend_allocation(tmp_path):
         "fastdecode-rank fastdecode generate -m smollm2-135m -i in\\ put.jsonl -o results.jsonl --r-threads 8 "
         "--max-batch 4096")
     assert "exec numactl --cpunodebind=$numa --membind=$numa" in proc.stdout
-    assert not os.path.exists(hosts) and not os.listdir(tmp_path)      # nothing left behind, nothing submitted
+    # nothing left behind (the test's own wrapper and inputs only), nothing submitted
+    assert not os.path.exists(hosts) and set(os.listdir(tmp_path)) == {"fdbin", "requests.jsonl", "in put.jsonl"}
 
 
 def test_single_in_an_allocation_reads_it_from_scontrol(tmp_path):
