@@ -111,6 +111,9 @@ def as_pairs(rows: Sequence[tuple[int, ...]], limit: int | None = None) -> np.nd
 
 def _as_rows(rows: Sequence[tuple[int, ...]], limit: int | None = None) -> np.ndarray:
     """[n, c] int64, c = the rows' width (2 when there are none)."""
+    if isinstance(rows, np.ndarray):              # an array's head is a view (the simulator's queue)
+        arr = (rows if limit is None else rows[:limit]).astype(np.int64, copy=False)
+        return arr if arr.ndim == 2 else arr.reshape(-1, 2)
     rows = rows if limit is None else list(islice(rows, limit))
     arr = np.asarray(rows, dtype=np.int64)
     return arr if arr.ndim == 2 else arr.reshape(-1, 2)

@@ -49,6 +49,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from fastdecode.sched.placement import Placement
 
@@ -362,9 +364,8 @@ def follow_balance(admission, balance: StepBalance, waiting: list[tuple[int, int
     """The stabilized schedule's target batch from the balance point (the user's --target-batch or
     --max-batch an upper limit): it keeps the R-load level at the batch that pays, not at the
     batch memory holds. Other controllers are left alone (the balance gates their admissions)."""
-    if not hasattr(admission, "batch_limit") or not waiting:
+    if not hasattr(admission, "batch_limit") or not len(waiting):
         return
-    head = waiting[:64]
-    prompt = sum(p for p, _ in head) / len(head)
-    gen = sum(m for _, m in head) / len(head)
+    head = np.asarray(waiting[:64], dtype=np.float64).reshape(-1, 2)        # [<=64, 2] prompt, max_tokens
+    prompt, gen = (float(x) for x in head.mean(axis=0))
     admission.target_batch = balance.balance_batch(prompt, gen, min(admission.batch_limit, max_batch))

@@ -111,6 +111,7 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
     n = len(trace)
     order = np.lexsort((np.arange(n), trace.arrival_s))          # FIFO: by arrival, then trace order
     arrival = trace.arrival_s[order]
+    queued = np.stack([trace.prompt_len[order], trace.max_tokens[order]], axis=1)    # [n, 2] in queue order
     now, nxt, step = 0.0, 0, 0
     while (nxt < n or job.running) and step < cfg.max_steps:
         end = nxt + int(np.searchsorted(arrival[nxt:], now, side="right"))
@@ -118,7 +119,7 @@ def simulate(costs: Costs, trace: Trace, cfg: SimConfig) -> SimRun:
             now = float(arrival[nxt])                             # idle until the next request arrives
             continue
         step += 1
-        new, held_back = job.admit(order[nxt:end], step)
+        new, held_back = job.admit(order[nxt:end], queued[nxt:end], step)
         nxt += len(new)
         now = job.step(now, new, end - nxt)
         # nothing can start before a sequence ends (memory or the batch limit holds the queue, or
@@ -150,8 +151,9 @@ class _Job:
         self.rec = {k: [] for k in STEP_KEYS}
         self.r_busy, self.kv_held, self.gaps = [], [], []
 
-    def admit(self, queue: np.ndarray, step: int) -> tuple[list[int], bool]:
-        new, held_back = _admit(self.controller, self.placement, self.gate, self.seqs, self.trace, queue,
+    def admit(self, queue: np.ndarray, pairs: np.ndarray, step: int) -> tuple[list[int], bool]:
+        """queue [k]: the arrived requests not started, in order; pairs [k, 2]: their prompt and max_tokens."""
+        new, held_back = _admit(self.controller, self.placement, self.gate, self.seqs, self.trace, queue, pairs,
                                 self.running, self.cfg, step, self.capacity)
         self.admitted_step[new] = step
         return new, held_back
@@ -294,7 +296,7 @@ def controller_observe(controller, generated: int, stopped: bool) -> None:
 
 
 def _admit(controller, placement: Placement, balance: StepBalance | None, seqs: list, trace: Trace,
-           queue: np.ndarray, running: list[int], cfg: SimConfig, step: int,
+           queue: np.ndarray, pairs: np.ndarray, running: list[int], cfg: SimConfig, step: int,
            capacity: float) -> tuple[list[int], bool]:
     """Scheduler.schedule_prefill without chunked prefill: the controller's k, then the balance,
     placement and the prefill token budget (the first admitted always, the rest while they fit).
@@ -303,8 +305,7 @@ def _admit(controller, placement: Placement, balance: StepBalance | None, seqs: 
     if not queue.size:
         return [], False
     room = cfg.max_batch - len(running)
-    head = queue[:max(HEAD_WINDOW, cfg.max_batch)]
-    waiting = list(zip(trace.prompt_len[head].tolist(), trace.max_tokens[head].tolist()))
+    waiting = pairs[:max(HEAD_WINDOW, cfg.max_batch)]                  # [k, 2] a view: no copy per step
     run = [(seqs[i].kv_len, seqs[i].max_tokens - seqs[i].generated, seqs[i].generated) for i in running]
     if balance is not None:
         follow_balance(controller, balance, waiting, cfg.max_batch)
