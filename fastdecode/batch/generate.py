@@ -82,13 +82,16 @@ class BatchJob:
     """One run of `generate`: open (resume), run, close the engine, finish (rewrite, report)."""
 
     def __init__(self, input_path: str, output_path: str, overwrite: bool = False, index_dir: str | None = None,
-                 stop: StopRequest | None = None, limits: Limits = Limits(), model: str | None = None):
+                 stop: StopRequest | None = None, limits: Limits = Limits(), model: str | None = None,
+                 model_identity: dict | None = None):
         """model: the served model's name (the engine's, when it is made: then only a run can
-        find every line answered)."""
+        find every line answered); model_identity: what the rows and the in-flight save are bound
+        to (binding.job_model), a rerun with another model refused."""
         self.input_path, self.output_path = input_path, output_path
         self.limits, self.index_dir, self.model = limits, index_dir, model
+        self.model_identity = model_identity
         self.stop = stop
-        self.writer = OutputWriter(output_path, input_path, overwrite=overwrite)
+        self.writer = OutputWriter(output_path, input_path, overwrite=overwrite, model=model_identity)
         self.inflight_path = inflight_path(output_path)
         if overwrite:
             inflight.discard(self.inflight_path)
@@ -150,9 +153,13 @@ class BatchJob:
         return self.runner.errors if self.runner is not None else Counter()
 
     def identity(self, engine: LLMEngine) -> dict:
-        """What an in-flight save is for: this output, this input, this model."""
-        return {"output": real(self.output_path), "input": input_identity(self.input_path),
-                "model": engine.served.reported}
+        """What an in-flight save is for: this output, this input, this model (its name and, where
+        known, its content's digest)."""
+        out = {"output": real(self.output_path), "input": input_identity(self.input_path),
+               "model": engine.served.reported}
+        if self.model_identity is not None:
+            out["model_digest"] = self.model_identity["digest"]
+        return out
 
     def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None) -> bool:
         total = self.total_lines
@@ -282,7 +289,7 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
     with ExitStack() as stack:
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
                                            index_dir=args.index_dir, stop=stop, limits=limits_from(args),
-                                           model=served_name(args)))
+                                           model=served_name(args), model_identity=binding.job_model(args)))
         stack.callback(close_engine)
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output,
                              stats_json=args.stats_json)

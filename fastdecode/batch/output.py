@@ -61,11 +61,12 @@ def scan_lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 
 class OutputWriter:
-    """The output, opened for appending rows (and their records) for `input_path`; raises
-    binding.ForeignOutput if the output answers another input."""
+    """The output, opened for appending rows (and their records) for `input_path` with `model`
+    (its identity: model/identity.py); raises binding.ForeignOutput if the output answers another
+    input or was made with another model."""
 
-    def __init__(self, path: str, input_path: str, overwrite: bool = False):
-        binding.check(path, input_path, overwrite)
+    def __init__(self, path: str, input_path: str, overwrite: bool = False, model: dict | None = None):
+        binding.check(path, input_path, overwrite, model)
         self.path = path = os.path.realpath(path)          # write where a symlink points
         for left in leftover_temps(path):
             os.remove(left)
@@ -82,7 +83,7 @@ class OutputWriter:
         self.f = open(path, "ab")
         self.start_size = self.f.tell()      # rows before this offset are earlier runs'
         try:
-            self.record = binding.Recorder(path, input_path, fresh=self.start_size == 0)
+            self.record = binding.Recorder(path, input_path, fresh=self.start_size == 0, model=model)
         except BaseException:
             self.f.close()
             raise

@@ -114,7 +114,7 @@ def check_paths(args) -> None:
 def hold_outputs(args) -> None:
     """Rank 0, after check_paths: lock the output (its side files with it), and --summary-json and
     --stats-json where they lie elsewhere, for the job's life; then refuse an output made from
-    another input. Raises ValueError (lock.OutputBusy, binding.ForeignOutput)."""
+    another input or made with another model. Raises ValueError (lock.OutputBusy, binding.ForeignOutput)."""
     try:
         for path, what in lock_paths(args):
             lock.hold(path, what)
@@ -122,4 +122,8 @@ def hold_outputs(args) -> None:
         raise ValueError(str(e)) from None
     except OSError as e:
         raise ValueError(f"cannot take the lock of output {args.output}: {e}") from None
-    binding.check(args.output, args.input, args.overwrite)
+    try:
+        model = binding.job_model(args)
+    except OSError as e:
+        raise ValueError(f"model {args.model}: cannot be read: {e}") from None
+    binding.check(args.output, args.input, args.overwrite, model)
