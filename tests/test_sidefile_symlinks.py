@@ -85,7 +85,7 @@ def test_links_planted_while_the_job_runs_are_never_written_through(files):
     writer.close()
     for fixed in ("out.jsonl.inflight.tmp", "out.jsonl.rewrite.tmp", "out.jsonl.fingerprints.tmp"):
         (out.parent / fixed).symlink_to(victim)
-    state = RequestState(7, "digest", [SequenceState(0, [1, 2, 3])])
+    state = RequestState(7, "0" * 32, [SequenceState(0, [1, 2, 3])])
     assert inflight.save(str(out) + ".inflight", str(out), {"model": "m"}, {b"x" * 16: ("r0", [state])}) == (1, 3)
     rewrite(str(out), [(0, os.path.getsize(out))])
     binding.compact(str(out), iter([(b"d" * 16, b"k" * 16)]))
