@@ -46,6 +46,24 @@ def bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def kv_dtype_name(text: str) -> str:
+    """--kv-dtype (generate, profile, plan, simulate): auto or a dtype the KV store holds; fp8 is
+    refused with the one message naming int8 (kvformat.fp8_kv_refusal)."""
+    from rworker.protocol.kvformat import KV_DTYPES, fp8_kv_refusal
+    refused = fp8_kv_refusal(text)
+    if refused:
+        raise argparse.ArgumentTypeError(refused)
+    if text not in ("auto", *KV_DTYPES):
+        raise argparse.ArgumentTypeError(f"expected auto or one of {', '.join(KV_DTYPES)}, got {text!r}")
+    return text
+
+
+def kv_dtype_or_model(text: str) -> str | None:
+    """--kv-dtype of plan and simulate: generate's values; auto (None) is the model's (or profile's)."""
+    name = kv_dtype_name(text)
+    return None if name == "auto" else name
+
+
 def _size_or_auto(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else bytes_arg(text)
 
@@ -79,9 +97,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "bytes (vLLM's flag); GEMMs in fp8 on GPUs with fp8 (sm89+), elsewhere the weights "
                         "dequantize (once at load on a CPU, at each use on older GPUs). An fp8 checkpoint (compressed-tensors, fbgemm_fp8) is served "
                         "fp8 without it. Embeddings, norms and the LM head stay in --dtype")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8"],
+    p.add_argument("--kv-dtype", default="auto", type=kv_dtype_name, metavar="{auto,fp32,bf16,fp16,int8}",
                    help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16; int8: "
-                        "per-token scales, about half of bf16's bytes read per token: docs/tuning.md)")
+                        "per-token scales, about half of bf16's bytes read per token: docs/tuning.md; fp8 KV is "
+                        "not served)")
     p.add_argument("--attn-probs", default="fp32", choices=["fp32", "bf16"],
                    help="precision of the attention probabilities in the R-workers' PV product: bf16 (with bf16 KV) "
                         "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products where its "

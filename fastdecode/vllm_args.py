@@ -41,7 +41,11 @@ def _dtype(value) -> str:
 
 
 def _kv_cache_dtype(value) -> str:
+    from rworker.protocol.kvformat import fp8_kv_refusal
     names = {"auto": "auto", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    refused = fp8_kv_refusal(value)
+    if refused:
+        raise ValueError(f"kv_cache_dtype {value!r} is not supported by fastdecode: {refused}")
     if value not in names:
         raise ValueError(f"kv_cache_dtype {value!r} is not supported by fastdecode: it stores KV as "
                          f"{', '.join(names)} or kv_dtype='int8' (per-token scales, about fp8's bytes)")

@@ -10,7 +10,7 @@ import torch
 
 from fastdecode.model.config import ModelConfig
 from rworker.protocol.control import MAX_MINIBATCHES
-from rworker.protocol.kvformat import KV_DTYPES
+from rworker.protocol.kvformat import KV_DTYPES, fp8_kv_refusal
 
 
 @dataclass(slots=True)
@@ -119,6 +119,9 @@ def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype,
     kv = args.kv_dtype
     if kv == "auto":
         kv = "fp32" if dtype == torch.float32 else "bf16"
+    refused = fp8_kv_refusal(kv)
+    if refused:
+        raise ValueError(refused)
     if kv not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {args.kv_dtype!r}")
     if args.attn_probs not in ("fp32", "bf16"):

@@ -14,7 +14,8 @@ import argparse
 import json
 import sys
 
-from fastdecode.sizing.plan import KV_DTYPES, PlanError, add_hardware_options, build_profile, check_hardware
+from fastdecode.engine_options import kv_dtype_or_model
+from fastdecode.sizing.plan import PlanError, add_hardware_options, build_profile, check_hardware
 
 
 def _nonneg_int(text: str) -> int:
@@ -32,7 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="simulate a job: tokens/s, latency, utilisation from a profile",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_hardware_options(p)
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype (default: the profile's, or the model's)")
+    p.add_argument("--kv-dtype", type=kv_dtype_or_model, metavar="{auto,fp32,bf16,fp16,int8}",
+                   help="KV-cache dtype, as generate's --kv-dtype (default auto: the profile's, or the model's)")
     wl = p.add_argument_group("requests (a trace file, or distributions)")
     wl.add_argument("--trace", help="JSONL or JSON of requests: prompt_len, output_len, optional max_tokens "
                                     "and arrival_s (docs/simulate.md); replaces the flags below")

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from fastdecode.engine_options import kv_dtype_or_model
 from fastdecode.model.hf_cache import looks_like_repo_id
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
 from fastdecode.sizing import plan_text as text
@@ -44,7 +45,6 @@ from fastdecode.sizing.tensor_parallel import (
 )
 from rworker.protocol.kvformat import kv_elem_bytes
 
-KV_DTYPES = ["bf16", "fp16", "fp32", "fp8", "int8"]
 AUTO_DEPTH = "auto"         # --pipeline-depth: the better of 1 and 2 at each batch
 ENGINE_DEPTH = 2            # generate's default --pipeline-depth: where the knee is counted under auto
 
@@ -84,7 +84,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           "once; whole pages of 32 (default: %(default)s)")
     tgt.add_argument("--prefix-group", type=int, default=None, metavar="N",
                      help="sequences sharing one copy of the prefix, 1 = no sharing (default: the whole batch)")
-    tgt.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache dtype (default: the model's dtype)")
+    tgt.add_argument("--kv-dtype", type=kv_dtype_or_model, metavar="{auto,fp32,bf16,fp16,int8}",
+                     help="KV-cache dtype, as generate's --kv-dtype (default auto: the model's dtype)")
     tgt.add_argument("--kv-reserve", choices=KV_RESERVE, default="full",
                      help="how the run reserves KV (generate's --kv-reserve): full holds each sequence's "
                           "prompt + S from admission on, grow only what it has filled, about half "

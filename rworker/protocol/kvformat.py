@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import numpy as np
 
-# bytes per element, by every name a user or a config.json gives a dtype (fp8: stated hardware
-# in `fastdecode plan`; the store holds only KV_DTYPES)
+# bytes per element, by every name a user or a config.json gives a dtype (fp8: a model's weights;
+# the store holds only KV_DTYPES, and fp8 KV is refused everywhere: fp8_kv_refusal)
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "fp8": 1, "int8": 1}
 
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8")            # what an R-worker's store holds
 KV_CODES = {name: code for code, name in enumerate(KV_DTYPES)}     # in HELLO: fp32 0, bf16 1, fp16 2, int8 3
+FP8_KV_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")           # vLLM's kv_cache_dtype names for fp8 KV
+
+
+def fp8_kv_refusal(name: str) -> str | None:
+    """The one message refusing fp8 KV (generate, plan, simulate and the Python API give it alike:
+    no store or tier holds fp8, so no sizing may promise it); None for any other name."""
+    if str(name).lower() not in FP8_KV_NAMES:
+        return None
+    return (f"KV dtype {name!r}: fp8 KV is not served by fastdecode (the R-workers and the S-worker's tier hold "
+            f"{', '.join(KV_DTYPES)}); int8 KV (--kv-dtype int8, kv_dtype='int8': per-token scales) halves bf16's "
+            f"KV bytes, as fp8 would")
 
 # int8 KV keeps an fp32 scale per (token, kv head) for K and one for V (csrc/avx512/quant.h)
 SCALE_BYTES = {"int8": 4}
