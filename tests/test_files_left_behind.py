@@ -88,4 +88,5 @@ def test_the_dry_run_hosts_file_is_not_a_fixed_name(tmp_path):
                    for h in hosts), proc.stdout
         assert hosts or script == HETJOB           # the hetjob's layout is srun's: it names no hosts file
         planted.unlink()
-        assert sorted(os.listdir(tmp_path)) == ["victim.txt"]              # nothing left behind
+        # nothing left behind: the victim, and the dry run's own wrapper and default input
+        assert sorted(os.listdir(tmp_path)) == ["fdbin", "requests.jsonl", "victim.txt"]
