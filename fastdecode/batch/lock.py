@@ -100,3 +100,20 @@ def release_all() -> None:
 
 
 atexit.register(release_all)
+
+
+def remove_if_unheld(path: str, remove, flags: int = os.O_RDONLY) -> bool:
+    """remove(path) unless a running job holds `path` locked (flock; the scratch files and
+    directories a killed job left behind are not held); -> whether it was removed."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        remove(path)
+        return True
+    except OSError:
+        return False                     # held by a running job, or already gone
+    finally:
+        os.close(fd)

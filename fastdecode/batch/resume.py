@@ -37,6 +37,7 @@ import pydantic_core
 
 from fastdecode.batch import binding
 from fastdecode.batch.fingerprint import DUPLICATE, NO_ID, PRIMARY, line_key, row_digest
+from fastdecode.batch.lock import remove_if_unheld
 from fastdecode.batch.output import scan_lines
 
 DETERMINISTIC_CODES = frozenset({"invalid_request", "invalid_url", "invalid_prompt", "context_length_exceeded",
@@ -93,21 +94,9 @@ def reclaim_scratch(directory: str, now: float | None = None) -> int:
         try:
             if now - os.path.getmtime(path) < STALE_S:
                 continue                      # just made: its job may not hold it yet
-            fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)                      # held by a running job
-            continue
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        removed += remove_if_unheld(path, os.unlink)
     return removed
 
 

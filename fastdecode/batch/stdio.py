@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from fastdecode.batch.lock import remove_if_unheld
+
 STDIN_NAMES = ("-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0")
 STDOUT_NAMES = ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
 _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -130,23 +132,11 @@ def reclaim_scratch(parent: str, now: float | None = None) -> int:
     for path in glob.glob(os.path.join(glob.escape(parent), SCRATCH_PREFIX + "*")):
         try:
             st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or now - st.st_mtime < STALE_S:
-                continue                       # not ours, or just made: its job may not hold it yet
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)                       # held by a running job
-            continue
-        try:
-            shutil.rmtree(path)
-            removed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        if not stat.S_ISDIR(st.st_mode) or now - st.st_mtime < STALE_S:
+            continue                           # not ours, or just made: its job may not hold it yet
+        removed += remove_if_unheld(path, shutil.rmtree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     return removed
 
 
