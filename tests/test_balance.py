@@ -221,3 +221,71 @@ def test_lumpy_r_workers_take_a_whole_round_that_pays():
     assert k == 4 and 9 * before > 5 * t_round          # the round: tokens/s rises
     assert b.admits(nxt) and b.refused == 0
     assert b.balance_batch(100, 100, 4096) >= 9
+
+
+def test_depth_one_learns_the_trip_where_the_s_worker_waited():
+    """Depth 1: T = s + max(tier, trip + R); a step the S-worker waited in teaches the trip as
+    T - s - R, as a deeper pipeline's does (it stayed 0 at depth 1 before, so the rule saw the
+    R-workers' rows as free behind the tier's attention)."""
+    b = toy(r_speeds=(1e5,), tier_speed=1e6, depth=1)
+    for i in range(4):
+        b.placement.place(seq(i), 0)
+    for _ in range(40):      # S-side 20 ms, the R-worker busy 4 ms, the S-worker waited 6 ms: a 2 ms trip
+        b.observe(4, 0.02, [400.0, 0.0], [0.003, 0.0], [0.004, 0.0], r_wait_s=0.006)
+    assert b.trip(4) == pytest.approx(0.002, rel=1e-3)
+
+
+def test_a_trip_known_at_start_up_keeps_rows_off_a_slow_link():
+    """The start-up trip is the rule's prior: with a 5 ms trip per step and a tier that attends in
+    1 ms, a sequence goes to the tier while it has room, and none to the R-worker before any
+    step has run; with no trip known the same sequences are spread by speed."""
+    def run(trip):
+        b = toy(r_speeds=(1e6,), tier_speed=1e6, depth=1)
+        b = StepBalance(b.placement, 1, b.tier, trip=trip).attach()
+        for rows in (1, 1000):
+            b.s_curve.observe(rows, 0.01)
+        fill(b, 20)
+        return b.placement.resident
+    assert run((0.005, 0.0)) == [0, 20]
+    assert run(None)[0] > 0
+
+
+def test_the_simulators_trip_prior_is_the_stated_link():
+    """Costs.trip: every layer's latency both ways and the hop, and each row's bytes over the link
+    and the device copies, from the profile's stated figures."""
+    import argparse
+
+    from fastdecode.sim.cli import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    prof = build_profile(parser.parse_args("simulate --model llama-3-8b --gpu-profile h100 --cpu-bw 350 "
+                                           "--link-bw 25 --link-latency 3".split()))
+    c = costs_of(prof, 2, 64)
+    m, link = prof.model, prof.link
+    out, back = m.to_rworker_bytes_per_token(), m.from_rworker_bytes_per_token()
+    copies = (out / link.device_d2h_Bps if link.device_d2h_Bps else 0.0) + \
+        (back / link.device_h2d_Bps if link.device_h2d_Bps else 0.0)
+    fixed, per_row = c.trip()
+    assert fixed == pytest.approx(m.num_layers * (2 * 3e-6 + link.hop_s))
+    assert per_row == pytest.approx(m.num_layers * ((out + back) / 25e9 + copies))
+
+
+def test_four_tensor_parallel_cards_with_sockets_never_fall_behind_the_cards_alone():
+    """Llama-3-70B in fp8 over four H100s at depth 1 (the depth plan picks there): before the trip
+    was learnt at depth 1, 4 sockets ran at 0.93x the cards alone."""
+    import argparse
+
+    from fastdecode.sim.cli import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    prof = build_profile(parser.parse_args("simulate --model llama-3-70b --gpu-profile h100 --cpu-bw 350 "
+                                           "--cpu-eff 0.75 --link-bw 25 --link-latency 3 -tp 4 -q fp8".split()))
+    trace = synthetic_trace(1500, "lognormal:1024:0.5", "uniform:128:1024", 1024, None, 1)
+
+    def tokens_per_s(sockets):
+        cfg = SimConfig(rworkers=sockets, depth=1, schedule="stabilized", max_batch=236, max_prefill_tokens=32768,
+                        span_steps=True)
+        run = simulate(costs_of(prof, sockets, cfg.max_batch), trace, cfg)
+        return float(run.steps["tokens"].sum() / run.steps["t_s"][-1])
+    card = tokens_per_s(0)
+    assert tokens_per_s(4) >= 0.98 * card

@@ -87,7 +87,8 @@ class LLMEngine:
         calls = self.config.num_layers * args.pipeline_depth          # kernel calls per worker and step
         self.balance = StepBalance(self.placement, args.pipeline_depth, self.tier_index,
                                    fixed_s=[w.attend_call_s * calls for w in self.backend.workers],
-                                   speeds_known=self.tier_index is not None)     # measured with a tier only
+                                   speeds_known=self.tier_index is not None,     # measured with a tier only
+                                   trip=rpart_setup.trip_prior(self))
         gated = args.balance and self.tier_index is not None      # two places to weigh (sched/balance.py)
         if gated:
             self.balance.attach()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import torch
 
 from fastdecode.engine.kv_tiers import (
     TierChoice,
@@ -153,6 +154,22 @@ def place_by_tier_speeds(eng) -> int | None:
     # the S-part, it takes only what the R-workers have no room for
     eng.placement.overflow_only[t] = eng.tier.kind == "local"
     return t
+
+
+def trip_prior(eng) -> tuple[float, float] | None:
+    """The link's trip for the balance rule to start from (sched/balance.py; its decode steps then
+    correct it): one echo of a small and of a large message to every R-worker at once, as (seconds
+    fixed, seconds per R-row) there and back over every layer. None without a tier beside R-workers
+    (the rule weighs nothing then)."""
+    if eng.tier_index is None or eng.backend.num_workers < 2:
+        return None
+    c, act = eng.config, torch.finfo(eng.dtype).bits // 8
+    out_row, back_row = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * act, c.num_heads * c.head_dim * act
+    small, large = 64, 256 * out_row                       # a message's fixed cost; 256 rows' Q, K, V
+    t_small, t_large = eng.backend.ping_all([small, large], repeats=5)
+    per_byte = max((t_large - t_small) / (large - small), 0.0)
+    fixed = max(t_small - per_byte * small, 0.0)
+    return c.num_layers * 2 * fixed, c.num_layers * per_byte * (out_row + back_row)
 
 
 def log_roster(eng) -> None:

@@ -106,10 +106,13 @@ class BatchCurve:
 
 class StepBalance:
     def __init__(self, placement: Placement, depth: int, tier: int | None = None,
-                 fixed_s: list[float] | None = None, speeds_known: bool = True):
+                 fixed_s: list[float] | None = None, speeds_known: bool = True,
+                 trip: tuple[float, float] | None = None):
         """fixed_s [W]: each worker's kernel seconds per step whatever it holds (its calls' fixed
         cost, measured at start-up); speeds_known: placement's speeds were measured (else its
-        first decode step sets them)."""
+        first decode step sets them); trip: the link's (seconds fixed, seconds per R-row) of a
+        mini-batch's trip, all layers, as measured at start-up (the prior its steps then correct;
+        None: 0, learnt from the first steps with R-rows)."""
         n = len(placement.capacity_tokens)
         self.placement = placement
         self.depth = max(int(depth), 1)
@@ -118,7 +121,7 @@ class StepBalance:
         self.fixed = list(fixed_s) if fixed_s is not None else [0.0] * n
         self.known = [speeds_known] * n
         self.overhead = [0.0] * n                         # seconds per step an R-worker spends besides its kernel
-        self.link = [0.0, 0.0]                            # the trip per step: seconds fixed, seconds per R-row
+        self.link = [float(x) for x in trip] if trip else [0.0, 0.0]   # the trip: seconds fixed, per R-row
         self._trips = None                                # EMAs of rows, seconds, rows^2, rows x seconds
         self.refused = 0                                  # sequences held back by the rule (the report's)
         self.last: dict = {}                              # the latest step as measured (describe())
@@ -327,7 +330,7 @@ class StepBalance:
             r_att = max(r_att, busy)
             single = max(single, busy / max(p.resident[w], 1))
         step = s_side_s + r_wait_s
-        if r_rows and self.depth > 1:       # T = s / d + trip + P where the S-worker waited, T >= that where not
+        if r_rows:               # T = s / d + trip + P where the S-worker waited, T >= that where not (any depth)
             rows_mb = max(r_rows / self.depth, 1)
             trip = max(step - s_part / self.depth - self._piece(r_att, single), 0.0)
             if r_wait_s > WAITED * step or self.trip(rows_mb) > trip:

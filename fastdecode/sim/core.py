@@ -274,7 +274,8 @@ def _balance(placement: Placement, costs: Costs, cfg: SimConfig) -> tuple[StepBa
     placement's step model where a tier sits beside the R-workers (else None)."""
     tier = costs.tier
     balance = StepBalance(placement, cfg.depth, tier if tier >= 0 else None,
-                          fixed_s=(costs.r_call_s * costs.layers * cfg.depth).tolist(), speeds_known=tier >= 0)
+                          fixed_s=(costs.r_call_s * costs.layers * cfg.depth).tolist(), speeds_known=tier >= 0,
+                          trip=costs.trip() if tier >= 0 and cfg.rworkers else None)
     return balance, (balance.attach() if cfg.balance and tier >= 0 else None)
 
 

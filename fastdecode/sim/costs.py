@@ -62,6 +62,15 @@ class Costs:
         compute, link = chunk * m.num_layers / best, kv / self.link[1]
         return max(compute, link) + min(compute, link) / m.num_layers
 
+    def trip(self) -> tuple[float, float]:
+        """(seconds fixed, seconds per row) of a mini-batch's R-rows there and back over every layer,
+        from the stated link (what the engine's start-up echo measures: engine/rpart_setup.py
+        trip_prior), the device copies included."""
+        lat, bw, d2h, h2d, hop = (float(x) for x in self.link[:5])
+        per_row = (self.out_bytes_row + self.back_bytes_row) / bw + (self.out_bytes_row / d2h if d2h > 0 else 0.0) \
+            + (self.back_bytes_row / h2d if h2d > 0 else 0.0)
+        return self.layers * (2 * lat + hop), self.layers * per_row
+
     def workers(self) -> list:
         """What placement reads of each worker (fastdecode/sched/placement.py): the R-workers, then
         the S-worker's own tier."""
