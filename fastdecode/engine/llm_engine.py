@@ -298,7 +298,7 @@ class LLMEngine:
         self.step_no += 1
         try:
             faults.check(0, "step")
-            if self.scheduler.max_num_batched_tokens is not None:
+            if self.scheduler.step_budget() is not None:       # chunked prefill, or recompute beside decode
                 return self._mixed_step()
             return self._step()
         except (torch.OutOfMemoryError, MemoryError) as e:

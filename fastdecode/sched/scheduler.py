@@ -12,6 +12,11 @@ waits for a whole long prompt. A request asking for prompt_logprobs is prefilled
 Under `--kv-reserve grow`, `make_room` preempts the youngest sequences of a worker that has no
 page left for an older one's next token; they go back to the head of the queue with what they
 generated and are prefilled again (prompt + output) when re-admitted.
+Recomputing a sequence (preempted, or continued from a stop's save: it has output already) never
+holds decode up: without a token budget such sequences are re-prefilled in chunks of
+max_prefill_tokens / RECOMPUTE_SHARE beside the running sequences' decode rows, as chunked prefill
+is, and they wait ahead of fresh prompts, the fewest tokens to recompute first, so the batch
+refills with interrupted work soonest and decodes while the rest is recomputed.
 With a prefix cache (engine/prefix_cache.py) a sequence whose prompt starts with whole pages another
 holds on an R-worker is placed there and prefills only the rest; admission counts it so.
 With a balance (sched/balance.py) a sequence starts only while it raises tokens/s: the head of the
@@ -32,6 +37,13 @@ from fastdecode.sched.placement import Placement
 
 if TYPE_CHECKING:
     from fastdecode.engine.prefix_cache import PrefixCache
+
+RECOMPUTE_SHARE = 4     # a step re-prefills at most max_prefill_tokens / this of recomputed sequences
+
+
+def recomputed(seq: Sequence) -> bool:
+    """Whether seq's prefill recomputes K/V of its own output (preempted, or continued from a save)."""
+    return bool(seq.output_ids)
 
 
 def splittable(seq: Sequence) -> bool:
@@ -57,7 +69,10 @@ class Scheduler:
         self.preempted_on: Counter[int] = Counter()      # worker -> preemptions there
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if recomputed(seq):
+            self.waiting.insert(self._recompute_slot(seq), seq)
+        else:
+            self.waiting.append(seq)
         if self.prefix is not None:
             self.prefix.queued(seq)
 
@@ -76,16 +91,38 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.released(seq)
 
+    def _recompute_slot(self, seq: Sequence) -> int:
+        """Where a recomputed sequence joins the queue: among the recomputed ones at its head, after
+        those with no more to recompute than it, before every fresh prompt."""
+        if not self.waiting or recomputed(self.waiting[-1]) and self.waiting[-1].kv_len <= seq.kv_len:
+            return len(self.waiting)
+        for i, other in enumerate(self.waiting):
+            if not recomputed(other) or other.kv_len > seq.kv_len:
+                return i
+        return len(self.waiting)
+
+    def step_budget(self) -> int | None:
+        """This step's rows (decode + prompt chunks): --max-num-batched-tokens; else, while a
+        recomputed sequence waits at the head or is part prefilled, the decode rows and a chunk
+        of max_prefill_tokens / RECOMPUTE_SHARE; else None (whole prompts, prefill first)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if (self.waiting and recomputed(self.waiting[0])) or \
+                any(s.status is Status.PREFILLING for s in self.running):
+            decoding = sum(1 for s in self.running if s.status is Status.RUNNING)
+            return decoding + max(1, self.max_prefill_tokens // RECOMPUTE_SHARE)
+        return None
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule_prefill(self, step: int) -> list[Sequence]:
         """Sequences to prefill now, each up to its `prefill_to`; they are placed and counted as
         running from here on (PREFILLING while chunks of their prompt remain)."""
-        budget = None
+        budget = self.step_budget()
         chosen = []
-        if self.max_num_batched_tokens is not None:
-            budget = self.max_num_batched_tokens - sum(1 for s in self.running if s.status is Status.RUNNING)
+        if budget is not None:
+            budget -= sum(1 for s in self.running if s.status is Status.RUNNING)
             for seq in self.running:                 # prefills in progress go on first, oldest first
                 if seq.status is Status.PREFILLING and budget > 0:
                     budget -= self._chunk(seq, budget)

@@ -1,0 +1,144 @@
+"""What a resume costs: a job stopped at half its decode steps and rerun, against the same job
+uninterrupted, measured in the same process on the same engine (no model load counted in either).
+
+Workload: N requests (default 64) of 128 tokens each (seeded sampling, EOS ignored, short prompts),
+`fastdecode generate` in local mode. Runs, in order: a warm-up job, the uninterrupted job, the job
+stopped (as SIGUSR1 would) after half the uninterrupted job's engine steps, then the rerun that
+continues the saved sequences. Reported: each run's wall time, the rerun's as a ratio to the
+uninterrupted job's, its re-prefilled (recomputed) tokens and the steps in which it re-prefilled
+beside decode, and whether the rerun's text equals the uninterrupted job's.
+
+    python3 bench/e2e/resume_bench.py [--label NAME] [--requests 64] [--tokens 128]
+
+Writes bench/e2e/results/resume_<label>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO)
+
+
+class StepStop:
+    """A stop request that turns true after `at` engine steps of the run it is attached to."""
+
+    def __init__(self, at: int | None):
+        self.at, self.engine, self.first = at, None, 0
+        self.name = "SIGUSR1"
+
+    def attach(self, engine) -> None:
+        self.engine, self.first = engine, engine.step_no
+
+    @property
+    def requested(self) -> bool:
+        return self.at is not None and self.engine is not None and self.engine.step_no - self.first >= self.at
+
+    def watch(self, on_first) -> None:
+        pass
+
+
+class Lent:
+    """The engine lent to one run: its close() leaves it open for the next."""
+
+    def __init__(self, engine):
+        self.__dict__["_engine"] = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        pass
+
+
+def run(engine, argv: list[str], stop_at: int | None = None) -> dict:
+    from fastdecode.batch.generate import run_generate
+    from fastdecode.cli import build_parser
+    args = build_parser().parse_args(["generate", "--quiet"] + argv)
+    stop = StepStop(stop_at)
+    prefill_steps = {"alone": 0, "beside_decode": 0}
+    recomputed, steps, t = engine.num_recomputed_tokens, engine.step_no, time.perf_counter()
+
+    def lend():
+        stop.attach(engine)
+        return Lent(engine)
+    original_step = engine._mixed_step
+
+    def counted_step():          # which steps re-prefill, and whether decode runs in them
+        busy = [s for s in engine.scheduler.running if s.status.name == "RUNNING"]
+        recomputing = engine.scheduler.step_budget() is not None
+        out = original_step()
+        if recomputing:
+            prefill_steps["beside_decode" if busy else "alone"] += 1
+        return out
+    engine._mixed_step = counted_step
+    try:
+        _, rep, code = run_generate(lend, args, stop)
+    finally:
+        del engine._mixed_step
+    wall = time.perf_counter() - t
+    while engine.has_unfinished():              # what a stopped run left: a new process would not hold it
+        engine.step()
+    return {"exit": code, "wall_s": round(wall, 2), "steps": engine.step_no - steps,
+            "recomputed_tokens": engine.num_recomputed_tokens - recomputed,
+            "saved_in_flight_tokens": rep["this_run"].get("saved_in_flight_tokens"),
+            "continued_tokens": rep["this_run"].get("continued_tokens"), "recompute_steps": prefill_steps}
+
+
+def texts(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line)["response"]["body"]["choices"] for line in f]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", default=platform.node())
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    opts = ap.parse_args()
+    from fastdecode import LLM
+    engine = LLM("smollm2-135m", device="cpu", dtype="float32", kv_dtype="fp32", quiet=True).engine
+    tmp = tempfile.mkdtemp(prefix="resume-bench-")
+    inp = os.path.join(tmp, "in.jsonl")
+    with open(inp, "w") as f:
+        for i in range(opts.requests):
+            body = {"prompt": f"Story {i}: once upon a time in a land " + "far " * (i % 7),
+                    "max_tokens": opts.tokens, "temperature": 0.8, "seed": i, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                "body": body}) + "\n")
+    out = {name: os.path.join(tmp, f"{name}.jsonl") for name in ("warm", "full", "resumed")}
+    run(engine, ["-i", inp, "-o", out["warm"]])
+    full = run(engine, ["-i", inp, "-o", out["full"]])
+    stopped = run(engine, ["-i", inp, "-o", out["resumed"]], stop_at=full["steps"] // 2)
+    rerun = run(engine, ["-i", inp, "-o", out["resumed"]])
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
+    result = {
+        "label": opts.label, "cpu": model, "cores": os.cpu_count(), "load_avg_at_end": os.getloadavg()[0],
+        "model": "smollm2-135m (float32 S-part, fp32 KV, local mode)", "requests": opts.requests,
+        "tokens": opts.tokens, "date": time.strftime("%Y-%m-%d"),
+        "commit": subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+        "uninterrupted": full, "stopped": {k: stopped[k] for k in ("exit", "steps", "saved_in_flight_tokens")},
+        "rerun": rerun, "rerun_over_uninterrupted": round(rerun["wall_s"] / full["wall_s"], 3),
+        "saved_share_of_output": round(stopped["saved_in_flight_tokens"] / (opts.requests * opts.tokens), 3),
+        "same_text_as_uninterrupted": texts(out["resumed"]) == texts(out["full"]),
+    }
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    path = os.path.join(HERE, "results", f"resume_{opts.label}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
