@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true",
                    help="start over: empty an existing output file (default: resume, skipping the lines it "
                         "already answers)")
+    g.add_argument("--save-kv-on-stop", choices=["auto", "never", "always"], default="auto",
+                   help="on a stop, also save the running sequences' KV-cache beside the output (OUTPUT.inflight.kv) "
+                        "so the rerun reloads it instead of recomputing it: auto where it takes at most half the "
+                        "free space there (default), always where it fits, never")
     g.add_argument("--summary-json", default=None,
                    help="run report: throughput, token latency, R-worker load, errors by code, runs "
                         "(default: OUTPUT.summary.json)")

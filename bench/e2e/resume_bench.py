@@ -2,11 +2,13 @@
 uninterrupted, measured in the same process on the same engine (no model load counted in either).
 
 Workload: N requests (default 64) of 128 tokens each (seeded sampling, EOS ignored, short prompts),
-`fastdecode generate` in local mode. Runs, in order: a warm-up job, the uninterrupted job, the job
-stopped (as SIGUSR1 would) after half the uninterrupted job's engine steps, then the rerun that
-continues the saved sequences. Reported: each run's wall time, the rerun's as a ratio to the
-uninterrupted job's, its re-prefilled (recomputed) tokens and the steps in which it re-prefilled
-beside decode, and whether the rerun's text equals the uninterrupted job's.
+`fastdecode generate` in local mode. Runs, in order: a warm-up job, the uninterrupted job, then
+twice the job stopped (as SIGUSR1 would) after half the uninterrupted job's engine steps and the
+rerun that continues the saved sequences: once with the stop saving their KV (the default,
+`--save-kv-on-stop auto`: the rerun reloads it) and once without (`never`: the rerun recomputes
+it). Reported: each run's wall time, each rerun's as a ratio to the uninterrupted job's (the
+target: <= 0.6 with the KV saved), its reloaded and re-prefilled (recomputed) tokens and the steps
+in which it re-prefilled beside decode, and whether its text equals the uninterrupted job's.
 
     python3 bench/e2e/resume_bench.py [--label NAME] [--requests 64] [--tokens 128]
 
@@ -90,6 +92,8 @@ def run(engine, argv: list[str], stop_at: int | None = None) -> dict:
     return {"exit": code, "wall_s": round(wall, 2), "steps": engine.step_no - steps,
             "recomputed_tokens": engine.num_recomputed_tokens - recomputed,
             "saved_in_flight_tokens": rep["this_run"].get("saved_in_flight_tokens"),
+            "saved_kv_bytes": rep["this_run"].get("saved_kv_bytes"),
+            "reloaded_tokens": rep["this_run"].get("reloaded_tokens"),
             "continued_tokens": rep["this_run"].get("continued_tokens"), "recompute_steps": prefill_steps}
 
 
@@ -114,11 +118,18 @@ def main() -> None:
                     "max_tokens": opts.tokens, "temperature": 0.8, "seed": i, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                                 "body": body}) + "\n")
-    out = {name: os.path.join(tmp, f"{name}.jsonl") for name in ("warm", "full", "resumed")}
+    out = {name: os.path.join(tmp, f"{name}.jsonl") for name in ("warm", "full", "reloaded", "recomputed")}
     run(engine, ["-i", inp, "-o", out["warm"]])
     full = run(engine, ["-i", inp, "-o", out["full"]])
-    stopped = run(engine, ["-i", inp, "-o", out["resumed"]], stop_at=full["steps"] // 2)
-    rerun = run(engine, ["-i", inp, "-o", out["resumed"]])
+    resumes = {}
+    for name, mode in (("reloaded", "auto"), ("recomputed", "never")):
+        stopped = run(engine, ["-i", inp, "-o", out[name], "--save-kv-on-stop", mode], stop_at=full["steps"] // 2)
+        rerun = run(engine, ["-i", inp, "-o", out[name]])
+        resumes[name] = {"save_kv_on_stop": mode,
+                         "stopped": {k: stopped[k] for k in ("exit", "steps", "saved_in_flight_tokens",
+                                                             "saved_kv_bytes")},
+                         "rerun": rerun, "rerun_over_uninterrupted": round(rerun["wall_s"] / full["wall_s"], 3),
+                         "same_text_as_uninterrupted": texts(out[name]) == texts(out["full"])}
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
     result = {
@@ -127,10 +138,8 @@ def main() -> None:
         "tokens": opts.tokens, "date": time.strftime("%Y-%m-%d"),
         "commit": subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
-        "uninterrupted": full, "stopped": {k: stopped[k] for k in ("exit", "steps", "saved_in_flight_tokens")},
-        "rerun": rerun, "rerun_over_uninterrupted": round(rerun["wall_s"] / full["wall_s"], 3),
+        "uninterrupted": full, **resumes,
         "saved_share_of_output": round(stopped["saved_in_flight_tokens"] / (opts.requests * opts.tokens), 3),
-        "same_text_as_uninterrupted": texts(out["resumed"]) == texts(out["full"]),
     }
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", f"resume_{opts.label}.json")

@@ -17,7 +17,7 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from fastdecode.batch import binding, inflight, report
+from fastdecode.batch import binding, inflight, inflight_kv, kv_stop, report
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import count_lines, read_lines
 from fastdecode.batch.output import OutputWriter, append_rows, rewrite
@@ -73,6 +73,7 @@ def run_summary(runner: BatchRunner, wall: float) -> dict:
                requests=runner.num_requests, errors=runner.num_errors,
                requests_per_s=round(runner.num_requests / wall, 4) if wall else None,
                preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens,
+               reloaded_tokens=eng.reload_kv.tokens, reloaded_sequences=eng.reload_kv.sequences,
                kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token, **eng.prefix_summary(),
                **eng.tier_summary())
     return out
@@ -83,18 +84,19 @@ class BatchJob:
 
     def __init__(self, input_path: str, output_path: str, overwrite: bool = False, index_dir: str | None = None,
                  stop: StopRequest | None = None, limits: Limits = Limits(), model: str | None = None,
-                 model_identity: dict | None = None):
+                 model_identity: dict | None = None, save_kv: str = "auto"):
         """model: the served model's name (the engine's, when it is made: then only a run can
         find every line answered); model_identity: what the rows and the in-flight save are bound
         to (binding.job_model), a rerun with another model refused."""
         self.input_path, self.output_path = input_path, output_path
         self.limits, self.index_dir, self.model = limits, index_dir, model
         self.model_identity = model_identity
-        self.stop = stop
+        self.stop, self.save_kv = stop, save_kv       # save_kv: --save-kv-on-stop (kv_stop.py)
         self.writer = OutputWriter(output_path, input_path, overwrite=overwrite, model=model_identity)
         self.inflight_path = inflight_path(output_path)
         if overwrite:
             inflight.discard(self.inflight_path)
+            inflight.discard(inflight_kv.kv_path(self.inflight_path))
         self.index = self._load_index()
         self.total_lines = count_lines(input_path)      # streamed; for the progress total and messages
         if self.index.prior_rows:
@@ -104,6 +106,7 @@ class BatchJob:
         self.runner: BatchRunner | None = None
         self.saved: inflight.Saved | None = None
         self.saved_seqs = self.saved_tokens = 0          # what this run's stop saved in flight
+        self.saved_kv_seqs = self.saved_kv_bytes = 0     # and of their KV
         self.moved_by_cause: Counter[str] = Counter()
         self.moved_to = unmatched_path(output_path)
         # earlier rows that answer a line for good (counted once: progress_now, for the stop-watch thread)
@@ -191,7 +194,9 @@ class BatchJob:
         except OSError as e:
             print(f"fastdecode: {self.inflight_path}: could not save the sequences in flight ({e}); they start over "
                   f"in the rerun", file=sys.stderr, flush=True)
+            inflight.discard(inflight_kv.kv_path(self.inflight_path))
             return
+        self.saved_kv_seqs, self.saved_kv_bytes = kv_stop.save(self, engine, self.save_kv)
         if self.saved_seqs:
             print(f"fastdecode: saved {self.saved_seqs} sequence(s) in flight ({self.saved_tokens} generated tokens) "
                   f"to {self.inflight_path}; the rerun continues them", file=sys.stderr, flush=True)
@@ -201,7 +206,8 @@ class BatchJob:
         saved = self.saved
         return {"continued_sequences": saved.continued_seqs if saved else 0,
                 "continued_tokens": saved.continued_tokens if saved else 0,
-                "saved_in_flight_sequences": self.saved_seqs, "saved_in_flight_tokens": self.saved_tokens}
+                "saved_in_flight_sequences": self.saved_seqs, "saved_in_flight_tokens": self.saved_tokens,
+                "saved_kv_sequences": self.saved_kv_seqs, "saved_kv_bytes": self.saved_kv_bytes}
 
     def progress_now(self) -> dict:
         """Input lines answered so far and this run's rows, from counters that any thread may read
@@ -228,6 +234,7 @@ class BatchJob:
         if not self.completed:
             return 0
         inflight.discard(self.inflight_path)      # every line is answered: nothing is in flight
+        inflight.discard(inflight_kv.kv_path(self.inflight_path))
         try:
             self.moved_by_cause = finalize_output(self.writer, self.index, sort)
         except OSError as e:              # a full disk: the output is as it was, every row in it
@@ -289,7 +296,8 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
     with ExitStack() as stack:
         job = stack.enter_context(BatchJob(args.input, args.output, overwrite=args.overwrite,
                                            index_dir=args.index_dir, stop=stop, limits=limits_from(args),
-                                           model=served_name(args), model_identity=binding.job_model(args)))
+                                           model=served_name(args), model_identity=binding.job_model(args),
+                                           save_kv=args.save_kv_on_stop))
         stack.callback(close_engine)
         rep = report.started(path, report.previous(path, args.overwrite), args.input, args.output,
                              stats_json=args.stats_json)

@@ -29,7 +29,7 @@ import sys
 
 import numpy as np
 
-from fastdecode.batch import inflight_read
+from fastdecode.batch import inflight_kv, inflight_read
 from fastdecode.batch.filemode import fsync_dir, temp_like
 from fastdecode.batch.inflight_read import Untrusted
 from fastdecode.engine.continuation import RequestState
@@ -134,7 +134,9 @@ class Saved:
         self.open: set[bytes] = set()           # keys taken whose rows are not written yet
         self.continued_seqs = self.continued_tokens = 0
         self.refused: list[str] = []
+        self.kv = None                          # the saved KV beside it (inflight_kv.py), if any
         if not os.path.exists(path):
+            inflight_kv.discard(inflight_kv.kv_path(path))      # KV of no save is of no use
             return
         try:
             self.entries = read(path, identity)
@@ -142,6 +144,8 @@ class Saved:
             why = str(e) if isinstance(e, (OSError, Untrusted)) else f"{type(e).__name__}: {e}"
             print(f"fastdecode: {path}: ignored, not trusted ({why[:300]}); the sequences it held start over",
                   file=sys.stderr, flush=True)
+        if self.entries:
+            self.kv = inflight_kv.SavedKV(inflight_kv.kv_path(path), inflight_kv.inflight_digest(path, MAGIC))
 
     def take(self, key: bytes) -> list[RequestState | None] | None:
         """The saved states of the line with `key` (per prompt), once; None if none."""
@@ -150,6 +154,10 @@ class Saved:
         if entry is None:
             return None
         self.open.add(key)
+        if self.kv is not None:              # each unfinished sample's saved KV, where the stop kept it
+            for k, state in enumerate(entry[1]):
+                for s in state.sequences if state is not None else ():
+                    s.kv = self.kv.take(key, k, s.sample_index)
         return entry[1]
 
     def note_used(self, states: list[RequestState | None], refused: list[str | None], line_no: int) -> None:
@@ -171,7 +179,22 @@ class Saved:
         if self.entries and not self.open and not (self.entries.keys() - self.seen):
             self.entries = {}
             discard(self.path)
+            inflight_kv.discard(inflight_kv.kv_path(self.path))
 
     def carried(self) -> dict[bytes, Entry]:
         """Entries of lines this run did not reach: kept for the next run."""
         return {k: v for k, v in self.entries.items() if k not in self.seen}
+
+    def carried_kv(self) -> list[inflight_kv.Item]:
+        """The saved KV of the carried entries' sequences (their bytes checked; damaged ones left out)."""
+        if self.kv is None:
+            return []
+        keep = self.carried().keys()
+        out = []
+        for (key, prompt, sample), rec in list(self.kv.records.items()):
+            if key in keep:
+                try:
+                    out.append(inflight_kv.Item(key, prompt, sample, rec.tokens, rec.layout, bytes(rec.blob())))
+                except Untrusted:
+                    pass
+        return out

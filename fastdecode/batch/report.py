@@ -52,7 +52,8 @@ FIGURE_KEYS = ("wall_s", "steps", "decode_steps", "prompt_tokens", "output_token
                "decode_s", "s_bubble_fraction", "r_bubble_fraction", "bound", "prefill", "prefix_hits",
                "prefix_shared_tokens", "prefix_kv_bytes_saved", "kv_tiers", "balance", "preemptions",
                "recomputed_tokens", "token_latency_p50_s", "token_latency_p99_s", "skipped_done", "retried",
-               "continued_sequences", "continued_tokens", "saved_in_flight_sequences", "saved_in_flight_tokens")
+               "continued_sequences", "continued_tokens", "saved_in_flight_sequences", "saved_in_flight_tokens",
+               "reloaded_tokens", "reloaded_sequences", "saved_kv_sequences", "saved_kv_bytes")
 
 
 def default_path(output_path: str) -> str:

@@ -4,6 +4,7 @@ symlinked output keeps them beside the file it points to):
   OUTPUT.lock             held by the running job (lock.py); names its host and pid
   OUTPUT.fingerprints     the request each row answers (binding.py)
   OUTPUT.inflight         running sequences saved by a stop, continued by the rerun (inflight.py)
+  OUTPUT.inflight.kv      their KV-cache, reloaded by the rerun (inflight_kv.py, --save-kv-on-stop)
   OUTPUT.unmatched.jsonl  rows that answer no input line, moved out by the final rewrite
   NAME.XXXXXXXX.tmp       a rewrite of OUTPUT (NAME: OUTPUT.rewrite), OUTPUT.fingerprints or
                           OUTPUT.inflight in progress: a random name, replaces its file atomically
@@ -18,8 +19,9 @@ import os
 import stat
 
 SUFFIXES = {".lock": "the output's lock", ".fingerprints": "the output's request fingerprints",
-            ".inflight": "the output's saved in-flight sequences", ".unmatched.jsonl": "the output's unmatched rows"}
-TEMP_OF = (".rewrite", ".fingerprints", ".inflight")      # NAME.XXXXXXXX.tmp: OUTPUT + one of these
+            ".inflight": "the output's saved in-flight sequences", ".inflight.kv": "the output's saved in-flight KV",
+            ".unmatched.jsonl": "the output's unmatched rows"}
+TEMP_OF = (".rewrite", ".fingerprints", ".inflight", ".inflight.kv")      # NAME.XXXXXXXX.tmp: OUTPUT + one of these
 
 
 def real(output: str) -> str:

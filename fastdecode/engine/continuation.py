@@ -29,6 +29,7 @@ class SequenceState:
     finish_reason: str | None = None                     # set: the sequence had finished
     stop_reason: int | str | None = None
     text: str = ""                                       # a finished sequence's text cut at its stop string
+    kv: object = None                                    # its saved KV (batch/inflight_kv.Record), if a stop kept it
 
 
 @dataclass(slots=True)
@@ -119,3 +120,5 @@ def restore(req: Request, state: RequestState) -> None:
         if s.finish_reason is not None:
             seq.status, seq.finish_reason, seq.stop_reason, seq.text = \
                 Status.FINISHED, s.finish_reason, s.stop_reason, s.text
+        else:
+            seq.saved_kv = s.kv

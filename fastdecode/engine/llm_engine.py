@@ -11,6 +11,7 @@ import torch
 
 from fastdecode.engine import continuation, rpart_setup
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
+from fastdecode.engine.kv_reload import Reloader
 from fastdecode.engine.kv_tiers import choose_tier
 from fastdecode.engine.outputs import request_output
 from fastdecode.engine.prefix_cache import PrefixCache
@@ -100,22 +101,20 @@ class LLMEngine:
                                    self.balance if gated else None)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs()) \
             if tp is None else tp_leader.runner(self, comm)
-        self.runner.reserve_tokens = self.placement.store_tokens    # workers take those pages at prefill
-        self.runner.prefix = self.prefix
+        self.runner.reserve_tokens, self.runner.prefix = self.placement.store_tokens, self.prefix   # pages at prefill
         if self.device.type == "cpu" and not self.args.s_threads and (self.layout is None or self._node_cpus):
-            # the R-part only appends during prefill (and attends a mixed step's few decode rows),
-            # so a CPU S-worker prefills on every core of its node: local mode's, or those it left
-            # to the R-workers beside it when it bound itself to its share
+            # the R-part only appends during prefill (and attends a mixed step's few decode rows), so a CPU
+            # S-worker prefills on every core of its node: local mode's, or those it left to co-located R-workers
             from rworker.host.threads import physical_cpus
             self.runner.prefill_threads = len(physical_cpus(self._node_cpus or None))
             self.runner.prefill_cpus = self._node_cpus
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
-        self.step_no = 0
-        self._next_seq_id = 1
+        self.step_no, self._next_seq_id = 0, 1
         self.num_prompt_tokens = self.num_output_tokens = 0
         self.bound_output_tokens = 0       # finished sequences' tokens + unfinished ones' max_tokens
         self.num_recomputed_tokens = 0     # KV recomputed for preempted sequences (--kv-reserve grow)
+        self.reload_kv = Reloader()        # a stop's saved KV, imported instead of recomputed (engine/kv_reload.py)
         self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)
         self._noted_reservation = False
 
@@ -310,6 +309,7 @@ class LLMEngine:
         finished: list[Request] = []
         new = self.scheduler.schedule_prefill(self.step_no)
         _note_scheduled(new)
+        new = self.reload_kv(self, new)
         prefill = None
         if new:
             prefill = self._prefill(new, finished)
@@ -335,6 +335,7 @@ class LLMEngine:
         running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         new = self.scheduler.schedule_prefill(self.step_no)
         _note_scheduled(new)
+        new = self.reload_kv(self, new)
         prefill, stats, t_prefill = None, None, 0.0
         if new and running:
             self._count_recomputed(new)

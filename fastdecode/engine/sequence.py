@@ -57,6 +57,7 @@ class Sequence:
     #   (logprob, rank, top ids [k], top logprobs [k])
     prefilled: int = 0               # KV tokens a chunked prefill in progress has stored (0 otherwise)
     prefill_to: int = 0              # where this step's prefill chunk ends (set by the scheduler)
+    saved_kv: object = None          # a stop's save of its KV (batch/inflight_kv.Record): reloaded, not recomputed
 
     @property
     def prompt_len(self) -> int:
