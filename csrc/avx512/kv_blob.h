@@ -16,7 +16,9 @@
 //        pages have one layout), u32 PT (tokens per page), u64 page bytes, i32 window[L]
 //   ..   per layer: i32 len (tokens), i32 dead (leading pages per head before its window)
 //   ..   per layer, pages dead .. ceil(len / PT) - 1, each its Hkv heads in order, page bytes each
-// A forked sequence's shared pages are written like its own: an import holds them privately.
+// A forked sequence's shared pages are written like its own: an import holds them privately. The
+// slots of a last page past the sequence's tokens hold what the page held before (no kernel reads
+// them): two stores holding the same tokens may write different bytes there.
 #pragma once
 
 #include <cstdint>
@@ -51,7 +53,8 @@ struct BlobIn {
     uint32_t u32() {
         // past the end: the total-size check caught a blob short of its header already, except one
         // cut inside the first 16 bytes
-        if (at + 4 > n) throw std::invalid_argument("KV blob truncated: " + std::to_string(n) + " bytes, its header alone is longer");
+        if (at + 4 > n)
+            throw std::invalid_argument("KV blob truncated: " + std::to_string(n) + " bytes, its header alone is longer");
         uint32_t v = 0;
         for (int i = 0; i < 4; ++i) v |= (uint32_t)(uint8_t)b[at + i] << (8 * i);
         at += 4;
@@ -134,8 +137,8 @@ inline KVBlobHead kv_blob_read(const Geometry& g, const char* blob, size_t n) {
                                     std::to_string(KV_BLOB_VERSION));
     const uint64_t total = r.u64();
     if (total != n)
-        throw std::invalid_argument(n < total ? "KV blob truncated: " + std::to_string(n) + " bytes of the " + std::to_string(total) +
-                                                    " its header gives"
+        throw std::invalid_argument(n < total ? "KV blob truncated: " + std::to_string(n) + " bytes of the " +
+                                                    std::to_string(total) + " its header gives"
                                               : "KV blob has " + std::to_string(n - total) + " bytes past the " +
                                                     std::to_string(total) + " its header gives");
 

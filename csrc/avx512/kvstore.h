@@ -147,7 +147,8 @@ public:
     // std::invalid_argument for a held id and a blob this store cannot take (kv_blob_read)
     bool import_seq(int64_t id, const char* blob, size_t n) {
         std::lock_guard<std::mutex> lk(mu_);
-        if (pages_.find(id)) throw std::invalid_argument("import_seq: sequence " + std::to_string(id) + " is already held by this store");
+        if (pages_.find(id))
+            throw std::invalid_argument("import_seq: sequence " + std::to_string(id) + " is already held by this store");
         const KVBlobHead h = kv_blob_read(pages_.geometry(), blob, n);
         return pages_.adopt(id, h.len.data(), h.dead.data(), h.pages);
     }
