@@ -8,6 +8,9 @@ in C++, with the GIL released. Arrays cross as numpy buffers; bf16 travels as ra
     store.append(layer, seq_ids, k, v)             # k, v [n, Hkv, D] float32 | uint16 (bf16 bits)
     o = store.attend(layer, seq_ids, q)            # q [n, Hq, D] -> o [n, Hq, D] float32
     o = store.append_attend(layer, seq_ids, q, k, v, out=np.empty(..., np.uint16))  # bf16 out
+    blob = store.export_seq(seq_id)                # one sequence's KV, every layer, as bytes
+    other.import_seq(seq_id, blob)                 # False: past capacity; ValueError: other geometry
+    other.layout_signature() == store.layout_signature()   # would store's blobs fit other
 
 Attention variants (csrc/avx512/attention.h), all off by default: `windows` (a sliding window per
 layer: the last W tokens attended, pages before them freed), `softcap` (scores s -> cap tanh(s / cap))
@@ -227,6 +230,29 @@ class KVStore:
         """Release the sequence's pages (all layers) for reuse; False if the id is unknown. Pages
         it shares with another sequence stay until their last holder is freed."""
         return self._st.free(int(seq_id))
+
+    # ---- one sequence's KV as bytes (csrc/avx512/kv_blob.h: the format) ----------------------
+    def export_seq(self, seq_id: int) -> bytes:
+        """Sequence seq_id's KV over every layer as a self-describing blob: a header (magic "FDKV",
+        format version, total size, this store's layout_signature at offset 16, each layer's length
+        and dead pages) and the raw bytes of its live pages. Shared (forked) pages are written like
+        its own. KeyError if the store does not hold seq_id."""
+        return self._st.export_seq(int(seq_id))
+
+    def import_seq(self, seq_id: int, blob) -> bool:
+        """New sequence seq_id holding exactly blob's KV (export_seq of this or another store of the
+        same layout_signature; bytes or any contiguous buffer): attend gives the exporter's bits and
+        appends continue it. Its pages are its own (no sharing, no reservation). False, and nothing
+        stored, past capacity_bytes. ValueError for a held seq_id, or a blob that is truncated or
+        malformed, of another format version, or of another geometry (the field and both values)."""
+        return self._st.import_seq(int(seq_id), blob)
+
+    def layout_signature(self) -> bytes:
+        """The geometry part of a blob's header (layers, kv heads, head dim, kv dtype, V layout, page
+        tokens and bytes, windows): a blob fits this store iff blob[16:16 + len(sig)] equals it, and
+        two stores take each other's blobs iff their signatures are equal. Scale, softcap and sinks
+        are not in it: the importer must run the attention with the exporter's."""
+        return self._st.layout_signature()
 
     def sharing_stats(self) -> dict:
         """shared_pages: pages held by >= 2 sequences; shared_page_refs: the references to them;

@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -137,6 +138,35 @@ struct PyStore {
         py::gil_scoped_release nogil;
         return st.append_attend(layer, n, idp, qp, qdt, Hq, kp, vp, kdt, op, odt);
     }
+
+    // the blob written straight into a bytes object, the GIL released for the copy: sized by a first
+    // call, written by a second (again if the sequence changed between them)
+    py::bytes export_seq(int64_t id) {
+        for (size_t need = st.export_seq(id, nullptr, 0);;) {
+            if (need == 0) throw py::key_error("export_seq: sequence " + std::to_string(id) + " is not held by this store");
+            auto out = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)need));
+            if (!out) throw py::error_already_set();      // MemoryError
+            char* dst = PyBytes_AS_STRING(out.ptr());     // a new object no one else sees yet
+            size_t got;
+            {
+                py::gil_scoped_release nogil;
+                got = st.export_seq(id, dst, need);
+            }
+            if (got == need) return out;
+            need = got;
+        }
+    }
+
+    // blob: any object with a contiguous buffer (bytes, bytearray, memoryview of a mapped file)
+    bool import_seq(int64_t id, const py::object& blob) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(blob.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> hold(&view, PyBuffer_Release);
+        const char* p = static_cast<const char*>(view.buf);
+        const size_t n = (size_t)view.len;
+        py::gil_scoped_release nogil;
+        return st.import_seq(id, p, n);
+    }
 };
 
 }  // namespace FD_NS
@@ -190,6 +220,12 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
         .def("shared_pages", [](PyStore& s) { return s.st.shared_pages(); }, "pages held by >= 2 sequences")
         .def("saved_pages", [](PyStore& s) { return s.st.saved_pages(); }, "references to shared pages beyond the first")
         .def("free", [](PyStore& s, int64_t id) { return s.st.free_seq(id); })
+        .def("export_seq", &PyStore::export_seq, "the sequence's KV over every layer as a blob (kv_blob.h); KeyError if not held")
+        .def("import_seq", &PyStore::import_seq,
+             "new sequence holding a blob's KV; False past the capacity (nothing stored); ValueError for a held id "
+             "or a blob of another format or geometry")
+        .def("layout_signature", [](PyStore& s) { return py::bytes(s.st.layout_signature()); },
+             "the geometry part of this store's blob header (what import_seq compares)")
         .def("num_tokens", [](PyStore& s, int64_t id, int layer) { return s.st.num_tokens(id, layer); })
         .def("num_seqs", [](PyStore& s) { return s.st.num_seqs(); })
         .def("bytes_used", [](PyStore& s) { return s.st.bytes_used(); })

@@ -3,17 +3,20 @@
 // A facade over the two halves, which share the page geometry: the page table (paging.h:
 // layout, arena, append, reserve, extents, accounting) and the attention (attention.h: work
 // items, the per-item passes, the chunk merge). The Store owns both and the thread pool, and
-// serializes every call on one mutex. kernels.cpp binds it to Python. The attention variants
+// serializes every call on one mutex; a sequence's KV leaves and enters as a blob (kv_blob.h).
+// kernels.cpp binds it to Python. The attention variants
 // (attention.h): sliding windows per layer and the logit cap are fixed at construction, a layer's
 // sinks set by set_sinks.
 #pragma once
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "attention.h"
 #include "common.h"
+#include "kv_blob.h"
 #include "paging.h"
 #include "pool.h"
 #include "simd.h"
@@ -127,6 +130,28 @@ public:
         attn_.run(pages_, *pool_, layer, n, ids, q, qdt, Hq, out, odt);
         return true;
     }
+
+    // ---- one sequence's KV as a blob (kv_blob.h) --------------------------------
+    // bytes of sequence id's blob, 0 when the store does not hold it; written to dst when cap is
+    // exactly that (the caller sizes dst by a first call, then calls again: the sequence may have
+    // changed between the two)
+    size_t export_seq(int64_t id, char* dst, size_t cap) {
+        std::lock_guard<std::mutex> lk(mu_);
+        const Seq* s = pages_.find(id);
+        if (!s) return 0;
+        const size_t n = kv_blob_size(pages_.geometry(), *s);
+        if (dst && cap == n) kv_blob_write(pages_.geometry(), *s, dst);
+        return n;
+    }
+    // new sequence id holding blob's KV; false past the capacity (nothing stored). Throws
+    // std::invalid_argument for a held id and a blob this store cannot take (kv_blob_read)
+    bool import_seq(int64_t id, const char* blob, size_t n) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (pages_.find(id)) throw std::invalid_argument("import_seq: sequence " + std::to_string(id) + " is already held by this store");
+        const KVBlobHead h = kv_blob_read(pages_.geometry(), blob, n);
+        return pages_.adopt(id, h.len.data(), h.dead.data(), h.pages);
+    }
+    std::string layout_signature() const { return kv_blob_signature(pages_.geometry()); }
 
     Pool& pool() { return *pool_; }
 

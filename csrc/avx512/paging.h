@@ -36,6 +36,9 @@
 // starts at the first live page. A reservation takes at most what the window keeps live. Prefix
 // sharing is not offered with windows (fork refuses): a shared page would die for one holder only.
 //
+// Export / import. kv_blob.h writes a sequence's live pages as a blob from its Seq; `adopt` takes
+// a checked blob's pages back as a new sequence's own (private, like an append's, no slack).
+//
 // Not thread-safe: the Store (kvstore.h) calls in under its mutex.
 #pragma once
 
@@ -229,6 +232,31 @@ public:
         }
         a.shared = std::max(a.shared, (int32_t)k);
         b.shared = (int32_t)k;
+        used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
+        return true;
+    }
+
+    // ---- adopt (an imported blob: kv_blob.h) -------------------------------------
+    // New sequence `id` holding len[l] tokens of each layer l, its first dead[l] pages per head dead
+    // (what the layer's window leaves: the caller checked), its live pages taken as an append takes
+    // them (head by head) and filled from src: per layer, pages dead[l] .. ceil(len[l] / P) - 1, each
+    // its Hkv heads in order. Private pages, no reservation, no slack. Returns false (and changes
+    // nothing) past the capacity; gives back other sequences' slack only when that makes the room.
+    bool adopt(int64_t id, const int32_t* len, const int32_t* dead, const char* src) {
+        size_t new_pages = 0;
+        for (int l = 0; l < L_; ++l) new_pages += (((size_t)len[l] + P - 1) / P - (size_t)dead[l]) * Hkv_;
+        if (over_capacity(new_pages, slack_pages_)) return false;    // not even with every extent trimmed
+        if (over_capacity(new_pages)) trim_slack(-1);
+        std::vector<int64_t> created;
+        Seq& s = get_or_create(id, created);
+        for (int l = 0; l < L_; ++l) {
+            auto& pl = s.pages[l];
+            pl.assign((size_t)dead[l] * Hkv_, nullptr);
+            grow_pages(pl, ((size_t)len[l] + P - 1) / P);
+            for (size_t i = (size_t)dead[l] * Hkv_; i < pl.size(); ++i, src += page_bytes_) std::memcpy(pl[i], src, page_bytes_);
+            s.len[l] = len[l];
+            s.dead[l] = dead[l];
+        }
         used_pages_.store(arena_.pages_in_use(), std::memory_order_relaxed);
         return true;
     }
