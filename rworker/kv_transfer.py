@@ -53,7 +53,7 @@ def receive_blobs(comm: MPI.Comm, store, held: set[int], move: P.KVMove, policy:
     stored, refused = [], []
     for sid, size in zip(move.seq_ids.tolist(), move.sizes.tolist()):
         blob = receive_blob(comm, 0, size, move.chunk, policy, timeout, S_NAME)
-        ok, why = import_one(store, sid, blob.tobytes(), held)
+        ok, why = import_one(store, sid, blob, held)      # the store reads any contiguous buffer
         stored.append(ok)
         if why:
             refused.append([sid, why])
