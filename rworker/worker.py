@@ -26,6 +26,8 @@ from rworker.host.cores import bind, rworker_cpus
 from rworker.host.progressor import Progressor
 from rworker.host.threads import physical_cpus
 from rworker.host.wait import choose_policy, end_job_on_error, node_layout, wait_message
+from rworker.kv_blobs import layout_hex
+from rworker.kv_transfer import receive_blobs, send_blobs
 from rworker.kvstore import KVStore
 from rworker.protocol import control as P
 from rworker.protocol.wire import split_kv, split_qkv
@@ -51,7 +53,7 @@ class RWorker:
         self.timeout = 3 * timeout if timeout else None
         self.policy = "adaptive"
         self.store: KVStore | None = None
-        self.known: set[int] = set()    # sequences this worker holds (prefilled, not freed)
+        self.known: set[int] = set()    # sequences this worker holds (prefilled or imported, not freed)
         self.stats = np.zeros(len(STATS), dtype=np.float64)   # sent after every DECODE step
         self.append_s = 0.0             # prefill appends since the last DECODE step's stats
         self.stream = None              # the PREFILL whose K/V layers are still coming (a generator)
@@ -85,6 +87,8 @@ class RWorker:
                 self.profile(hdr)
             elif kind == P.PING:
                 self.ping(hdr, body)
+            elif kind in (P.KV_EXPORT, P.KV_IMPORT):
+                self.move_kv(kind, hdr, body)
             elif kind in (P.SHUTDOWN, P.ABORT):
                 self.progress.close()
                 return
@@ -115,6 +119,7 @@ class RWorker:
                         "capacity_bytes": capacity, "page_tokens": int(self.store.page_tokens),
                         "wait_policy": self.policy, "kernel": kernel.describe() + amx,
                         "forks": hasattr(self.store, "fork") and not any(h.windows),
+                        "kv_layout": layout_hex(self.store),
                         "kernel_choice": {**kernel.as_dict(), "amx": self.store.amx}})
 
     def send_json(self, obj: dict) -> None:
@@ -154,6 +159,15 @@ class RWorker:
                 raise P.ProtocolError(f"protocol error: FREE of sequence {sid}, which this worker does not hold")
             self.known.discard(sid)
             self.store.free(sid)
+
+    def move_kv(self, kind: int, hdr: np.ndarray, body: np.ndarray) -> None:
+        """KV_EXPORT: send the sequences' blobs (kept here); KV_IMPORT: take blobs as sequences held
+        as if prefilled here, and answer which were stored (rworker.kv_transfer)."""
+        move = P.parse_kv_move(kind, hdr, body)
+        if kind == P.KV_EXPORT:
+            send_blobs(self.comm, self.store, self.known, move, self.policy, self.timeout)
+        else:
+            self.send_json(receive_blobs(self.comm, self.store, self.known, move, self.policy, self.timeout))
 
     def _received(self, ticket, buf: np.ndarray, what: str) -> None:
         """A data message must be exactly as long as its control message said."""

@@ -17,7 +17,7 @@ from rworker.protocol.wire import WireLayout, split_kv, split_qkv
 
 
 def test_tags_are_distinct_for_every_minibatch():
-    tags = [P.TAG_CTRL, P.TAG_KV, P.TAG_INFO, P.TAG_PING]
+    tags = [P.TAG_CTRL, P.TAG_KV, P.TAG_INFO, P.TAG_PING, P.TAG_KVBLOB]
     tags += [P.tag_qkv(m) for m in range(P.MAX_MINIBATCHES)] + [P.tag_out(m) for m in range(P.MAX_MINIBATCHES)]
     assert len(set(tags)) == len(tags)
 

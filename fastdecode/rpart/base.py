@@ -29,6 +29,8 @@ class WorkerInfo:
     frees_windows: bool = True    # a sliding-window layer's pages leave once outside the window
     attend_gbps: float = 0.0  # its attention kernel's KV read rate, GB/s (0: not measured)
     attend_call_s: float = 0.0    # its kernel's fixed seconds per call (one layer of one mini-batch), when measured
+    kv_layout: str = ""       # hex of its store's layout_signature() (KV blobs move between equal ones);
+                              # "": it cannot export or import a sequence's KV
 
 
 @dataclass(slots=True)
@@ -49,6 +51,22 @@ class PrefillTimes:
     pack_s: float = 0.0       # K/V into the wire buffer (MPI) or into the store's input arrays (local)
     wait_s: float = 0.0       # blocked: a wire buffer still in flight, the last layers' sends or appends
     append_s: float = 0.0     # local mode: the store's appends on this process's R-part
+
+
+class KVImportError(ValueError):
+    """A worker refused a sequence's KV blob (malformed, another geometry, or an id it holds).
+    Raised after every blob of the call was tried: `stored` says which the worker took."""
+
+    def __init__(self, text: str, rank: int, seq_id: int, stored: list[bool]):
+        super().__init__(text)
+        self.rank, self.seq_id, self.stored = rank, seq_id, stored
+
+    @classmethod
+    def of(cls, rank: int, who: str, refused: list, stored: list[bool]) -> KVImportError:
+        """[[seq id, why], ...] refused by `who` -> the error naming it and the first sequence."""
+        sid, why = refused[0]
+        more = f" (and {len(refused) - 1} more sequences' blobs)" if len(refused) > 1 else ""
+        return cls(f"{who} refused the KV blob of sequence {sid}: {why}{more}", rank, int(sid), stored)
 
 
 class RBackend:
@@ -88,6 +106,28 @@ class RBackend:
 
     def free(self, seq_ids_by_worker: list[list[int]]) -> None: ...
 
+    # KV hand-over (a stopped job saves its in-flight sequences' KV, its rerun reloads it). Between
+    # steps only: after prefill_end / decode_end, before the next prefill_begin / decode_begin; frees
+    # passed before go first. kv_layouts: per worker its store's layout signature (two workers with
+    # equal signatures take each other's blobs), None where it cannot export or import (the
+    # S-worker's device tier, a tensor-parallel shard). export_kv: per worker, each listed sequence's
+    # blob (the worker keeps it); ValueError: a list for a worker whose layout is None; KeyError: a
+    # sequence the worker does not hold. import_kv: `worker` creates each sequence from its blob,
+    # exactly as if prefilled there (later decode rows append and attend, free frees it); per
+    # sequence True, or False where its pages would pass the worker's capacity (nothing stored for
+    # it). A blob the worker refuses raises KVImportError (naming its rank and the sequence) once
+    # every blob was tried. These defaults are a backend's whose workers hold no exportable KV.
+    def kv_layouts(self) -> list[bytes | None]:
+        return [bytes.fromhex(w.kv_layout) if w.kv_layout else None for w in self.workers]
+
+    def export_kv(self, seq_ids_by_worker: list[list[int]]) -> list[dict[int, bytes]]:
+        check_kv_lists(self, seq_ids_by_worker)
+        return [{} for _ in self.workers]
+
+    def import_kv(self, worker: int, seq_ids: list[int], blobs: list[bytes]) -> list[bool]:
+        check_kv_import(self, worker, seq_ids, blobs)
+        return []
+
     # profiling (`fastdecode profile`): each worker's kernel cost, and one-way link times to each
     # worker alone and to all at once
     def profile_workers(self, seqs: int, target_bytes: int) -> list[dict]: ...
@@ -98,6 +138,31 @@ class RBackend:
     @property
     def num_workers(self) -> int:
         return len(self.workers)
+
+
+def check_kv_lists(backend: RBackend, seq_ids_by_worker: list[list[int]]) -> None:
+    """An export_kv's lists: one per worker, empty for every worker whose layout is None."""
+    layouts = backend.kv_layouts()
+    if len(seq_ids_by_worker) != len(layouts):
+        raise ValueError(f"export_kv: {len(seq_ids_by_worker)} lists of sequences for {len(layouts)} workers")
+    for w, (ids, layout) in enumerate(zip(seq_ids_by_worker, layouts)):
+        if len(ids) and layout is None:
+            raise ValueError(f"export_kv: worker {w} ({_where(backend.workers[w])}) cannot export KV")
+
+
+def check_kv_import(backend: RBackend, worker: int, seq_ids: list[int], blobs: list[bytes]) -> None:
+    """An import_kv's arguments: a worker that can import, one blob per sequence, no id twice."""
+    layouts = backend.kv_layouts()
+    if not 0 <= worker < len(layouts):
+        raise ValueError(f"import_kv: worker {worker} of {len(layouts)}")
+    if len(blobs) != len(seq_ids) or len(set(int(s) for s in seq_ids)) != len(seq_ids):
+        raise ValueError(f"import_kv: {len(blobs)} blobs for {len(seq_ids)} sequences (distinct ids, one blob each)")
+    if len(seq_ids) and layouts[worker] is None:
+        raise ValueError(f"import_kv: worker {worker} ({_where(backend.workers[worker])}) cannot import KV")
+
+
+def _where(w: WorkerInfo) -> str:
+    return w.tier or f"rank {w.rank} on {w.host}"
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

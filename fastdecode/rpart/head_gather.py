@@ -127,6 +127,12 @@ class HeadGather(_HeadExchange):
     def free(self, seq_ids_by_worker):
         self.inner.free(seq_ids_by_worker)
 
+    def export_kv(self, seq_ids_by_worker):         # whole sequences, every head: the inner backend's
+        return self.inner.export_kv(seq_ids_by_worker)
+
+    def import_kv(self, worker, seq_ids, blobs):
+        return self.inner.import_kv(worker, seq_ids, blobs)
+
     def profile_workers(self, seqs, target_bytes):
         return self.inner.profile_workers(seqs, target_bytes)
 
@@ -180,6 +186,12 @@ class HeadFollower(_HeadExchange):
     def free(self, seq_ids_by_worker):
         pass
 
+    def export_kv(self, seq_ids_by_worker):
+        raise _rank0_only()
+
+    def import_kv(self, worker, seq_ids, blobs):
+        raise _rank0_only()
+
     def profile_workers(self, seqs, target_bytes):
         return []
 
@@ -192,3 +204,7 @@ class HeadFollower(_HeadExchange):
     def close(self):
         pass
 
+
+def _rank0_only() -> RuntimeError:
+    return RuntimeError("under tensor parallelism rank 0 alone moves KV blobs (the R-workers answer it, "
+                        "whole sequences of every head); a follower S-rank has none to give or take")

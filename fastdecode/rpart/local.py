@@ -9,10 +9,12 @@ import numpy as np
 import torch
 
 from fastdecode.model.config import ModelConfig
-from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo, as_numpy
+from fastdecode.rpart.base import (KVImportError, PrefillTimes, RBackend, StepStats, WorkerInfo, as_numpy,
+                                   check_kv_import, check_kv_lists)
 from fastdecode.rpart.staging import HostBuffer, Stager, numpy_view
 from fastdecode.rpart.variants import AttentionVariants
 from rworker.host.capacity import default_capacity_bytes
+from rworker.kv_blobs import import_one, layout_hex
 from rworker.protocol.wire import split_qkv
 from rworker.tune import open_tuned_store
 
@@ -30,7 +32,8 @@ class LocalBackend(RBackend):
         self.workers = [WorkerInfo(rank=0, host=socket.gethostname(), threads=self.store.threads,
                                    isa=self.store.isa, capacity_bytes=capacity,
                                    page_tokens=getattr(self.store, "page_tokens", 1), kernel=kernel.describe(),
-                                   forks=hasattr(self.store, "fork") and not variants.windowed)]
+                                   forks=hasattr(self.store, "fork") and not variants.windowed,
+                                   kv_layout=layout_hex(self.store))]
         self.num_heads = config.num_heads
         self._row_ids = None
         self._mb_ids: list[np.ndarray] = []
@@ -154,6 +157,23 @@ class LocalBackend(RBackend):
     def free(self, seq_ids_by_worker):
         for sid in seq_ids_by_worker[0]:
             self.store.free(int(sid))
+
+    def export_kv(self, seq_ids_by_worker):
+        check_kv_lists(self, seq_ids_by_worker)
+        return [{int(s): self.store.export_seq(int(s)) for s in seq_ids_by_worker[0]}]
+
+    def import_kv(self, worker, seq_ids, blobs):
+        """Each blob into the store as an R-worker takes it (rworker.kv_blobs.import_one)."""
+        check_kv_import(self, worker, seq_ids, blobs)
+        stored, refused = [], []
+        for sid, blob in zip(seq_ids, blobs):
+            ok, why = import_one(self.store, int(sid), blob)
+            stored.append(ok)
+            if why:
+                refused.append([int(sid), why])
+        if refused:
+            raise KVImportError.of(self.workers[0].rank, "the in-process store (rank 0)", refused, stored)
+        return stored
 
     def profile_workers(self, seqs: int, target_bytes: int) -> list[dict]:
         from rworker.bench import measure_attention

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from fastdecode.model.config import ModelConfig
-from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo
+from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo, check_kv_import, check_kv_lists
+from fastdecode.rpart.kv_transfer import check_answer, receive_answer, receive_exports, send_imports
 from fastdecode.rpart.staging import HostBuffer, Stager
 from fastdecode.rpart.variants import AttentionVariants
 from rworker.host.progressor import Progressor
@@ -45,6 +47,8 @@ class _MiniBatch:
 
 
 class MPIBackend(RBackend):
+    blob_chunk = P.MAX_BLOB_CHUNK       # bytes of one KV blob message at most (tests make it small)
+
     def __init__(self, comm: MPI.Comm, config: ModelConfig, kv_dtype: str, variants: AttentionVariants | float,
                  r_threads: int | None = None, rworker_mem: int | None = None, policy: str = "adaptive",
                  timeout: float | None = None, device: torch.device | None = None,
@@ -102,7 +106,8 @@ class MPIBackend(RBackend):
                                   f"{P.VERSION}: run the same fastdecode installation on every rank")
         return WorkerInfo(rank=r, host=info["host"], threads=info["threads"], isa=info["isa"],
                           capacity_bytes=info["capacity_bytes"], page_tokens=info.get("page_tokens", 1),
-                          pid=info.get("pid", 0), kernel=info.get("kernel", ""), forks=bool(info.get("forks")))
+                          pid=info.get("pid", 0), kernel=info.get("kernel", ""), forks=bool(info.get("forks")),
+                          kv_layout=info.get("kv_layout", ""))
 
     def _send_control(self, w: int, msg: np.ndarray) -> None:
         """A Send with the silent-rank timeout: to a rank whose link is down a message stays queued
@@ -324,6 +329,49 @@ class MPIBackend(RBackend):
                 rtts.append(time.perf_counter() - t)
             times.append(float(np.median(rtts)) / 2)
         return times
+
+    # ------------------------------------------------------------------ KV hand-over (rpart/kv_transfer.py)
+
+    @contextmanager
+    def _naming_silence(self):
+        """A peer silent past the timeout: PeerTimeout naming it, and no goodbyes at close."""
+        try:
+            yield self.timeout or self._auto_timeout
+        except PeerTimeout:
+            self._silent_rank = True
+            raise
+
+    def export_kv(self, seq_ids_by_worker):
+        """Every asked R-worker exports at once; their blobs are read worker by worker."""
+        check_kv_lists(self, seq_ids_by_worker)
+        self._flush_frees()                   # a sequence freed before is gone, as the caller expects
+        asked = [(w, [int(s) for s in ids]) for w, ids in enumerate(seq_ids_by_worker) if len(ids)]
+        for w, ids in asked:
+            self._send_control(w, P.kv_export_message(self.step, ids, self.blob_chunk))
+        out: list[dict[int, bytes]] = [{} for _ in self.ranks]
+        missing = []
+        with self._naming_silence() as timeout:
+            for w, ids in asked:
+                out[w], gone = receive_exports(self.comm, self.ranks[w], self._names[w], ids, self.blob_chunk,
+                                               self.policy, timeout)
+                missing += [f"sequence {s} on {self._names[w]}" for s in gone]
+        if missing:
+            raise KeyError(f"export_kv: {', '.join(missing)}: not held")
+        return out
+
+    def import_kv(self, worker, seq_ids, blobs):
+        """The blobs to one R-worker, which answers per sequence once all are in (JSON, TAG_INFO)."""
+        check_kv_import(self, worker, seq_ids, blobs)
+        if not len(seq_ids):
+            return []
+        self._flush_frees()                   # an id freed before may come back
+        ids = [int(s) for s in seq_ids]
+        self._send_control(worker, P.kv_import_message(self.step, ids, [len(b) for b in blobs], self.blob_chunk))
+        rank, who = self.ranks[worker], self._names[worker]
+        with self._naming_silence() as timeout:
+            send_imports(self.comm, rank, who, blobs, self.blob_chunk, self.policy, timeout)
+            answer = receive_answer(self.comm, rank, who, self.policy, timeout)
+        return check_answer(answer, rank, who, ids)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -4,7 +4,8 @@ the tier's sequences never leave the ranks' memories. Each rank's tier sees the 
 extend and free calls (the runner runs the same steps on every rank), so their pages stay in
 step. To placement and the reports the tier is one worker holding whole tokens: its bytes are
 counted as all T ranks' together (a rank's x T), its attention speed per whole token likewise
-(the ranks attend their heads at once), so nothing above the backend knows of T."""
+(the ranks attend their heads at once), so nothing above the backend knows of T. A rank's pages
+hold only its heads, so the tier neither exports nor imports KV (RBackend's defaults refuse)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,8 @@ from fastdecode.rpart.base import RBackend, StepStats
 class ShardedTier(RBackend):
     def __init__(self, tier: RBackend, ranks: int):
         self.tier, self.ranks = tier, ranks
-        self.workers = [dataclasses.replace(w, capacity_bytes=w.capacity_bytes * ranks) for w in tier.workers]
+        self.workers = [dataclasses.replace(w, capacity_bytes=w.capacity_bytes * ranks, kv_layout="")
+                        for w in tier.workers]
 
     @property
     def prefill_times(self):

@@ -135,6 +135,20 @@ class TieredBackend(RBackend):
         if any(seq_ids_by_worker[r:]):
             self.tier.free(seq_ids_by_worker[r:])
 
+    # ------------------------------------------------------------------ KV hand-over: by worker index
+
+    def export_kv(self, seq_ids_by_worker):
+        r = self.num_others
+        if len(seq_ids_by_worker) != self.num_workers:
+            raise ValueError(f"export_kv: {len(seq_ids_by_worker)} lists of sequences for {self.num_workers} workers")
+        return self.others.export_kv(seq_ids_by_worker[:r]) + self.tier.export_kv(seq_ids_by_worker[r:])
+
+    def import_kv(self, worker, seq_ids, blobs):
+        r = self.num_others
+        if worker < r:
+            return self.others.import_kv(worker, seq_ids, blobs)
+        return self.tier.import_kv(worker - r, seq_ids, blobs)
+
     # ------------------------------------------------------------------ profiling, lifecycle
 
     def profile_workers(self, seqs: int, target_bytes: int) -> list[dict]:

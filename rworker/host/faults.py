@@ -1,9 +1,9 @@
 """Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>[:<how>[:<nth>]]".
 
-Points: hello, prefill, decode (R-workers, on the step's control message), prefill-stream (an
-R-worker, after a prefill's first layer of K/V is appended: mid-stream), step (the S-worker's
-engine step; a tensor-parallel S-rank's runner call), rewrite (rank 0's final rewrite of the
-output, before it replaces the file).
+Points: hello, prefill, decode, kv_export, kv_import (R-workers, on that control message; every
+control kind's name is one), prefill-stream (an R-worker, after a prefill's first layer of K/V is
+appended: mid-stream), step (the S-worker's engine step; a tensor-parallel S-rank's runner call),
+rewrite (rank 0's final rewrite of the output, before it replaces the file).
 nth: fire on the nth time the point is reached (default the first).
 How: raise (default) an exception; exit: die at once without MPI's help (a crash, exit code 17);
 kill: SIGKILL itself (the OOM killer, `kill -9`); hang: stop answering (a stuck node); enospc: an

@@ -8,6 +8,8 @@ Per engine step the S-worker sends each R-worker, in this order:
        PREFILL: per layer one message [k rows | v rows]                (TAG_KV)
        DECODE:  per layer, per mini-batch m one message [q | k | v]    (tag_qkv(m))
      and gets back per (layer, mini-batch m) the attention output [n, Hq, D]   (tag_out(m)).
+Between steps a KV_EXPORT / KV_IMPORT moves sequences' KV-caches as their store's blobs, uint8
+messages on TAG_KVBLOB (see KV_EXPORT below).
 Replies that are not activations (HELLO's roster entry, a PROFILE result) are JSON on TAG_INFO;
 a decode step ends with the worker's float64 stats (STEP_STATS) on TAG_INFO.
 
@@ -25,7 +27,7 @@ import numpy as np
 from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
 
 MAGIC = 0x46444543          # "FDEC"
-VERSION = 6                 # bump on any change to a message's layout or meaning
+VERSION = 7                 # bump on any change to a message's layout or meaning
 MAX_SEQ_ID = (1 << 53) - 1  # sequence ids are 0..MAX_SEQ_ID (the engine's stay far below)
 
 # What an R-worker reports after each DECODE step, float64 each: kernel seconds, seconds not
@@ -35,7 +37,8 @@ STEP_STATS = ("attend_s", "busy_s", "kv_bytes", "step", "append_s", "kv_saved_by
 
 # ---------------------------------------------------------------- tags
 
-TAG_CTRL, TAG_KV, TAG_INFO, TAG_PING = 1, 2, 3, 4
+TAG_CTRL, TAG_KV, TAG_INFO, TAG_PING, TAG_KVBLOB = 1, 2, 3, 4, 5
+MAX_BLOB_CHUNK = (1 << 31) - 1     # bytes of one blob message at most (MPI counts are C ints)
 MAX_MINIBATCHES = 64        # pipeline depth limit: per-mini-batch tags come from disjoint ranges
 TAG_QKV_BASE = 100
 TAG_OUT_BASE = TAG_QKV_BASE + MAX_MINIBATCHES
@@ -59,9 +62,10 @@ def _minibatch(mb: int) -> int:
 
 # ---------------------------------------------------------------- header
 
-HELLO, PREFILL, DECODE, FREE, SHUTDOWN, ABORT, PROFILE, PING = 1, 2, 3, 4, 5, 6, 7, 8
+HELLO, PREFILL, DECODE, FREE, SHUTDOWN, ABORT, PROFILE, PING, KV_EXPORT, KV_IMPORT = range(1, 11)
 KIND_NAMES = {HELLO: "HELLO", PREFILL: "PREFILL", DECODE: "DECODE", FREE: "FREE",
-              SHUTDOWN: "SHUTDOWN", ABORT: "ABORT", PROFILE: "PROFILE", PING: "PING"}
+              SHUTDOWN: "SHUTDOWN", ABORT: "ABORT", PROFILE: "PROFILE", PING: "PING",
+              KV_EXPORT: "KV_EXPORT", KV_IMPORT: "KV_IMPORT"}
 HEADER_WORDS = 9
 
 
@@ -304,3 +308,55 @@ def parse_free(hdr: np.ndarray, body: np.ndarray) -> np.ndarray:
 def decode_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:
     """Bytes on the wire per sequence per layer: (S->R: q,k,v, R->S: o)."""
     return (num_heads + 2 * num_kv_heads) * head_dim * itemsize, num_heads * head_dim * itemsize
+
+# ---------------------------------------------------------------- KV_EXPORT / KV_IMPORT
+# A sequence's KV-cache moves as its store's blob (rworker.kvstore: export_seq / import_seq; opaque
+# here), so that a stopped job's rerun reloads it instead of recomputing the prompt. Between steps only.
+#   KV_EXPORT: a=n b=chunk; body: seq_ids[n]. The worker keeps the sequences and answers per sequence,
+#              in order, on TAG_KVBLOB: int64[1] its blob's size in bytes (-1: it does not hold that
+#              sequence), then the blob as uint8 messages of blob_chunks(size, chunk).
+#   KV_IMPORT: a=n b=chunk; body: seq_ids[n], sizes[n] (bytes). The S-worker then sends each blob in
+#              turn as uint8 messages of blob_chunks(size, chunk) on TAG_KVBLOB; the worker answers
+#              with JSON on TAG_INFO: {"stored": [n] bool (false: past its capacity, nothing stored),
+#              "refused": [[seq id, why], ...] (blobs its store would not take; stored false)}.
+# chunk: bytes of one blob message at most (1..MAX_BLOB_CHUNK), the S-worker's choice.
+
+
+@dataclass(slots=True)
+class KVMove:
+    seq_ids: np.ndarray         # [n] int64, distinct
+    sizes: np.ndarray           # [n] int64 blob bytes (KV_IMPORT; empty for KV_EXPORT)
+    chunk: int                  # bytes of one blob message at most
+
+
+def kv_export_message(step: int, seq_ids, chunk: int = MAX_BLOB_CHUNK) -> np.ndarray:
+    return control(KV_EXPORT, step, len(seq_ids), chunk, body=[seq_ids])
+
+
+def kv_import_message(step: int, seq_ids, sizes, chunk: int = MAX_BLOB_CHUNK) -> np.ndarray:
+    if len(sizes) != len(seq_ids):
+        raise ValueError(f"KV_IMPORT: {len(sizes)} blob sizes for {len(seq_ids)} sequences")
+    return control(KV_IMPORT, step, len(seq_ids), chunk, body=[seq_ids, sizes])
+
+
+def parse_kv_move(kind: int, hdr: np.ndarray, body: np.ndarray) -> KVMove:
+    """A KV_EXPORT's or KV_IMPORT's ids (and blob sizes), checked."""
+    n, chunk, name = int(hdr[0]), int(hdr[1]), KIND_NAMES.get(kind, str(kind))
+    want = 2 * n if kind == KV_IMPORT else n
+    if n < 0 or body.size != want or not 0 < chunk <= MAX_BLOB_CHUNK:
+        raise ProtocolError(f"protocol error: {name} announces {n} sequences in chunks of {chunk} bytes (1.."
+                            f"{MAX_BLOB_CHUNK}), its body has {body.size} words")
+    ids = check_ids(body[:n].copy(), name)
+    if np.unique(ids).size != n:
+        raise ProtocolError(f"protocol error: {name} names a sequence twice")
+    sizes = body[n:].copy()
+    if (sizes < 0).any():
+        raise ProtocolError(f"protocol error: {name} announces a blob of {int(sizes.min())} bytes")
+    return KVMove(ids, sizes, chunk)
+
+
+def blob_chunks(size: int, chunk: int = MAX_BLOB_CHUNK) -> list[tuple[int, int]]:
+    """[(start, end)] byte ranges of a blob's messages: each at most `chunk` bytes (none for 0 bytes)."""
+    if size < 0 or not 0 < chunk <= MAX_BLOB_CHUNK:
+        raise ValueError(f"a blob of {size} bytes in chunks of {chunk} bytes (1..{MAX_BLOB_CHUNK})")
+    return [(s, min(s + chunk, size)) for s in range(0, size, chunk)]
