@@ -158,7 +158,8 @@ def test_a_saved_state_that_does_not_fit_its_request_is_refused():
 # ---------------------------------------------------------------------------- under mpiexec -n 3
 
 def test_a_stopped_mpi_job_continues_its_sequences(llm, tmp_path):
-    """Rank 0 saves what the R-workers' KV held as tokens; the rerun (3 ranks) prefills them there."""
+    """Rank 0 saves what the R-workers held, the tokens and (exported from the R-workers) their KV;
+    the rerun (3 ranks) imports the KV there and goes on."""
     lines = [batch_line(f"r{i}", {"prompt": f"Story {i}: once upon a time", "max_tokens": 6 + 20 * (i % 3),
                                   "temperature": 0 if i % 2 else 0.8, "seed": i, "ignore_eos": True})
              for i in range(6)]
@@ -179,8 +180,11 @@ def test_a_stopped_mpi_job_continues_its_sequences(llm, tmp_path):
     _, err = job.communicate(timeout=300)
     assert job.returncode == 75, err[-3000:]
     assert "sequence(s) in flight" in err and (tmp_path / "out.jsonl.inflight").exists(), err[-3000:]
+    assert "saved the KV of" in err and (tmp_path / "out.jsonl.inflight.kv").exists(), err[-3000:]
     again = run_fastdecode(flags, ranks=3, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     report = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert report["this_run"]["continued_sequences"] > 0
+    # the R-workers exported their KV on the stop and imported it in the rerun: nothing recomputed
+    assert report["this_run"]["reloaded_sequences"] > 0 and report["this_run"]["recomputed_tokens"] == 0
     assert answers(read_output(out)) == reference

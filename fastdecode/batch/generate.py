@@ -73,7 +73,8 @@ def run_summary(runner: BatchRunner, wall: float) -> dict:
                requests=runner.num_requests, errors=runner.num_errors,
                requests_per_s=round(runner.num_requests / wall, 4) if wall else None,
                preemptions=eng.scheduler.num_preemptions, recomputed_tokens=eng.num_recomputed_tokens,
-               reloaded_tokens=eng.reload_kv.tokens, reloaded_sequences=eng.reload_kv.sequences,
+               reloaded_tokens=eng.reload_kv.tokens - runner.reloaded_before[0],
+               reloaded_sequences=eng.reload_kv.sequences - runner.reloaded_before[1],
                kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token, **eng.prefix_summary(),
                **eng.tier_summary())
     return out

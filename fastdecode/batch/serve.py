@@ -44,6 +44,7 @@ class BatchRunner:
         self.num_requests = 0                      # served this run
         self.errors: Counter[str] = Counter()      # error rows this run, by code
         self.engine_tokens_before = engine.num_output_tokens    # an engine lent to runs before (tests, API)
+        self.reloaded_before = (engine.reload_kv.tokens, engine.reload_kv.sequences)
 
     @property
     def num_errors(self) -> int:

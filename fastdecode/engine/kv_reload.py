@@ -5,13 +5,15 @@ instead of a prefill: once the scheduler has placed them, their worker imports t
 A sequence is recomputed instead (prefilled with its tokens as any continued one) where its worker
 keeps no importable KV (the S-worker's own tier), its worker's layout differs from the saved one,
 the bytes are damaged or for other tokens, it shares a prefix placement found for it, or the
-worker has no room; the first of each cause is named on stderr.
+worker has no room or refuses the bytes, or the S-worker is tensor-parallel; the first of each
+cause is named on stderr.
 """
 from __future__ import annotations
 
 import sys
 
 from fastdecode.engine.sequence import Sequence, Status
+from fastdecode.rpart.base import KVImportError
 
 
 class Reloader:
@@ -23,6 +25,11 @@ class Reloader:
     def __call__(self, eng, new: list[Sequence]) -> list[Sequence]:
         """Import the saved KV of this step's placed sequences that have one; -> those left to prefill."""
         if not any(s.saved_kv is not None for s in new):
+            return new
+        if eng.tp is not None:                # the followers would need telling: recomputed as before
+            for s in new:
+                s.saved_kv = None
+            self._say("a tensor-parallel S-worker recomputes saved sequences")
             return new
         layouts = eng.backend.kv_layouts()
         by_worker: dict[int, list[tuple[Sequence, memoryview]]] = {}
@@ -42,7 +49,11 @@ class Reloader:
             by_worker.setdefault(s.worker, []).append((s, blob))
         done: set[int] = set()
         for w, pairs in by_worker.items():
-            ok = eng.backend.import_kv(w, [s.seq_id for s, _ in pairs], [b for _, b in pairs])
+            try:
+                ok = eng.backend.import_kv(w, [s.seq_id for s, _ in pairs], [b for _, b in pairs])
+            except KVImportError as e:        # the worker refused some blobs (named); it took the others
+                self._say(str(e))
+                ok = e.stored
             for (s, _), imported in zip(pairs, ok):
                 if not imported:
                     self._say("its worker has no room for it now")
