@@ -70,3 +70,26 @@ def test_damaged_kv_is_named_and_recomputed(llm, job, capfd):
     assert "recomputed, not reloaded: its KV's checksum does not match" in capfd.readouterr().err
     assert 0 < rerun["reloaded_sequences"] < stopped["saved_kv_sequences"] and rerun["recomputed_tokens"] > 0
     assert answers(read_output(out)) == reference
+
+
+def test_a_reloaded_sequence_leaves_no_prefix_entry_pending(llm, tmp_path):
+    """Prompts that share a long prefix: the first step starts the first one alone (the others wait
+    for the prefix it donates), and the stop saves it. The rerun reloads it, its placement having
+    opened a prefix entry for the waiting prompts; no prefill fills that entry, so it is dropped and
+    they prefill in full in the next step (before, they waited on it until the reloaded sequence
+    ended, its whole generation: the rerun took about twice the steps)."""
+    system = "You are a careful assistant. " + " ".join(f"rule {i}: answer briefly." for i in range(24))
+    lines = [batch_line(f"q{i}", {"prompt": f"{system} Question {i}: what is {i} plus {i}?", "max_tokens": 10,
+                                  "temperature": 0, "ignore_eos": True}) for i in range(4)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    flags = ["-i", str(inp)]
+    assert generate(llm.engine, flags + ["-o", str(tmp_path / "ref.jsonl")])[2] == 0
+    out = str(tmp_path / "out.jsonl")
+    assert generate(llm.engine, flags + ["-o", out], stop_at=1)[2] == 75
+    before = llm.engine.step_no
+    _, rep, code = generate(llm.engine, flags + ["-o", out], stop_at=200)
+    assert code == 0, rep
+    assert llm.engine.step_no - before <= 10 + 3      # 10 tokens each, the waiting prompts from step 2
+    assert rep["this_run"]["reloaded_sequences"] == 1
+    assert answers(read_output(out)) == answers(read_output(tmp_path / "ref.jsonl"))

@@ -197,10 +197,10 @@ class BatchJob:
                   f"in the rerun", file=sys.stderr, flush=True)
             inflight.discard(inflight_kv.kv_path(self.inflight_path))
             return
-        self.saved_kv_seqs, self.saved_kv_bytes = kv_stop.save(self, engine, self.save_kv)
         if self.saved_seqs:
             print(f"fastdecode: saved {self.saved_seqs} sequence(s) in flight ({self.saved_tokens} generated tokens) "
                   f"to {self.inflight_path}; the rerun continues them", file=sys.stderr, flush=True)
+        self.saved_kv_seqs, self.saved_kv_bytes = kv_stop.save(self, engine, self.save_kv)
 
     def inflight_summary(self) -> dict:
         """This run's continued and saved generation (the report's this_run)."""

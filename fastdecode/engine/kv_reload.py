@@ -60,6 +60,8 @@ class Reloader:
                     continue
                 s.prefilled = s.prefill_to = 0
                 s.status = Status.RUNNING
+                if eng.prefix is not None:
+                    eng.prefix.not_prefilled(s)
                 done.add(s.seq_id)
                 self.tokens += s.kv_len
                 self.sequences += 1

@@ -257,6 +257,16 @@ class PrefixCache:
         if entry.ready and not self.interest[entry.keys[0]]:
             self._retire(entry)              # those who shared it were placed elsewhere meanwhile
 
+    def not_prefilled(self, seq: Sequence) -> None:
+        """seq's K/V came another way (a stop's saved KV, reloaded: engine/kv_reload.py): no prefill
+        keeps its prefix, so the entry it donated is dropped before anyone waits on it (those who
+        share its prompt prefill in full, or donate again)."""
+        entry = self.donated.pop(seq.seq_id, None)
+        if entry is not None:
+            entry.donor_live = False
+            self._retire(entry)
+            self.entries.discard(entry)
+
     # ------------------------------------------------------------------ ends
 
     def released(self, seq: Sequence) -> None:
