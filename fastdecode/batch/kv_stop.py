@@ -33,11 +33,11 @@ def save(job, engine, mode: str) -> tuple[int, int]:
     """Export and write the KV of the sequences `job`'s stop saved; -> (sequences, bytes)."""
     path = inflight_kv.kv_path(job.inflight_path)
     bound = inflight_kv.inflight_digest(job.inflight_path, inflight.MAGIC)
-    carried = job.saved.carried_kv() if job.saved is not None else []
     if mode == "never" or bound is None or job.runner is None:
         inflight_kv.discard(path)
         return 0, 0
     try:
+        carried = job.saved.carried_kv() if job.saved is not None else []     # lines this run did not reach
         layouts = engine.backend.kv_layouts()
         by_worker = running_on_workers(job.runner, layouts)
         estimate = sum(s.kv_len for seqs in by_worker.values() for s, _, _ in seqs) * engine.kv_bytes_per_token
