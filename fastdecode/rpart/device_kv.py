@@ -132,9 +132,12 @@ class DeviceKVTier(RBackend):
         q, k, v = split_qkv(packed, n, self.hq, self.hkv, self.d)       # [n, Hq, D], [n, Hkv, D] x 2
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         write_kv(kc, vc, st.slots, k.to(self.dtype), v.to(self.dtype))
+        if kc.dtype not in (q.dtype, torch.float32):      # a float32 S-part over a 16-bit tier (a CPU's)
+            q = q.to(kc.dtype)
         st.out = paged_decode_attention(q, kc, vc, st.table, st.lens, self.variants.scale,
                                         window=self.windows[layer], softcap=self.variants.softcap,
-                                        sinks=None if self.sinks is None else self.sinks[layer])   # [n, Hq, D]
+                                        sinks=None if self.sinks is None else self.sinks[layer]
+                                        ).to(packed.dtype)                                         # [n, Hq, D]
         self._timers.append((t0, self._clock()))
 
     def decode_wait(self, layer, mb):
