@@ -79,7 +79,8 @@ def test_a_rerun_decodes_while_it_recomputes_and_continues_the_same_text(llm, tm
     inp.write_text("\n".join(LINES) + "\n")
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     assert generate(eng, ["-i", str(inp), "-o", str(ref)])[2] == 0
-    _, rep, code = generate(eng, ["-i", str(inp), "-o", str(out)], stop_at=12)
+    # the KV not saved (--save-kv-on-stop never): the rerun recomputes it (a reload: test_kv_reload.py)
+    _, rep, code = generate(eng, ["-i", str(inp), "-o", str(out), "--save-kv-on-stop", "never"], stop_at=12)
     assert code == 75 and rep["this_run"]["saved_in_flight_tokens"] >= 8 * 10
 
     steps = []                              # per engine step: (decode rows, recomputed prompt rows)
