@@ -30,37 +30,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
 
-
-class StepStop:
-    """A stop request that turns true after `at` engine steps of the run it is attached to."""
-
-    def __init__(self, at: int | None):
-        self.at, self.engine, self.first = at, None, 0
-        self.name = "SIGUSR1"
-
-    def attach(self, engine) -> None:
-        self.engine, self.first = engine, engine.step_no
-
-    @property
-    def requested(self) -> bool:
-        return self.at is not None and self.engine is not None and self.engine.step_no - self.first >= self.at
-
-    def watch(self, on_first) -> None:
-        pass
-
-
-class Lent:
-    """The engine lent to one run: its close() leaves it open for the next."""
-
-    def __init__(self, engine):
-        self.__dict__["_engine"] = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def close(self) -> None:
-        pass
+from inprocess import Borrowed, StepStop, drain  # noqa: E402  the tests' in-process generate helpers
 
 
 def run(engine, argv: list[str], stop_at: int | None = None) -> dict:
@@ -73,7 +45,7 @@ def run(engine, argv: list[str], stop_at: int | None = None) -> dict:
 
     def lend():
         stop.attach(engine)
-        return Lent(engine)
+        return Borrowed(engine)
     original_step = engine._mixed_step
 
     def counted_step():          # which steps re-prefill, and whether decode runs in them
@@ -89,8 +61,7 @@ def run(engine, argv: list[str], stop_at: int | None = None) -> dict:
     finally:
         del engine._mixed_step
     wall = time.perf_counter() - t
-    while engine.has_unfinished():              # what a stopped run left: a new process would not hold it
-        engine.step()
+    drain(engine)                               # what a stopped run left: a new process would not hold it
     return {"exit": code, "wall_s": round(wall, 2), "steps": engine.step_no - steps,
             "recomputed_tokens": engine.num_recomputed_tokens - recomputed,
             "saved_in_flight_tokens": rep["this_run"].get("saved_in_flight_tokens"),

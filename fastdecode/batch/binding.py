@@ -18,11 +18,12 @@ input's. `--overwrite` starts over, or a new `-o`.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
 
-from fastdecode.batch.filemode import fsync_dir, open_like, open_no_link, temp_like
+from fastdecode.batch.filemode import open_like, open_no_link, replace_atomically
 from fastdecode.batch.sidefiles import fingerprints_path, inflight_path, real
 from fastdecode.batch.stdio import input_identity
 from fastdecode.model.identity import describe, model_identity
@@ -186,17 +187,4 @@ def _record_chunks(path: str, start: int, chunk: int = 1 << 20) -> Iterator[byte
 
 def _replace(path: str, head: bytes, body: Iterator[bytes]) -> None:
     """Replace `path` by `head` and `body`, atomically (a temporary file renamed over it)."""
-    f, tmp = temp_like(path, path)
-    try:
-        with f:
-            f.write(head)
-            for data in body:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    replace_atomically(path, path, itertools.chain([head], body))

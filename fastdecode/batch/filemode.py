@@ -94,6 +94,25 @@ def keep_owner_mode(fd: int, st: os.stat_result) -> None:
         os.fchmod(fd, st.st_mode & 0o7777)     # a chown clears set-id bits
 
 
+def replace_atomically(path: str, like: str | None, chunks) -> None:
+    """Replace `path` by the bytes of `chunks` (an iterable), with the mode of `like`: written to a
+    temporary file beside it (temp_like), fsynced and renamed over it; the temporary file is
+    removed if anything fails."""
+    f, tmp = temp_like(path, like)
+    try:
+        with f:
+            for data in chunks:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename in path's directory durable (best effort: not every file system allows it)."""
     try:

@@ -17,7 +17,7 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from fastdecode.batch import binding, inflight, inflight_kv, kv_stop, report
+from fastdecode.batch import binding, inflight, kv_stop, report
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import count_lines, read_lines
 from fastdecode.batch.output import OutputWriter, append_rows, rewrite
@@ -96,8 +96,7 @@ class BatchJob:
         self.writer = OutputWriter(output_path, input_path, overwrite=overwrite, model=model_identity)
         self.inflight_path = inflight_path(output_path)
         if overwrite:
-            inflight.discard(self.inflight_path)
-            inflight.discard(inflight_kv.kv_path(self.inflight_path))
+            inflight.discard_save(self.inflight_path)
         self.index = self._load_index()
         self.total_lines = count_lines(input_path)      # streamed; for the progress total and messages
         if self.index.prior_rows:
@@ -195,7 +194,7 @@ class BatchJob:
         except OSError as e:
             print(f"fastdecode: {self.inflight_path}: could not save the sequences in flight ({e}); they start over "
                   f"in the rerun", file=sys.stderr, flush=True)
-            inflight.discard(inflight_kv.kv_path(self.inflight_path))
+            inflight.discard_save(self.inflight_path)
             return
         if self.saved_seqs:
             print(f"fastdecode: saved {self.saved_seqs} sequence(s) in flight ({self.saved_tokens} generated tokens) "
@@ -234,8 +233,7 @@ class BatchJob:
         """After the engine is closed: the final rewrite of a complete run; -> the rows moved out."""
         if not self.completed:
             return 0
-        inflight.discard(self.inflight_path)      # every line is answered: nothing is in flight
-        inflight.discard(inflight_kv.kv_path(self.inflight_path))
+        inflight.discard_save(self.inflight_path)      # every line is answered: nothing is in flight
         try:
             self.moved_by_cause = finalize_output(self.writer, self.index, sort)
         except OSError as e:              # a full disk: the output is as it was, every row in it

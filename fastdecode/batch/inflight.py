@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from fastdecode.batch import inflight_kv, inflight_read
-from fastdecode.batch.filemode import fsync_dir, temp_like
+from fastdecode.batch.filemode import replace_atomically
 from fastdecode.batch.inflight_read import Untrusted
 from fastdecode.engine.continuation import RequestState
 
@@ -87,17 +87,7 @@ def save(path: str, like: str, identity: dict, entries: dict[bytes, Entry]) -> t
     buf = io.BytesIO()
     np.savez(buf, manifest=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **arrays)
     payload = buf.getvalue()
-    f, tmp = temp_like(path, like)
-    try:
-        with f:
-            f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path)
-    except BaseException:
-        discard(tmp)
-        raise
+    replace_atomically(path, like, [MAGIC, hashlib.sha256(payload).digest(), payload])
     seqs = sum(len(s.sequences) for _, states in entries.values() for s in states if s is not None)
     return seqs, int(arrays["tokens"].size)
 
@@ -107,6 +97,12 @@ def discard(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def discard_save(path: str) -> None:
+    """The save at `path` and the KV saved beside it (inflight_kv.py)."""
+    discard(path)
+    inflight_kv.discard(inflight_kv.kv_path(path))
 
 
 # ---------------------------------------------------------------------------- reading
@@ -178,8 +174,7 @@ class Saved:
         self.open.discard(key)
         if self.entries and not self.open and not (self.entries.keys() - self.seen):
             self.entries = {}
-            discard(self.path)
-            inflight_kv.discard(inflight_kv.kv_path(self.path))
+            discard_save(self.path)
 
     def carried(self) -> dict[bytes, Entry]:
         """Entries of lines this run did not reach: kept for the next run."""

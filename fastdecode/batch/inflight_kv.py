@@ -25,7 +25,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from fastdecode.batch.filemode import fsync_dir, open_no_link, temp_like
+from fastdecode.batch.filemode import open_no_link, replace_atomically
 from fastdecode.batch.inflight_read import Untrusted
 
 MAGIC = b"fastdecode in-flight KV v1\n"
@@ -77,19 +77,7 @@ def save(path: str, like: str, bound_to: str, items: list[Item]) -> int:
                         "sha256": hashlib.sha256(it.blob).hexdigest()})
         offset += len(it.blob)
     index = json.dumps({"format": FORMAT, "inflight_sha256": bound_to, "sequences": entries}).encode()
-    f, tmp = temp_like(path, like)
-    try:
-        with f:
-            f.write(MAGIC + struct.pack("<Q", len(index)) + index)
-            for it in items:
-                f.write(it.blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path)
-    except BaseException:
-        discard(tmp)
-        raise
+    replace_atomically(path, like, [MAGIC + struct.pack("<Q", len(index)) + index] + [it.blob for it in items])
     return len(MAGIC) + 8 + len(index) + offset
 
 
