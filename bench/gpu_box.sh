@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup balance pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup balance cpuspart pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
@@ -10,6 +10,11 @@
 #   call -1: setup balance (~10 min, issue 49): the card alone against the card with 1, 2 and 14
 #           R-workers under the balance rule, 512 and 4,096-token prompts (target: every count >= 0.98x
 #           the best smaller one, 1 R-worker >= the card alone); results tiers_$BOX-balance-*.json.
+#   call -1b: cpuspart (~6 min, issue 50): the host's 16 Xeon cores (AMX) as a CPU S-worker in local
+#           mode, the embedded model: where a decode step goes, float32 depth 2 (the old default) against
+#           the new defaults (bf16, depth 1) and --compile (on AMX oneDNN's prepacked bf16 GEMMs may make
+#           the compiled halves pay where they did not on the 2-core Zen 5 dev box); results
+#           bench/e2e/results/spart_breakdown_$BOX-host-16core.json.
 #   call 0: pagedattn tiertests (~7 min, issue 42, never run on a card): the device tier's Triton kernel
 #           and the tier under local mode and mpirun on CUDA (the box has Triton 3.6.0: the kernels keep
 #           to its matrix-unit sizes); then the paged kernel's read bandwidth against the card's copy.
@@ -165,6 +170,8 @@ balance)     # issue 49: every socket adds: the card alone, +1, +2 and +14 R-wor
     stage balance4k 280 $PY bench/e2e/tiers_bench.py --label $BOX-balance-4k --model random:llama-3-8b \
         --device cuda --configs card=1: card+1=2: card+2=3: card+14=15: --prompts 128 --prompt-len 4096 --gen 256 \
         --max-batch 128 --extra "--dtype bfloat16 --kv-dtype bf16" --launcher "$LAUNCHER" --vocab 128000 --timeout 60 ;;
+cpuspart)    # issue 50: the host as a CPU S-worker: old and new CPU defaults, --compile, a step's breakdown
+    CUDA_VISIBLE_DEVICES= stage cpuspart 330 $PY bench/e2e/spart_breakdown.py --label $BOX-host-16core --prompts 256 ;;
 tiers8k)     # issue 42: the same at 8,192-token prompts
     stage tiers8k 280 $PY bench/e2e/tiers_bench.py --label $BOX-8k --model random:llama-3-8b --device cuda \
         --configs card=1: card+14=15: --prompts 64 --prompt-len 8192 --gen 256 --max-batch 64 \

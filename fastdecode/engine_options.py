@@ -90,8 +90,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-revision", default=None, help="--revision of --tokenizer")
     p.add_argument("--device", default="auto", help="S-worker device: auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="S-part weights/activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
-                        "with AVX512-BF16 prefills ~3x as fast: docs/tuning.md)")
+                   help="S-part weights/activations (auto: bfloat16 on CUDA; on a CPU the checkpoint's dtype, "
+                        "bfloat16 unless it stores float32, where the CPU has AVX512-BF16 or AMX, else float32; "
+                        "float32 matches HF transformers' float32 outputs: docs/tuning.md)")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: the projections' weights in float8_e4m3fn with per-channel scales, half of bf16's "
                         "bytes (vLLM's flag); GEMMs in fp8 on GPUs with fp8 (sm89+), elsewhere the weights "
@@ -142,6 +143,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-depth", type=_pipeline_depth, default=2,
                    help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
                         "others (1 = S and R take turns)")
+    p.add_argument("--compile", action="store_true",
+                   help="a CPU S-worker's layers under torch.compile (Inductor, cached in the fastdecode cache "
+                        "directory); off by default: on the dev box it ran slower than eager (docs/tuning.md)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA S-worker: replay each layer's dense work of a mini-batch from a CUDA graph "
                         "(fewer launches at small batches; captured on first use per row bucket)")
@@ -202,4 +206,5 @@ def engine_args(args):
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
     if hasattr(args, "stabilize_lengths"):
         given["learn_lengths"] = args.stabilize_lengths == "learnt"
+    given["enforce_eager"] = bool(getattr(args, "vllm_enforce_eager", None))     # vLLM's flag (vllm_args.py)
     return EngineArgs(**given)

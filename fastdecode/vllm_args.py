@@ -52,10 +52,10 @@ def _kv_cache_dtype(value) -> str:
     return names[value]
 
 
-def _enforce_eager(value) -> bool | None:
+def _enforce_eager(value) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"enforce_eager must be a bool, got {value!r}")
-    return False if value else None           # True: no CUDA graphs; False: as cuda_graphs says (off by default)
+    return value                  # True: no compiled CPU S-part, no CUDA graphs (those are off unless asked)
 
 
 ROWS = (
@@ -64,7 +64,7 @@ ROWS = (
     VllmArg("dtype", "dtype", convert=_dtype),
     VllmArg("kv_cache_dtype", "kv_dtype", convert=_kv_cache_dtype),
     VllmArg("seed", "seed", convert=lambda v: 0 if v is None else v),
-    VllmArg("enforce_eager", "cuda_graphs", convert=_enforce_eager, flag=bool),
+    VllmArg("enforce_eager", "enforce_eager", convert=_enforce_eager, flag=bool),
     VllmArg("trust_remote_code", noop=(False,), flag=bool,
             why="fastdecode runs its own implementation of each model family (docs/models.md), never code "
                 "shipped with a model"),
@@ -154,7 +154,8 @@ def add_flags(parser) -> None:
 
 def _flag_help(row: VllmArg) -> str:
     if row.name == "enforce_eager":
-        return "no CUDA graphs (the default unless --cuda-graphs)"
+        return ("the S-part runs eagerly: no torch.compile, no CUDA graphs (the default unless --compile or "
+                "--cuda-graphs)")
     accepted = [str(v) for v in row.noop if v is not None and v is not False]
     if not accepted:
         return f"refused: {row.why}"
@@ -170,6 +171,8 @@ def check_flags(args) -> str | None:
         if row.name == "enforce_eager":
             if getattr(args, "cuda_graphs", False):
                 return "--enforce-eager contradicts --cuda-graphs (CUDA graphs are off unless --cuda-graphs is given)"
+            if getattr(args, "compile", False):
+                return "--enforce-eager contradicts --compile (the S-part runs eagerly unless --compile is given)"
             continue
         message = refusal(row, value, as_flag=True)
         if message:

@@ -24,8 +24,9 @@ def test_vllm_kwargs_with_a_meaning_here_are_mapped():
                              enable_prefix_caching=False, enforce_eager=True, tokenizer="/t", revision="v1",
                              max_model_len=512), FIELDS)
     assert got == dict(max_batch=7, seed=0, dtype="bfloat16", kv_dtype="auto", prefix_sharing=False,
-                       cuda_graphs=False, tokenizer="/t", revision="v1", max_model_len=512)
-    assert engine_kwargs(dict(dtype="half", seed=3, enforce_eager=False), FIELDS) == dict(dtype="float16", seed=3)
+                       enforce_eager=True, tokenizer="/t", revision="v1", max_model_len=512)
+    assert engine_kwargs(dict(dtype="half", seed=3, enforce_eager=False), FIELDS) == dict(dtype="float16", seed=3,
+                                                                                         enforce_eager=False)
     # vLLM's defaults of what has no meaning here change nothing
     assert engine_kwargs(dict(trust_remote_code=False, pipeline_parallel_size=1,
                               swap_space=4, tokenizer_mode="auto",

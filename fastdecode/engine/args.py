@@ -4,6 +4,7 @@ the machine: device, dtypes, batch and prefill limits.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ class EngineArgs:
     tokenizer: str | None = None      # another model's tokenizer (a directory, .gguf or cached repo id)
     tokenizer_revision: str | None = None   # its revision, as `revision`
     device: str = "auto"              # auto | cpu | cuda[:i]
-    dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    dtype: str = "auto"               # auto (the checkpoint's: bf16 unless it stores float32; on a CPU without
+                                      # AVX512-BF16 float32) | float32 | bfloat16 | float16
     quantization: str | None = None   # None | "fp8": the projections' weights in e4m3 (vLLM's name; an fp8
                                       # checkpoint is served fp8 either way; model/quantization.py)
     kv_dtype: str = "auto"            # auto (= fp32 for float32 models, else bf16) | fp32 | bf16 | fp16 | int8
@@ -46,6 +48,9 @@ class EngineArgs:
                                       # False: memory alone bounds the batch
     pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
     cuda_graphs: bool = False         # CUDA S-worker: replay each layer's dense work from a CUDA graph
+    compile: bool = False             # a CPU S-part's per-layer halves under torch.compile (model/compiled.py;
+                                      # off by default: slower than eager where measured, docs/results.md)
+    enforce_eager: bool = False       # vLLM's: nothing compiled, no CUDA graphs
     cuda_graph_max_rows: int = 2048   # largest mini-batch run from graphs (larger ones run eagerly)
     max_logprobs: int = 20            # most logprobs / prompt_logprobs alternatives a request may ask for (vLLM's)
     max_request_mem: int = 1 << 30    # rank-0 bytes one request may pin (its tokens, logprobs, output row)
@@ -93,6 +98,8 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {args.tensor_parallel_size!r}")
+    if args.enforce_eager and (args.cuda_graphs or args.compile):
+        raise ValueError(f"enforce_eager contradicts {'cuda_graphs' if args.cuda_graphs else 'compile'}")
     if not 1 <= args.pipeline_depth <= MAX_MINIBATCHES:
         raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {args.pipeline_depth}")
     cuda = device.type == "cuda"
@@ -108,14 +115,53 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
     return dataclasses.replace(args, max_batch=max_batch, max_prefill_tokens=prefill)
 
 
-def resolve_dtypes(args: EngineArgs, device: torch.device) -> tuple[torch.dtype, str]:
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    # auto stays fp32 on a CPU S-worker: bf16 prefills ~3x as fast on CPUs with AVX512-BF16, but its
-    # greedy tokens then depend on the batch around them often enough that a resumed or requeued
-    # job's rows differ from an uninterrupted run's (docs/tuning.md, --dtype)
-    dtype = (torch.float32 if device.type == "cpu" else torch.bfloat16) if args.dtype == "auto" \
-        else names[args.dtype]
+NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+         "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def checkpoint_dtype(config: ModelConfig | None) -> str | None:
+    """The dtype an HF checkpoint's config names (torch_dtype, or dtype as transformers v5 writes
+    it); None where it names none (GGUF files, whose weights are quantized or half, random models)."""
+    if config is None:
+        return None
+    cfg = config.hf_config or {}
+    named = cfg.get("torch_dtype") or cfg.get("dtype")
+    return named.removeprefix("torch.") if isinstance(named, str) else None
+
+
+def auto_dtype(device: torch.device, checkpoint: str | None = None,
+               features: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
+    """--dtype auto: (dtype, why). A GPU computes in bfloat16. A CPU S-worker takes the checkpoint's
+    own dtype, as HF and vLLM read `auto` (bfloat16 for a half-precision or quantized one), where the
+    CPU computes bf16 natively, else float32. features: the CPU's (rworker.isa.cpu_features)."""
+    if device.type != "cpu":
+        return torch.bfloat16, "bfloat16 on a GPU"
+    if checkpoint == "float32":
+        return torch.float32, "the checkpoint stores float32"
+    if features is None:
+        try:
+            from rworker.isa import cpu_features
+            features = cpu_features()
+        except ImportError:          # no kernel build to read cpuid with: the safe choice
+            return torch.float32, "this install cannot read the CPU's features (no kernel build)"
+    if "avx512bf16" in features or "amx_bf16" in features:
+        return torch.bfloat16, "the checkpoint's half precision, and this CPU computes bf16 (AVX512-BF16)"
+    return torch.float32, "this CPU lacks AVX512-BF16 and AMX, where bfloat16 runs slower than float32"
+
+
+def say_dtype(args: EngineArgs, device: torch.device, config: ModelConfig, dtype: torch.dtype) -> None:
+    """The start-up line naming a CPU S-worker's dtype under `auto`, and why."""
+    if args.dtype != "auto" or device.type != "cpu":
+        return
+    why = auto_dtype(device, checkpoint_dtype(config))[1]
+    hint = "; --dtype float32 matches HF transformers' float32 outputs" if dtype != torch.float32 else ""
+    print(f"fastdecode: dtype {str(dtype).removeprefix('torch.')} (auto: {why}{hint})", file=sys.stderr, flush=True)
+
+
+def resolve_dtypes(args: EngineArgs, device: torch.device,
+                   config: ModelConfig | None = None) -> tuple[torch.dtype, str]:
+    """(S-part dtype, KV dtype name) of a job; config: the model's, for `auto` (the checkpoint's dtype)."""
+    dtype = auto_dtype(device, checkpoint_dtype(config))[0] if args.dtype == "auto" else NAMES[args.dtype]
     kv = args.kv_dtype
     if kv == "auto":
         kv = "fp32" if dtype == torch.float32 else "bf16"

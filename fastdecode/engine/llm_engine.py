@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 
 import numpy as np
 import torch
 
-from fastdecode.engine import continuation, rpart_setup
-from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
+from fastdecode.engine import continuation, rpart_setup, spart_setup
+from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes, say_dtype
 from fastdecode.engine.kv_reload import Reloader
 from fastdecode.engine.kv_tiers import choose_tier
 from fastdecode.engine.outputs import request_output
@@ -22,7 +21,6 @@ from fastdecode.engine.sampling_params import RequestMetrics, RequestOutput, Sam
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
 from fastdecode.model.config import ModelConfig
-from fastdecode.model.layer_graphs import LayerGraphs
 from fastdecode.model.llama import LlamaSPart
 from fastdecode.model.names import ServedModel, served_model
 from fastdecode.model.quantization import WeightFormat, say_fp8, weight_format
@@ -51,11 +49,13 @@ class LLMEngine:
         # a tensor-parallel S-worker: ranks 0..T-1 join, each on its own GPU with 1/T of the model (fastdecode/tp/)
         self.tp = tp_leader.start(comm, args, self.config) if s_ranks > 1 else None
         self.device = self.tp.device if self.tp else resolve_device(args.device)
-        self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
+        self.dtype, self.kv_dtype = resolve_dtypes(args, self.device, self.config)
+        if not args.quiet:
+            say_dtype(args, self.device, self.config, self.dtype)
         self.weight_format: WeightFormat = weight_format(args.quantization, self.source)
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.kv_dtype)
         self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
-        self.s_cores = self._setup_cores()
+        self.s_cores, self._node_cpus = spart_setup.setup_cores(args, self.device, self.layout, self.tp)
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         tokenizer = resolve_model(args.tokenizer, args.tokenizer_revision) if args.tokenizer else None
         self.tokenizer = Tokenizer(self.source, digest, tokenizer, self.max_model_len) \
@@ -99,15 +99,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix,
                                    self.balance if gated else None)
-        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, self._make_graphs()) \
+        spart_setup.compile_spart(args, self.model)
+        graphs = spart_setup.make_graphs(args, self.device, self.model, tp)
+        self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, graphs) \
             if tp is None else tp_leader.runner(self, comm)
         self.runner.reserve_tokens, self.runner.prefix = self.placement.store_tokens, self.prefix   # pages at prefill
-        if self.device.type == "cpu" and not self.args.s_threads and (self.layout is None or self._node_cpus):
-            # the R-part only appends during prefill (and attends a mixed step's few decode rows), so a CPU
-            # S-worker prefills on every core of its node: local mode's, or those it left to co-located R-workers
-            from rworker.host.threads import physical_cpus
-            self.runner.prefill_threads = len(physical_cpus(self._node_cpus or None))
-            self.runner.prefill_cpus = self._node_cpus
+        if spart_setup.prefills_on_the_node(args, self.device, self.layout, self._node_cpus):
+            self.runner.prefill_threads, self.runner.prefill_cpus = spart_setup.node_cores(self._node_cpus)
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no, self._next_seq_id = 0, 1
@@ -117,37 +115,6 @@ class LLMEngine:
         self.reload_kv = Reloader()        # a stop's saved KV, imported instead of recomputed (engine/kv_reload.py)
         self.pinned_bytes = 0              # what unfinished requests may hold on rank 0 (their estimates)
         self._noted_reservation = False
-
-    def _make_graphs(self) -> LayerGraphs | None:
-        if not self.args.cuda_graphs or self.tp is not None:       # (a tensor-parallel S-worker runs eagerly)
-            return None
-        if self.device.type != "cuda":
-            print(f"fastdecode: --cuda-graphs needs a CUDA S-worker (this one runs on {self.device}); "
-                  "running without graphs", file=sys.stderr, flush=True)
-            return None
-        return LayerGraphs(self.model, self.args.cuda_graph_max_rows)
-
-    def _setup_cores(self) -> int:
-        """Threads and cores of the S-worker; returns the cores it keeps from co-located R-workers.
-
-        MPI launchers make torch/MKL default to 1 thread (MPI_LOCALNRANKS), so set it always."""
-        from rworker.host.cores import bind, launcher_bound, s_worker_cores
-        self._node_cpus: list[int] = []          # set if it binds itself to its share of the node
-        pipelined = self.args.pipeline_depth > 1
-        cpu = self.device.type == "cpu"
-        if self.layout is None:                  # local mode: the R-part runs in this process
-            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=1)
-        else:
-            ranks_here, s_here, _ = self.layout
-            s_cores = s_worker_cores(cpu, pipelined, rworkers_here=ranks_here - s_here)
-            if ranks_here > 1 and pipelined and not launcher_bound() and self.tp is None:
-                from rworker.host.threads import cpu_set, physical_cpus
-                if hasattr(os, "sched_setaffinity"):
-                    self._node_cpus = cpu_set()
-                bind(physical_cpus()[:s_cores])
-        if cpu:
-            torch.set_num_threads(self.args.s_threads or s_cores)
-        return s_cores
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         """Shared prompt prefixes, unless turned off or a worker's store cannot fork (an older build,

@@ -57,6 +57,8 @@ def collect() -> dict:
         import torch
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        from fastdecode.launch.omp_binding import binding
+        info["torch_thread_binding"] = binding()
         info["cuda_available"] = torch.cuda.is_available()
         if torch.cuda.is_available():
             info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

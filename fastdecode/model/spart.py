@@ -65,6 +65,7 @@ class SPart:
         self.ops = SPartOps(self.device, dtype, c.hidden_size)
         # the fused RoPE + wire packing kernel covers whole-head RoPE without q/k norms
         self._plain_rope = not c.qk_norm and c.rotary_dim == c.head_dim
+        self.compiled = None           # the per-layer halves under torch.compile (compiled.py), or eager
 
     @property
     def graph_safe(self) -> bool:
@@ -123,13 +124,24 @@ class SPart:
             pack(*self.rope_split(layer, qkv, rope), layout, out)
 
     def qkv_proj(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        L = self.layers[layer]
-        h = self._norm(x, L["ln1"])
-        return linear(h, L["w_qkv"], L["b_qkv"])                          # [n, (Hq + 2 Hkv) D]
+        """x: [n, h] residual stream -> projections [n, (Hq + 2 Hkv) D] (compiled where self.compiled is)."""
+        fn = self.compiled.qkv_proj if self.compiled is not None else self.layer_qkv_proj
+        return fn(self.layers[layer], x)
 
     def post_attn(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: [n, h], o: [n, Hq, D] attention output -> next layer's residual stream [n, h]."""
-        c, L = self.config, self.layers[layer]
+        fn = self.compiled.post_attn if self.compiled is not None else self.layer_post_attn
+        return fn(self.layers[layer], x, o)
+
+    # the same on a layer's weights L (layer_weights.py): what compiled.py compiles, one graph for
+    # every layer since the weights are inputs, not constants
+
+    def layer_qkv_proj(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        h = self._norm(x, L["ln1"])
+        return linear(h, L["w_qkv"], L["b_qkv"])                          # [n, (Hq + 2 Hkv) D]
+
+    def layer_post_attn(self, L: dict, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        c = self.config
         attn = self._reduced(linear(o.reshape(o.shape[0], -1).to(self.dtype), L["w_o"],
                                     None if self.tp else L["b_o"]), L["b_o"])      # [n, h]
         if c.gemma_norms:              # norms on both sides of attention and of the MLP

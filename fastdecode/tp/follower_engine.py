@@ -29,7 +29,7 @@ class FollowerEngine:
         max_model_len = self.config.resolve_max_model_len(args.max_model_len)
         self.tp = join(comm, s_ranks, self.config, resolve_device(args.device), args.timeout)
         self.device = self.tp.device
-        self.dtype, self.kv_dtype = resolve_dtypes(args, self.device)
+        self.dtype, self.kv_dtype = resolve_dtypes(args, self.device, self.config)
         self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
         self.s_cores = self._setup_threads()
         self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype,
