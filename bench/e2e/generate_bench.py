@@ -103,7 +103,7 @@ def main() -> None:
     texts = prompts(args.prompts)
     inp = tempfile.mktemp(suffix=".jsonl")
     batch_file(inp, texts, args.new_tokens)
-    engine = ["--kv-dtype", "fp32", "--max-batch", str(args.prompts)]
+    engine = ["--dtype", "float32", "--kv-dtype", "fp32", "--max-batch", str(args.prompts)]   # as HF's peer
     result = {"label": args.label, "cpu": platform.processor(), "cores": os.cpu_count(),
               "prompts": args.prompts, "new_tokens": args.new_tokens, "model": "smollm2-135m (fp32 S-part, fp32 KV)",
               "warm_model_load_s": warm_load_s(), "runs": []}
