@@ -1,6 +1,6 @@
 """A CPU S-worker's defaults: --dtype auto (the checkpoint's dtype where the CPU computes bf16,
-float32 elsewhere, chosen through the ISA probe and said at start-up), and the start-up line on
-its torch threads."""
+float32 elsewhere, chosen through the ISA probe), and how its torch threads' binding is said.
+The start-up lines themselves, from a real engine: test_cpu_startup_lines.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -61,20 +61,6 @@ def test_an_install_that_cannot_read_the_cpu_takes_float32(monkeypatch):
     assert dtype == torch.float32 and "cannot read the CPU's features" in why
 
 
-@pytest.mark.parametrize("features, line", [
-    (ZEN4, "fastdecode: dtype bfloat16 (auto: the checkpoint's half precision, and this CPU computes bf16 "
-           "(AVX512-BF16); --dtype float32 matches HF transformers' float32 outputs)"),
-    (HASWELL, "fastdecode: dtype float32 (auto: this CPU lacks AVX512-BF16 and AMX, where bfloat16 runs slower "
-              "than float32)"),
-])
-def test_the_start_up_line_says_the_dtype_and_why(monkeypatch, capfd, features, line):
-    from fastdecode import LLM
-    monkeypatch.setattr(rworker.isa, "cpu_features", lambda: features)
-    llm = LLM("random:smollm2-135m:layers=1:vocab=500", device="cpu")
-    assert line in capfd.readouterr().err.splitlines()
-    assert llm.engine.dtype == (torch.bfloat16 if features is ZEN4 else torch.float32)
-
-
 # ---------------------------------------------------------------------------- torch threads' binding
 
 def test_the_binding_of_torch_threads_is_said_as_found():
@@ -83,10 +69,3 @@ def test_the_binding_of_torch_threads_is_said_as_found():
     assert binding({"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}) == \
         "bound (OMP_PROC_BIND=close, OMP_PLACES=cores)"
     assert binding({"OMP_PROC_BIND": "spread", "OMP_PLACES": ""}) == "bound (OMP_PROC_BIND=spread)"
-
-
-def test_the_start_up_line_names_the_s_part_threads(capfd):
-    from fastdecode import LLM
-    LLM("random:smollm2-135m:layers=1:vocab=500", device="cpu", s_threads=1)
-    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("fastdecode: S-part threads: ")]
-    assert lines and lines[0].startswith("fastdecode: S-part threads: 1, "), lines

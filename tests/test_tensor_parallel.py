@@ -31,6 +31,9 @@ PARITY_RTOL = 1e-4             # as test_families_spart: max |ours - HF| against
 TP_RTOL = 2e-5                 # T = 2 against T = 1: the same products summed in another order
 ENV = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
 ENGINE = {"kv_dtype": "fp32", "dtype": "float32", "device": "cpu"}
+# a tensor-parallel S-worker on CPU ranks (gloo) is a test vehicle for the GPU one: float32, since three
+# ranks on two cores in the CPU default, bf16, crawled (a 16-line job past 10 minutes)
+CPU_TP = ["--dtype", "float32"]
 
 
 def build_llama(root, name: str, vocab: int):
@@ -204,7 +207,7 @@ def test_heads_t_does_not_divide_end_the_job_before_the_weights_load(tmp_path):
     inp.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                                "body": {"prompt": "Hi", "max_tokens": 2}}) + "\n")
     proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(tmp_path / "o.jsonl"), "--tensor-parallel-size", "2",
-                           "--device", "cpu"], ranks=3, timeout=120)
+                           "--device", "cpu", *CPU_TP], ranks=3, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--tensor-parallel-size 2 must divide the model's 9 query heads and 3 KV heads" in proc.stderr
     assert "R-worker pid" not in proc.stderr           # no R-worker started its kernel tune
@@ -276,7 +279,7 @@ def test_a_stopped_follower_ends_the_job_within_the_timeout_naming_it(tmp_path):
     inp.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                                        "body": {"prompt": f"Count to {i}:", "max_tokens": 24, "temperature": 0,
                                                 "ignore_eos": True}}) + "\n" for i in range(16)))
-    args = ["generate", "-i", str(inp), "-o", str(out), "--tensor-parallel-size", "3", "--device", "cpu",
+    args = ["generate", "-i", str(inp), "-o", str(out), "--tensor-parallel-size", "3", "--device", "cpu", *CPU_TP,
             "--max-batch", "2", "--timeout", "10", "--quiet"]
     job = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "fastdecode"] + args, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
