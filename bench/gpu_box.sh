@@ -10,7 +10,7 @@
 #   call -1: setup balance (~10 min, issue 49): the card alone against the card with 1, 2 and 14
 #           R-workers under the balance rule, 512 and 4,096-token prompts (target: every count >= 0.98x
 #           the best smaller one, 1 R-worker >= the card alone); results tiers_$BOX-balance-*.json.
-#   call -1b: cpuspart (~6 min, issue 50): the host's 16 Xeon cores (AMX) as a CPU S-worker in local
+#   call -1b: cpuspart (~10 min, issue 50): the host's 16 Xeon cores (AMX) as a CPU S-worker in local
 #           mode, the embedded model: where a decode step goes, float32 depth 2 (the old default) against
 #           the new defaults (bf16, depth 1) and --compile (on AMX oneDNN's prepacked bf16 GEMMs may make
 #           the compiled halves pay where they did not on the 2-core Zen 5 dev box); results
@@ -171,7 +171,8 @@ balance)     # issue 49: every socket adds: the card alone, +1, +2 and +14 R-wor
         --device cuda --configs card=1: card+1=2: card+2=3: card+14=15: --prompts 128 --prompt-len 4096 --gen 256 \
         --max-batch 128 --extra "--dtype bfloat16 --kv-dtype bf16" --launcher "$LAUNCHER" --vocab 128000 --timeout 60 ;;
 cpuspart)    # issue 50: the host as a CPU S-worker: old and new CPU defaults, --compile, a step's breakdown
-    CUDA_VISIBLE_DEVICES= stage cpuspart 330 $PY bench/e2e/spart_breakdown.py --label $BOX-host-16core --prompts 256 ;;
+    CUDA_VISIBLE_DEVICES= stage cpuspart 330 $PY bench/e2e/spart_breakdown.py --label $BOX-host-16core --prompts 256
+    CUDA_VISIBLE_DEVICES= stage cpudepth 240 $PY bench/e2e/local_depth_bench.py --label $BOX-host-16core --rounds 1 ;;
 tiers8k)     # issue 42: the same at 8,192-token prompts
     stage tiers8k 280 $PY bench/e2e/tiers_bench.py --label $BOX-8k --model random:llama-3-8b --device cuda \
         --configs card=1: card+14=15: --prompts 64 --prompt-len 8192 --gen 256 --max-batch 64 \

@@ -8,6 +8,10 @@ Imports are lazy so that `fastdecode` on an R-worker rank never loads torch.
 """
 __version__ = "0.1.0"
 
+from fastdecode.launch.omp_binding import spin_default  # noqa: E402  (before anything loads torch)
+
+spin_default()
+
 _LAZY = {
     "LLM": ("fastdecode.llm", "LLM"),
     "SamplingParams": ("fastdecode.engine.sampling_params", "SamplingParams"),

@@ -140,9 +140,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=duration(MIN_TIMEOUT_S), default=None,
                    help="seconds a rank may stay silent before the job aborts naming it, at least 1 (default: 900 "
                         "until a step was timed, then 50x the slowest step, at least 300)")
-    p.add_argument("--pipeline-depth", type=_pipeline_depth, default=2,
+    p.add_argument("--pipeline-depth", type=_pipeline_depth, default=None,
                    help="mini-batches in flight: the S-part of one runs while the R-workers attend the "
-                        "others (1 = S and R take turns)")
+                        "others (1 = S and R take turns on all cores; default: 1 for a CPU S-worker with its "
+                        "R-part on its own node, 2 otherwise)")
     p.add_argument("--compile", action="store_true",
                    help="a CPU S-worker's layers under torch.compile (Inductor, cached in the fastdecode cache "
                         "directory); off by default: on the dev box it ran slower than eager (docs/tuning.md)")

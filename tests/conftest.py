@@ -17,6 +17,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:          # this checkout's fastdecode, as the children get (PYTHONPATH)
     sys.path.insert(0, REPO)
+import fastdecode  # noqa: E402,F401  (its GOMP_SPINCOUNT default, before any test module loads torch)
+
 OVERRIDE = "FASTDECODE_TEST_MPIEXEC"      # a launcher of the tester's choice, used as given
 
 

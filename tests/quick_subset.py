@@ -13,6 +13,7 @@ import pytest
 # files whose every test is a unit test (seconds in all, no `mpiexec`, no engine)
 UNIT_FILES = (
     "test_attn_variants_plumbing.py", "test_balance.py", "test_cpu_defaults.py", "test_eta.py", "test_families_gguf.py",
+    "test_logits_refine.py",
     "test_families_spart.py", "test_fp8.py", "test_fused_ops.py", "test_inflight_kv.py", "test_int8_kernel.py",
     "test_int8_kernel_inputs.py", "test_kv_cap_line.py", "test_kv_export.py", "test_kv_extents.py", "test_kv_tiers.py",
     "test_kv_transfer.py", "test_kvstore.py", "test_kvstore_limits.py", "test_layout.py", "test_length_model.py",

@@ -1,15 +1,23 @@
 """A CPU S-worker's defaults: --dtype auto (the checkpoint's dtype where the CPU computes bf16,
-float32 elsewhere, chosen through the ISA probe), and how its torch threads' binding is said.
+float32 elsewhere, chosen through the ISA probe), the pipeline depth (S and R taking turns where
+they share a node), libgomp's spin, and how its torch threads' binding is said.
 The start-up lines themselves, from a real engine: test_cpu_startup_lines.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import rworker.isa
-from fastdecode.engine.args import EngineArgs, auto_dtype, checkpoint_dtype, resolve_dtypes
+from fastdecode.engine.args import (EngineArgs, auto_dtype, auto_pipeline_depth, checkpoint_dtype,
+                                    resolve_batch_limits, resolve_dtypes)
+from fastdecode.model.config import config_from_hf_dict
+from fastdecode.model.source import random_config_dict
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 ZEN4 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16"})
@@ -69,3 +77,44 @@ def test_the_binding_of_torch_threads_is_said_as_found():
     assert binding({"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}) == \
         "bound (OMP_PROC_BIND=close, OMP_PLACES=cores)"
     assert binding({"OMP_PROC_BIND": "spread", "OMP_PLACES": ""}) == "bound (OMP_PROC_BIND=spread)"
+
+
+# ---------------------------------------------------------------------------- pipeline depth
+
+def test_s_and_r_take_turns_only_where_a_cpu_s_worker_shares_its_node_with_the_r_part():
+    assert auto_pipeline_depth(CPU, one_node=True) == 1          # local mode, or two ranks on one node
+    assert auto_pipeline_depth(CPU, one_node=False) == 2         # R-workers on other nodes: overlap them
+    assert auto_pipeline_depth(CUDA, one_node=True) == 2         # a GPU overlaps the host's attention
+
+
+def test_the_depth_is_filled_in_once_and_a_given_one_is_kept():
+    tiny = config_from_hf_dict(random_config_dict("random:smollm2-135m:layers=1"), "random")
+    assert EngineArgs().pipeline_depth is None
+    assert resolve_batch_limits(EngineArgs(), CPU, tiny, torch.float32, one_node=True).pipeline_depth == 1
+    assert resolve_batch_limits(EngineArgs(), CPU, tiny, torch.float32).pipeline_depth == 2
+    assert resolve_batch_limits(EngineArgs(pipeline_depth=2), CPU, tiny, torch.float32, True).pipeline_depth == 2
+    with pytest.raises(ValueError, match="pipeline_depth must be in 1..64, got 0"):
+        resolve_batch_limits(EngineArgs(pipeline_depth=0), CPU, tiny, torch.float32)
+
+
+# ---------------------------------------------------------------------------- libgomp's spin
+
+def spin_in_a_child(code: str, **env) -> str:
+    child_env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=child_env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+SAY = "import os; from fastdecode.launch.omp_binding import spin; print(os.environ.get('GOMP_SPINCOUNT'), '|', spin())"
+
+
+def test_fastdecode_shortens_libgomps_spin_before_torch_loads_unless_told():
+    assert spin_in_a_child("import fastdecode; " + SAY) == "2000 | GOMP_SPINCOUNT=2000 (fastdecode's default)"
+    assert spin_in_a_child("import fastdecode; " + SAY, GOMP_SPINCOUNT="50000") == "50000 | GOMP_SPINCOUNT=50000"
+
+
+def test_torch_loaded_first_keeps_libgomps_spin_and_the_line_says_how_to_set_it():
+    said = spin_in_a_child("import torch; import fastdecode; " + SAY)
+    assert said.startswith("None | libgomp's default spin") and "export GOMP_SPINCOUNT=2000" in said

@@ -46,7 +46,8 @@ class EngineArgs:
     learn_lengths: bool = True        # stabilized: project with lengths learnt from finished sequences
     balance: bool = True              # start a sequence only while it raises tokens/s (sched/balance.py);
                                       # False: memory alone bounds the batch
-    pipeline_depth: int = 2           # mini-batches in flight: S-part of one while R-workers attend another
+    pipeline_depth: int | None = None  # mini-batches in flight: S-part of one while R-workers attend another
+                                      # (None: auto_pipeline_depth)
     cuda_graphs: bool = False         # CUDA S-worker: replay each layer's dense work from a CUDA graph
     compile: bool = False             # a CPU S-part's per-layer halves under torch.compile (model/compiled.py;
                                       # off by default: slower than eager where measured, docs/results.md)
@@ -87,9 +88,20 @@ def check_batch_budget(max_num_batched_tokens: int | None, max_batch: int) -> No
                          f"lower max_batch")
 
 
+def auto_pipeline_depth(device: torch.device, one_node: bool) -> int:
+    """Mini-batches in flight where --pipeline-depth is not given. A CPU S-worker whose R-part
+    shares its node (local mode, or every R-worker on its node) takes turns with it on every core
+    (1): at depth 2 its dense layers get half the cores while the attention, a tenth of a step at
+    chat lengths, idles the other half (local mode 1.69x, `mpiexec -n 2` on one node 1.38x on the
+    dev box). Everywhere else 2: the S-part of one mini-batch overlaps the R-workers' attention of
+    the other on their own cores."""
+    return 1 if one_node and device.type == "cpu" else 2
+
+
 def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelConfig,
-                         dtype: torch.dtype) -> EngineArgs:
-    """Check the pipeline depth (the protocol's mini-batch limit) and fill in max_batch and
+                         dtype: torch.dtype, one_node: bool = False) -> EngineArgs:
+    """Fill in the pipeline depth (auto_pipeline_depth; `one_node`: the R-part on the S-worker's
+    node, a single S-rank) and check it against the protocol's mini-batch limit, then max_batch and
     max_prefill_tokens. A GPU S-worker exists to run thousands of rows
     per step and large prefill chunks; the chunk is capped so that its activations (about
     hidden*6 + intermediate*3 values per token, the largest live at once) take at most a quarter
@@ -100,8 +112,9 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {args.tensor_parallel_size!r}")
     if args.enforce_eager and (args.cuda_graphs or args.compile):
         raise ValueError(f"enforce_eager contradicts {'cuda_graphs' if args.cuda_graphs else 'compile'}")
-    if not 1 <= args.pipeline_depth <= MAX_MINIBATCHES:
-        raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {args.pipeline_depth}")
+    depth = args.pipeline_depth if args.pipeline_depth is not None else auto_pipeline_depth(device, one_node)
+    if not isinstance(depth, int) or not 1 <= depth <= MAX_MINIBATCHES:
+        raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {depth!r}")
     cuda = device.type == "cuda"
     max_batch = args.max_batch or default_max_batch(device)
     prefill = args.max_prefill_tokens
@@ -112,7 +125,7 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
             per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
             prefill = int(min(32768, max(8192, free // 4 // per_token)))
     check_batch_budget(args.max_num_batched_tokens, max_batch)
-    return dataclasses.replace(args, max_batch=max_batch, max_prefill_tokens=prefill)
+    return dataclasses.replace(args, pipeline_depth=depth, max_batch=max_batch, max_prefill_tokens=prefill)
 
 
 NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

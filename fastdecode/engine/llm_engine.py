@@ -54,7 +54,8 @@ class LLMEngine:
             say_dtype(args, self.device, self.config, self.dtype)
         self.weight_format: WeightFormat = weight_format(args.quantization, self.source)
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.kv_dtype)
-        self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
+        one_node = self.tp is None and (self.layout is None or self.layout[0] == comm.Get_size())  # R-part beside
+        self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype, one_node)
         self.s_cores, self._node_cpus = spart_setup.setup_cores(args, self.device, self.layout, self.tp)
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         tokenizer = resolve_model(args.tokenizer, args.tokenizer_revision) if args.tokenizer else None

@@ -34,8 +34,9 @@ def setup_cores(args, device: torch.device, layout: tuple | None, tp) -> tuple[i
     if cpu:
         torch.set_num_threads(args.s_threads or s_cores)
         if not args.quiet:
-            from fastdecode.launch.omp_binding import binding
-            print(f"fastdecode: S-part threads: {torch.get_num_threads()}, {binding()}", file=sys.stderr, flush=True)
+            from fastdecode.launch.omp_binding import binding, spin
+            print(f"fastdecode: S-part threads: {torch.get_num_threads()}, {binding()}, {spin()}", file=sys.stderr,
+                  flush=True)
     return s_cores, node_cpus
 
 

@@ -57,8 +57,9 @@ def collect() -> dict:
         import torch
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
-        from fastdecode.launch.omp_binding import binding
+        from fastdecode.launch.omp_binding import binding, spin
         info["torch_thread_binding"] = binding()
+        info["torch_thread_spin"] = spin()
         info["cuda_available"] = torch.cuda.is_available()
         if torch.cuda.is_available():
             info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
