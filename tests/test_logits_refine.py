@@ -1,4 +1,4 @@
-"""A half-precision LM head's top logits recomputed in float32 (model/spart.py: near_top,
+"""A half-precision LM head's top logits recomputed in float32 (model/logit_top.py: near_top,
 top_in_float32): the search finds exactly the logits near each row's top, and greedy then picks
 what a float64 product of the same bf16 operands picks, where the bf16 GEMM's rounding tied or
 swapped them."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode.model.spart import near_top, top_in_float32
+from fastdecode.model.logit_top import near_top, top_in_float32
 
 
 def bf16_head(vocab: int, hidden: int = 64, rows: int = 256, seed: int = 0):
@@ -52,3 +52,4 @@ def test_a_soft_capped_head_caps_the_recomputed_logits_too():
     assert refined.max() <= cap
     top = refined.amax(-1).double()
     assert torch.allclose(top, torch.tanh(exact.max(-1).values / cap) * cap, atol=1e-5)
+

@@ -279,15 +279,16 @@ def write_input(path, questions) -> None:
 
 
 def test_generate_reports_hits_and_a_resumed_job_still_shares(tmp_path):
-    """--stats-json's summary counts the hits (zero with --no-prefix-sharing, same rows); a job
-    stopped after two lines and run again serves the rest sharing their system prompt."""
+    """--stats-json's summary counts the hits (zero with --no-prefix-sharing, same rows: in float32,
+    where a prefix prefilled apart gives the tokens of the whole prompt prefilled); a job stopped
+    after two lines and run again serves the rest sharing their system prompt."""
     inp = tmp_path / "in.jsonl"
     write_input(inp, QUESTIONS)
     summaries, rows = {}, {}
     for name, extra in (("shared", []), ("plain", ["--no-prefix-sharing"])):
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.stats.json"
-        proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--kv-dtype", "fp32", "--quiet",
-                               "--stats-json", str(stats)] + extra, timeout=300)
+        proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "--dtype", "float32", "--kv-dtype", "fp32",
+                               "--quiet", "--stats-json", str(stats)] + extra, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         summaries[name] = json.loads(stats.read_text())["summary"]
         rows[name] = [r["response"]["body"]["choices"] for r in read_output(str(out))]
@@ -298,8 +299,8 @@ def test_generate_reports_hits_and_a_resumed_job_still_shares(tmp_path):
     grown, out, stats = tmp_path / "grown.jsonl", tmp_path / "resumed.jsonl", tmp_path / "resumed.stats.json"
     for questions, extra in ((QUESTIONS[:2], []), (QUESTIONS, ["--stats-json", str(stats)])):
         write_input(grown, questions)
-        proc = run_fastdecode(["generate", "-i", str(grown), "-o", str(out), "--kv-dtype", "fp32", "--quiet"] + extra,
-                              timeout=300)
+        proc = run_fastdecode(["generate", "-i", str(grown), "-o", str(out), "--dtype", "float32", "--kv-dtype", "fp32",
+                               "--quiet"] + extra, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(stats.read_text())["summary"]["prefix_hits"] == len(QUESTIONS) - 3
     assert [r["response"]["body"]["choices"] for r in read_output(str(out))] == rows["shared"]

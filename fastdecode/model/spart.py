@@ -30,6 +30,7 @@ from fastdecode.model import prompt_attention as pa
 from fastdecode.model.config import ModelConfig
 from fastdecode.model.fp8 import Fp8Weight, linear
 from fastdecode.model.layer_weights import fp8_weights, layer_weights, norm_weight
+from fastdecode.model.logit_top import top_in_float32
 from fastdecode.model.ops import SPartOps, apply_rope, gemma_rms_norm_torch, pack, rms_norm_torch
 from fastdecode.model.rope import Rope, RopeTable
 
@@ -202,49 +203,3 @@ class SPart:
     def sinks(self, layer: int) -> torch.Tensor | None:
         """Layer `layer`'s learned sink logits [Hq] float32, or None (no family here has them)."""
         return self.layers[layer].get("sinks")
-
-
-
-
-NEAR_BLOCK = 128         # tokens per block when searching a row for logits near its top
-
-
-def near_top(logits: torch.Tensor, rel: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [k], tokens [k]) of the logits [n, V] within rel * |top| of their row's top. Blocks of
-    NEAR_BLOCK tokens whose maximum reaches that are searched: two vectorized reductions over the
-    row instead of a compare and a nonzero over all of it (a tenth of the time at 64 x 49,152)."""
-    n, vocab = logits.shape
-    top = logits.amax(-1, keepdim=True)                                   # [n, 1]
-    floor = top - rel * top.abs()                                         # [n, 1]
-    whole = vocab // NEAR_BLOCK * NEAR_BLOCK
-    block_max = logits[:, :whole].reshape(n, -1, NEAR_BLOCK).amax(-1)    # [n, V / B]
-    if whole < vocab:
-        block_max = torch.cat([block_max, logits[:, whole:].amax(-1, keepdim=True)], 1)
-    rows, blocks = (block_max >= floor).nonzero(as_tuple=True)           # [b], [b]
-    tokens = blocks[:, None] * NEAR_BLOCK + torch.arange(NEAR_BLOCK, device=logits.device)   # [b, B]
-    inside = tokens < vocab
-    tokens = tokens.clamp_(max=vocab - 1)
-    hit = (logits[rows[:, None], tokens] >= floor[rows]) & inside         # [b, B]
-    which, col = hit.nonzero(as_tuple=True)
-    return rows[which], tokens[which, col]
-
-
-REFINE_PAIRS = 1 << 16   # (row, token) pairs per pass: their weight rows, [pairs, h] float32
-
-
-def top_in_float32(logits: torch.Tensor, h: torch.Tensor, lm_head: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """logits [n, V] float32 from a bf16/fp16 GEMM, h [n, h] its input, lm_head [V, h]: the logits
-    within rounding of each row's top recomputed as float32 dot products (soft-capped in float32).
-
-    The GEMM rounds its output to the activation dtype: a bf16 logit near 20 is a multiple of
-    0.125, so 2.4% of the embedded model's positions had two tokens tied for the top and greedy
-    took the lower id. Every logit within two roundings of the row's largest (2 eps |max|; one or
-    a few per row) is recomputed, so the top is decided by float32 sums as a float32 model decides
-    it; the rest of the row keeps its rounding (it moves a probability, never a pick).
-    """
-    rows, tokens = near_top(logits, 2 * torch.finfo(lm_head.dtype).eps)  # [k], [k]
-    for start in range(0, rows.numel(), REFINE_PAIRS):
-        r, t = rows[start:start + REFINE_PAIRS], tokens[start:start + REFINE_PAIRS]
-        exact = (lm_head[t].float() * h[r].float()).sum(-1)               # [k']
-        logits[r, t] = torch.tanh(exact / cap) * cap if cap else exact
-    return logits
