@@ -92,8 +92,8 @@ def auto_pipeline_depth(device: torch.device, one_node: bool) -> int:
     """Mini-batches in flight where --pipeline-depth is not given. A CPU S-worker whose R-part
     shares its node (local mode, or every R-worker on its node) takes turns with it on every core
     (1): at depth 2 its dense layers get half the cores while the attention, a tenth of a step at
-    chat lengths, idles the other half (local mode 1.69x, `mpiexec -n 2` on one node 1.38x on the
-    dev box). Everywhere else 2: the S-part of one mini-batch overlaps the R-workers' attention of
+    chat lengths, idles the other half (local mode 1.69x on the dev box; `mpiexec -n 2` on one
+    node from 0.55x to 0.81x vLLM's generation rate, bench/e2e/results). Everywhere else 2: the S-part of one mini-batch overlaps the R-workers' attention of
     the other on their own cores."""
     return 1 if one_node and device.type == "cpu" else 2
 
