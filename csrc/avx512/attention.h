@@ -87,11 +87,7 @@ public:
 #if defined(FD_HAVE_DPBF16)
         // FASTDECODE_DPBF16=0 keeps bf16 queries on the FMA path (for measurements)
         // (the SIMDe test build emulates the instruction, so it takes the path on any CPU)
-#if defined(FD_SIMDE_AVX512)
-        const bool has_dp = true;
-#else
-        const bool has_dp = cpu_has_avx512bf16();
-#endif
+        const bool has_dp = bf16_dot_usable();
         use_dp_ = has_dp && !(getenv("FASTDECODE_DPBF16") && std::string(getenv("FASTDECODE_DPBF16")) == "0");
         if (vtile_ == V_PAIRS && (dt_ != BF16 || !has_dp))
             throw std::invalid_argument("v_tile: token pairs (V_PAIRS) need bf16 KV and a CPU with AVX512-BF16");

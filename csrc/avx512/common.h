@@ -117,6 +117,14 @@ inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 bool cpu_has(const char* feature);
 // AVX512-BF16 usable: cpuid leaf 7 subleaf 1 EAX bit 5, with the OS saving ZMM state
 inline bool cpu_has_avx512bf16() { return cpu_has("avx512bf16"); }
+// vdpbf16ps may run here: the CPU has it, or this is the SIMDe build (which emulates it anywhere)
+inline bool bf16_dot_usable() {
+#if defined(FD_SIMDE_AVX512)
+    return true;
+#else
+    return cpu_has_avx512bf16();
+#endif
+}
 
 // scores as AMX tile products (amx.h): off (the default until measured on AMX hardware), the
 // instructions, or their emulation (tests); every build knows the modes, the avx512 ones run them

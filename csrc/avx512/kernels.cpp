@@ -17,6 +17,7 @@
 
 #include "kvstore.h"
 #include "microbench.h"
+#include "prefill.h"
 
 #ifndef FD_MODULE_NAME
 #define FD_MODULE_NAME _kernels
@@ -275,6 +276,34 @@ PYBIND11_MODULE(FD_MODULE_NAME, m) {
             return out;
         },
         py::arg("x"), py::arg("cap"), "cap * tanh(x / cap) elementwise, as the kernel's soft-cap pass computes it");
+    m.def(
+        "prompt_attention",
+        [](uintptr_t q, int64_t sq, uintptr_t k, int64_t sk, uintptr_t v, int64_t sv, uintptr_t o, int n, int p, int Hq,
+           int Hkv, int D, double scale, int threads, int rows) {
+            // raw addresses of bf16 tensors (the S-worker's torch tensors; prompt_attention.py checks
+            // their dtype, device and strides): no copy and no numpy bf16 needed
+#if defined(FD_HAVE_DPBF16)
+            if (!bf16_dot_usable()) return false;
+            if (n < 0 || p < 0 || Hkv < 1 || Hq % Hkv != 0 || D < 16 || D % 16 != 0 || rows < 1)
+                throw py::value_error("prompt_attention: n, p >= 0, Hq a multiple of Hkv, D a multiple of 16, rows >= 1");
+            if (n == 0) return true;
+            PromptArgs a{reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(k),
+                         reinterpret_cast<const uint16_t*>(v), sq, sk, sv, reinterpret_cast<uint16_t*>(o),
+                         n, p, Hq, Hkv, D, (float)(scale * LOG2E), rows};
+            py::gil_scoped_release nogil;
+            prompt_attention(a, threads);
+            return true;
+#else
+            (void)q, (void)sq, (void)k, (void)sk, (void)v, (void)sv, (void)o, (void)n, (void)p, (void)Hq, (void)Hkv,
+                (void)D, (void)scale, (void)threads, (void)rows;
+            return false;
+#endif
+        },
+        py::arg("q"), py::arg("q_stride"), py::arg("k"), py::arg("k_stride"), py::arg("v"), py::arg("v_stride"),
+        py::arg("out"), py::arg("n"), py::arg("p"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("scale"), py::arg("threads"), py::arg("rows") = 48,
+        "causal attention of n bf16 query tokens (at positions p..p+n-1) over p+n keys into out [n, Hq, D] "
+        "(prefill.h); False where this build or CPU has no AVX512-BF16 (nothing written)");
     m.def("cpu_features", &cpu_features, "x86 features usable here (CPU has them and the OS enabled their state)");
     m.def(
         "read_bandwidth",

@@ -2,7 +2,8 @@
 a packed batch, with the layer's sliding window, logit soft-cap, scale and sink logits.
 
 Three paths, by what the layer asks:
-  - plain causal (no window inside the keys, no soft-cap, no sinks): SDPA's fused kernel;
+  - plain causal (no window inside the keys, no soft-cap, no sinks): the kernel module's causal
+    pass where it applies (bf16 on a CPU with AVX512-BF16: prompt_kernel.py), else SDPA's fused kernel;
   - a sliding window: SDPA over blocks of queries, each against only the keys its window
     reaches, with a boolean mask (O(n W) work, not O(n^2));
   - soft-cap or sinks (SDPA can do neither): an explicit float32 path over blocks of queries,
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from fastdecode.model import prompt_kernel
 
 _EXPLICIT_BYTES = 1 << 26     # float32 scores per query block of the explicit path (64 MB)
 _MIN_BLOCK = 64
@@ -30,21 +33,31 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     for i, n in enumerate(lengths):
         if n == 0:
             continue
-        # [1, H, n, D] views: SDPA's fused (flash) kernels want a batch dimension; without one
-        # the CPU falls back to the unfused math path, ~6x slower on a 1,100-token prompt
         ctx = context[i] if context is not None else None
-        qs = q[start:start + n].transpose(0, 1)[None]
-        ks, vs = (t.transpose(0, 1)[None] for t in ((k[start:start + n], v[start:start + n]) if ctx is None
-                                                     else ctx))
-        if softcap or sinks is not None:
-            o = explicit_attention(qs[0], ks[0], vs[0], scale, window, softcap, sinks)
-        elif window and window < ks.shape[2]:
-            o = windowed_attention(qs, ks, vs, scale, window)[0]
-        else:
-            o = causal_attention(qs, ks, vs, scale)[0]
-        out[start:start + n] = o.transpose(0, 1)
+        ki, vi = (k[start:start + n], v[start:start + n]) if ctx is None else ctx
+        out[start:start + n] = _attend(q[start:start + n], ki, vi, scale, window, softcap, sinks)
         start += n
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, softcap: float | None,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """q: [n, Hq, D], k/v: [p + n, Hkv, D] -> [n, Hq, D] by the path the layer asks for."""
+    windowed = bool(window) and window < k.shape[0]
+    if not softcap and sinks is None and not windowed:
+        o = prompt_kernel.causal(q, k, v, scale)
+        if o is not None:
+            return o
+    # [1, H, n, D] views: SDPA's fused (flash) kernels want a batch dimension; without one
+    # the CPU falls back to the unfused math path, ~6x slower on a 1,100-token prompt
+    qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
+    if softcap or sinks is not None:
+        o = explicit_attention(qs[0], ks[0], vs[0], scale, window, softcap, sinks)
+    elif windowed:
+        o = windowed_attention(qs, ks, vs, scale, window)[0]
+    else:
+        o = causal_attention(qs, ks, vs, scale)[0]
+    return o.transpose(0, 1)
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
