@@ -1,8 +1,8 @@
 """A bf16 S-part on the CPU against the fp32 one: 64 prompts x 64 greedy tokens on the embedded
 model. Two figures: with the fp32 run's tokens as history (teacher-forced), the share of positions
-where the bf16 S-part's greedy choice is the fp32 token (the gate: >= 98.5%, strict: the logits at
+where the bf16 S-part's greedy choice is the fp32 token (the gate: >= 98.8%, strict: the logits at
 each row's top are recomputed in float32, so bf16's rounding leaves no ties to count either way;
-measured 98.85% on the dev box, the rest is the bf16 residual stream's own rounding); running free,
+measured 99.24% on the dev box with the float32 residual stream, 98.95% without it); running free,
 the share of tokens before each sequence's first divergence (reported: one early divergence costs
 the rest of that sequence). The bf16 run uses bf16 KV, as `--dtype bfloat16` does by default."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ def bf16_cpu() -> bool:
 
 
 @pytest.mark.skipif(not bf16_cpu(), reason="this torch has no bf16 matmul on the CPU")
-def test_a_bf16_s_part_picks_the_fp32_greedy_token_at_98_5_percent_of_positions(capsys):
+def test_a_bf16_s_part_picks_the_fp32_greedy_token_at_98_8_percent_of_positions(capsys):
     from fastdecode import LLM, SamplingParams
     greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     texts = [FORMS[i % 4].format(TOPICS[i % 16]) + f" (#{i})" for i in range(64)]
@@ -55,4 +55,4 @@ def test_a_bf16_s_part_picks_the_fp32_greedy_token_at_98_5_percent_of_positions(
               f"{agree}/{total} = {agree / total:.4f}; free-running tokens before the first divergence "
               f"{prefix}/{total} = {prefix / total:.4f}")
     assert total == 64 * NEW
-    assert agree / total >= 0.985
+    assert agree / total >= 0.988

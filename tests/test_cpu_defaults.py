@@ -1,14 +1,14 @@
 """A CPU S-worker's defaults: --dtype auto (the checkpoint's dtype where the CPU computes bf16,
 float32 elsewhere, chosen through the ISA probe), the pipeline depth (S and R taking turns where
-they share a node), libgomp's spin, and how its torch threads' binding is said.
+they share a node), the prefill step's size, libgomp's spin, and how its torch threads' binding is said.
 The start-up lines themselves, from a real engine: test_cpu_startup_lines.py."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+import dataclasses
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,6 +95,20 @@ def test_the_depth_is_filled_in_once_and_a_given_one_is_kept():
     assert resolve_batch_limits(EngineArgs(pipeline_depth=2), CPU, tiny, torch.float32, True).pipeline_depth == 2
     with pytest.raises(ValueError, match="pipeline_depth must be in 1..64, got 0"):
         resolve_batch_limits(EngineArgs(pipeline_depth=0), CPU, tiny, torch.float32)
+
+
+def test_a_cpu_prefill_step_holds_about_16_mib_of_activations_unless_told():
+    """The embedded model's shape in bf16: (6 * 576 + 3 * 1536) * 2 bytes a token -> 1,040 tokens;
+    float32 half that; a large model's shape stops at 256, a tiny one at 8,192; a given value stays."""
+    def tokens(hidden, inter, dtype, given=None):
+        cfg = config_from_hf_dict(random_config_dict("random:smollm2-135m:layers=1"), "random")
+        cfg = dataclasses.replace(cfg, hidden_size=hidden, intermediate_size=inter)
+        return resolve_batch_limits(EngineArgs(max_prefill_tokens=given), CPU, cfg, dtype).max_prefill_tokens
+    assert tokens(576, 1536, torch.bfloat16) == (16 << 20) // ((6 * 576 + 3 * 1536) * 2) == 1040
+    assert tokens(576, 1536, torch.float32) == 520
+    assert tokens(8192, 28672, torch.bfloat16) == 256
+    assert tokens(64, 128, torch.bfloat16) == 8192
+    assert tokens(576, 1536, torch.bfloat16, given=4096) == 4096
 
 
 # ---------------------------------------------------------------------------- libgomp's spin

@@ -9,8 +9,8 @@ Each system runs each batch as a fresh process and the wall is the whole job, pr
 vLLM (`vllm run-batch`, bf16, the venv's python), fastdecode with default flags (local mode, one process)
 and fastdecode under `mpiexec -n 2` (S-worker + 1 R-worker). Every batch also runs at a quarter of its new
 tokens (128 vs 32, 64 vs 16): (tokens_full - tokens_short) / (wall_full - wall_short) is the generation rate
-with start-up and prefill taken out; the long batch takes that rate from a third run of 256 new tokens against
-the short one (its 64-token run holds ~2 s of generation, within the start-ups' scatter). Rounds are interleaved (round r: every system on every batch file,
+with start-up and prefill taken out. That rate comes from a third run against the short one, 512 new tokens for
+chat and 256 for long: the full runs hold 2-5 s of vLLM's generation, within its start-up's scatter (2-4 s). Rounds are interleaved (round r: every system on every batch file,
 then round r+1). Tokens are counted from each output file (usage.completion_tokens); each line must have
 succeeded with exactly its max_tokens. Before the timed runs each system does one untimed tiny job, so
 vLLM's compile cache and fastdecode's model cache are warm. Writes bench/e2e/results/vllm_cpu_peer_<label>.json.
@@ -75,9 +75,9 @@ LONG_INSTRUCTION = "Explain what the following Python code does.\n\n"
 JOB_TIMEOUT_S = 1800
 
 # batch name -> (prompts, new tokens full, new tokens short, prompt tokens (long only), new tokens of the
-# generation rate's long run (None: the full run)). The long batch's full run (64) makes only ~2 s of
-# generation, within the start-ups' scatter, so its rate comes from a third run of 256 new tokens.
-SIZES = {"chat": (64, 128, 32, None, None), "long": (32, 64, 16, 1000, 256)}
+# generation rate's long run (None: the full run)). The full runs hold 2-5 s of vLLM's generation, within
+# its start-up's scatter (2-4 s), so the rates come from a third run: 512 and 256 new tokens.
+SIZES = {"chat": (64, 128, 32, None, 512), "long": (32, 64, 16, 1000, 256)}
 QUICK_SIZES = {"chat": (4, 8, 2, None, None), "long": (4, 8, 2, 250, 16)}
 
 

@@ -13,6 +13,11 @@ from fastdecode.model.config import ModelConfig
 from rworker.protocol.control import MAX_MINIBATCHES
 from rworker.protocol.kvformat import KV_DTYPES, fp8_kv_refusal
 
+# a CPU prefill step's activations (per token: hidden * 6 + intermediate * 3 values): the embedded
+# model's prefill ran 1.21x faster at ~1,000 tokens a step (16 MiB) than at 8,192 (dev box, Zen 5;
+# docs/results.md, "Prompt attention on the CPU")
+CPU_PREFILL_ACTIVATION_BYTES = 16 << 20
+
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -29,7 +34,8 @@ class EngineArgs:
     attn_probs: str = "fp32"          # fp32 | bf16: R-workers may round attention probabilities to bf16
                                       # for the PV product (V in token pairs) where their tune finds it faster
     max_batch: int | None = None      # most sequences decoding at once (default 256 on CPU, 4096 on CUDA)
-    max_prefill_tokens: int | None = None  # prompt tokens per prefill step (8192 on CPU, up to 32768 on CUDA)
+    max_prefill_tokens: int | None = None  # prompt tokens per prefill step (CPU: activations of ~16 MiB, 256..8192
+                                           # tokens; CUDA: up to 32768)
     max_num_batched_tokens: int | None = None  # chunked prefill: tokens per step, decode rows first, then prompt
                                       # chunks (vLLM's name; None: whole prompts, max_prefill_tokens per step)
     max_model_len: int | None = None  # longest prompt + generation (default: the model's context)
@@ -105,7 +111,9 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
     max_prefill_tokens. A GPU S-worker exists to run thousands of rows
     per step and large prefill chunks; the chunk is capped so that its activations (about
     hidden*6 + intermediate*3 values per token, the largest live at once) take at most a quarter
-    of the free device memory."""
+    of the free device memory. A CPU S-worker's prefill runs its elementwise passes from cache
+    when a step's activations stay near CPU_PREFILL_ACTIVATION_BYTES (whole prompts still go
+    one per step at least)."""
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
@@ -119,11 +127,12 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
     max_batch = args.max_batch or default_max_batch(device)
     prefill = args.max_prefill_tokens
     if prefill is None:
-        prefill = 8192
+        per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
         if cuda:
             free, _ = torch.cuda.mem_get_info(device)
-            per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
             prefill = int(min(32768, max(8192, free // 4 // per_token)))
+        else:
+            prefill = int(min(8192, max(256, CPU_PREFILL_ACTIVATION_BYTES // per_token)))
     check_batch_budget(args.max_num_batched_tokens, max_batch)
     return dataclasses.replace(args, pipeline_depth=depth, max_batch=max_batch, max_prefill_tokens=prefill)
 

@@ -85,7 +85,7 @@ def compile_layers(model) -> tuple[CompiledLayers | None, str]:
 def _warm_up(model, qkv, post) -> None:
     """One call of each on two rows of zeros, as the runner calls them (inference mode)."""
     c = model.config
-    x = torch.zeros(2, c.hidden_size, dtype=model.dtype, device=model.device)      # [2, h]
+    x = torch.zeros(2, c.hidden_size, dtype=model.residual_dtype, device=model.device)      # [2, h]
     o = torch.zeros(2, c.num_heads, c.head_dim, dtype=model.dtype, device=model.device)   # [2, Hq, D]
     L = model.layers[0]
     qkv(L, x)

@@ -70,9 +70,9 @@ class LayerGraphs:
         buf = self.slots.get((slot, nb))
         if buf is None:
             m, c = self.model, self.model.config
-            new = lambda *shape: torch.zeros(*shape, dtype=m.dtype, device=m.device)   # noqa: E731
-            buf = self.slots[(slot, nb)] = _Slot(new(nb, c.hidden_size), new(nb, c.num_heads, c.head_dim),
-                                                 new(nb, c.q_size + 2 * c.kv_size))
+            new = lambda *shape, dt=m.dtype: torch.zeros(*shape, dtype=dt, device=m.device)   # noqa: E731
+            buf = self.slots[(slot, nb)] = _Slot(new(nb, c.hidden_size, dt=m.residual_dtype),
+                                                 new(nb, c.num_heads, c.head_dim), new(nb, c.q_size + 2 * c.kv_size))
         buf.x[:n].copy_(x)
         self.active[slot] = (buf, n)
         return buf.x[:n]
