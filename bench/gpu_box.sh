@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup balance cpuspart pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup balance cpuspart cpuprompt pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
@@ -15,6 +15,9 @@
 #           the new defaults (bf16, depth 1) and --compile (on AMX oneDNN's prepacked bf16 GEMMs may make
 #           the compiled halves pay where they did not on the 2-core Zen 5 dev box); results
 #           bench/e2e/results/spart_breakdown_$BOX-host-16core.json.
+#   call -1c: cpuprompt (~2 min, issue 50): the CPU prompt-attention pass (csrc/avx512/prefill.h) against
+#           torch's SDPA on the host's 16 cores (AVX512-BF16 and AMX: the pass uses vdpbf16ps, not AMX);
+#           results bench/kernel/results/prompt_attention_$BOX-host-16core.json.
 #   call 0: pagedattn tiertests (~7 min, issue 42, never run on a card): the device tier's Triton kernel
 #           and the tier under local mode and mpirun on CUDA (the box has Triton 3.6.0: the kernels keep
 #           to its matrix-unit sizes); then the paged kernel's read bandwidth against the card's copy.
@@ -173,6 +176,8 @@ balance)     # issue 49: every socket adds: the card alone, +1, +2 and +14 R-wor
 cpuspart)    # issue 50: the host as a CPU S-worker: old and new CPU defaults, --compile, a step's breakdown
     CUDA_VISIBLE_DEVICES= stage cpuspart 330 $PY bench/e2e/spart_breakdown.py --label $BOX-host-16core --prompts 256
     CUDA_VISIBLE_DEVICES= stage cpudepth 240 $PY bench/e2e/local_depth_bench.py --label $BOX-host-16core --rounds 1 ;;
+cpuprompt)   # issue 50: the CPU prompt-attention pass against torch's SDPA on the host's cores
+    CUDA_VISIBLE_DEVICES= stage cpuprompt 150 $PY bench/kernel/prompt_attention_bench.py --label $BOX-host-16core --rounds 2 ;;
 tiers8k)     # issue 42: the same at 8,192-token prompts
     stage tiers8k 280 $PY bench/e2e/tiers_bench.py --label $BOX-8k --model random:llama-3-8b --device cuda \
         --configs card=1: card+14=15: --prompts 64 --prompt-len 8192 --gen 256 --max-batch 64 \
