@@ -125,6 +125,7 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
         raise ValueError(f"pipeline_depth must be in 1..{MAX_MINIBATCHES}, got {depth!r}")
     cuda = device.type == "cuda"
     max_batch = args.max_batch or default_max_batch(device)
+    check_batch_budget(args.max_num_batched_tokens, max_batch)
     prefill = args.max_prefill_tokens
     if prefill is None:
         per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * torch.finfo(dtype).bits // 8
@@ -133,7 +134,6 @@ def resolve_batch_limits(args: EngineArgs, device: torch.device, config: ModelCo
             prefill = int(min(32768, max(8192, free // 4 // per_token)))
         else:
             prefill = int(min(8192, max(256, CPU_PREFILL_ACTIVATION_BYTES // per_token)))
-    check_batch_budget(args.max_num_batched_tokens, max_batch)
     return dataclasses.replace(args, pipeline_depth=depth, max_batch=max_batch, max_prefill_tokens=prefill)
 
 
