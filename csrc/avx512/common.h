@@ -99,6 +99,11 @@ struct AlignedBuf {
     float* p = nullptr;
     size_t cap = 0;  // floats
     ~AlignedBuf() { std::free(p); }
+    void release() {
+        std::free(p);
+        p = nullptr;
+        cap = 0;
+    }
     float* get(size_t n) {
         if (n > cap) {
             std::free(p);

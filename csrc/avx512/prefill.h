@@ -140,6 +140,9 @@ static void attend_block(const PromptPlan& P, int h, int blk, PromptScratch& sc)
 // the call
 // ============================================================================
 
+// the packed pages of a call are kept for the next one up to this size (short prompts: no allocation)
+constexpr size_t PROMPT_PAGES_KEPT_BYTES = size_t(32) << 20;
+
 // threads: the pool's size (kept between calls; a new size rebuilds it)
 static Pool& prompt_pool(int threads) {
     static std::unique_ptr<Pool> pool;
@@ -172,6 +175,9 @@ static void prompt_attention(const PromptArgs& args, int threads) {
         const int blk = P.nblocks - 1 - (int)(item / P.a.Hkv);      // the longest blocks first
         attend_block(P, (int)(item % P.a.Hkv), blk, scratch);
     }, &P);
+    // a long prompt's copy of its K/V is not kept for the next call (it would hold the
+    // largest prompt's K/V until the process ends)
+    if (page_buf.cap * sizeof(float) > PROMPT_PAGES_KEPT_BYTES) page_buf.release();
 }
 
 #endif  // FD_HAVE_DPBF16
