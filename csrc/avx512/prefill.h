@@ -55,8 +55,8 @@ struct PromptPlan {
     size_t page_words;             // one run (K or V) of one page: PT * D / 2 words
     uint32_t* pages;               // [Hkv][npages][K run | V run]
 
-    const uint32_t* k_run(int h, int pg) const { return pages + ((size_t)h * npages + pg) * 2 * page_words; }
-    const uint32_t* v_run(int h, int pg) const { return k_run(h, pg) + page_words; }
+    uint32_t* k_run(int h, int pg) const { return pages + ((size_t)h * npages + pg) * 2 * page_words; }
+    uint32_t* v_run(int h, int pg) const { return k_run(h, pg) + page_words; }
 };
 
 // ============================================================================
@@ -66,8 +66,7 @@ struct PromptPlan {
 static void pack_page(const PromptPlan& P, int h, int pg) {
     const PromptArgs& a = P.a;
     const int t_all = a.p + a.n, t0 = pg * PT, nt = std::min(PT, t_all - t0);
-    uint32_t* kw = const_cast<uint32_t*>(P.k_run(h, pg));
-    uint32_t* vw = const_cast<uint32_t*>(P.v_run(h, pg));
+    uint32_t *kw = P.k_run(h, pg), *vw = P.v_run(h, pg);
     // K: word w of token t = dims (2w, 2w+1)
     for (int t = 0; t < PT; ++t) {
         const uint32_t* src = t < nt ? reinterpret_cast<const uint32_t*>(a.k + (size_t)(t0 + t) * a.sk + (size_t)h * a.D)
