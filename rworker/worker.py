@@ -24,6 +24,7 @@ from rworker.host import faults
 from rworker.host.capacity import default_capacity_bytes
 from rworker.host.cores import bind, rworker_cpus
 from rworker.host.progressor import Progressor
+from rworker.host.shm_link import ShmLink, tick
 from rworker.host.threads import physical_cpus
 from rworker.host.wait import choose_policy, end_job_on_error, node_layout, wait_message
 from rworker.kv_blobs import layout_hex
@@ -53,6 +54,7 @@ class RWorker:
         self.timeout = 3 * timeout if timeout else None
         self.policy = "adaptive"
         self.store: KVStore | None = None
+        self.link: ShmLink | None = None    # decode rows through shared memory (an S-worker on this node)
         self.known: set[int] = set()    # sequences this worker holds (prefilled or imported, not freed)
         self.stats = np.zeros(len(STATS), dtype=np.float64)   # sent after every DECODE step
         self.append_s = 0.0             # prefill appends since the last DECODE step's stats
@@ -70,7 +72,8 @@ class RWorker:
     def serve(self) -> None:
         while True:
             kind, step, hdr, body = P.parse(self.recv_control())
-            faults.check(self.rank, P.KIND_NAMES.get(kind, "?").lower())
+            if kind != P.LINK:                 # a link's fault is its answer (attach_link)
+                faults.check(self.rank, P.KIND_NAMES.get(kind, "?").lower())
             if (kind == P.HELLO) == (self.store is not None) and kind not in (P.SHUTDOWN, P.ABORT):
                 raise P.ProtocolError(f"protocol error: {P.KIND_NAMES.get(kind, kind)} "
                                       f"{'after' if self.store is not None else 'before'} HELLO")
@@ -89,6 +92,8 @@ class RWorker:
                 self.ping(hdr, body)
             elif kind in (P.KV_EXPORT, P.KV_IMPORT):
                 self.move_kv(kind, hdr, body)
+            elif kind == P.LINK:
+                self.attach_link(hdr, body)
             elif kind in (P.SHUTDOWN, P.ABORT):
                 self.progress.close()
                 return
@@ -121,6 +126,18 @@ class RWorker:
                         "forks": hasattr(self.store, "fork") and not any(h.windows),
                         "kv_layout": layout_hex(self.store),
                         "kernel_choice": {**kernel.as_dict(), "amx": self.store.amx}})
+
+    def attach_link(self, hdr: np.ndarray, body: np.ndarray) -> None:
+        """LINK: map the S-worker's shared decode rows; answer "ok" or why not (it then stays on MPI)."""
+        directory, nonce = P.parse_link(hdr, body)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        try:
+            faults.check(self.rank, "link")
+            self.link = ShmLink.attach(directory, nonce, (hq + 2 * hkv) * d, hq * d)
+            self.send_json({"link": "ok"})
+        except OSError as e:
+            self.link = None
+            self.send_json({"link": f"{type(e).__name__}: {e}"})
 
     def send_json(self, obj: dict) -> None:
         payload = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
@@ -261,7 +278,9 @@ class RWorker:
         def post_recv(m: int):
             return prog.track([self.comm.Irecv(inbufs[m], source=0, tag=P.tag_qkv(m))], self.s_name, sizes=True)
 
-        recvs = {m: post_recv(m) for m in active}
+        # mini-batches whose rows come through the shared-memory link (the same rule as the S-worker's)
+        linked = {m for m in active if self.link is not None and self.link.fits(m, len(ids[m]))}
+        recvs = {m: post_recv(m) for m in active if m not in linked}
         sends = {}
         t_step = time.perf_counter()
         attend_s = idle_s = 0.0        # idle: blocked on the S-worker's next rows (not R-part work)
@@ -269,6 +288,14 @@ class RWorker:
             self.advance_prefill(layer)        # a prefill's layer before the attention that may read it
             for m in active:
                 t = time.perf_counter()
+                if m in linked:
+                    q, k, v, out = self._linked_rows(m, len(ids[m]), step, layer, msg.act_dtype)
+                    idle_s += time.perf_counter() - t
+                    t = time.perf_counter()
+                    self.store.append_attend(layer, ids[m], q, k, v, out=out)
+                    attend_s += time.perf_counter() - t
+                    self.link.ring(m, tick(step, layer))
+                    continue
                 prog.wait(recvs[m], self.timeout)
                 self._received(recvs[m], inbufs[m], "DECODE q/k/v")
                 idle_s += time.perf_counter() - t
@@ -289,6 +316,15 @@ class RWorker:
                          self.store.sharing_stats()["bytes_saved"])    # the store's counters: O(1)
         self.append_s = 0.0
         self.comm.Send(self.stats, dest=0, tag=P.TAG_INFO)
+
+
+    def _linked_rows(self, m: int, n: int, step: int, layer: int, act_dtype):
+        """Wait for mini-batch m's rows of this layer in the link; -> q, k, v views and the O view."""
+        self.link.wait(m, tick(step, layer), self.timeout, self.s_name)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        rows = np.frombuffer(self.link.qkv_buffer(m), dtype=act_dtype, count=n * (hq + 2 * hkv) * d)
+        out = np.frombuffer(self.link.out_buffer(m, layer % 2), dtype=act_dtype, count=n * hq * d)
+        return (*split_qkv(rows, n, hq, hkv, d), out.reshape(n, hq, d))
 
 
 def run(comm: MPI.Comm, threads: int | None = None, capacity_bytes: int | None = None,

@@ -1,5 +1,10 @@
 """Greedy outputs token-identical to HF transformers on the same weights (fp32, fp32 KV), in local
-mode and under mpiexec with 1 and 2 R-workers; seeded sampling identical across all three."""
+mode and under mpiexec with 1 and 2 R-workers; seeded sampling identical across all of them.
+
+The R-workers share the S-worker's node here, so their decode rows take the shared-memory link
+(rworker/host/shm_link.py) unless a run turns it off: `2` links its R-worker, `2-mpi` keeps it on
+MPI (how R-workers on other nodes are reached), `3` links rank 1 while rank 2 refuses the link
+(one mini-batch's rows split between the two paths)."""
 from __future__ import annotations
 
 import json
@@ -31,15 +36,21 @@ SAMPLED = [
 ENGINE = {"kv_dtype": "fp32", "dtype": "float32", "device": "cpu"}
 
 
-def run_ids(tmp_path, requests, ranks):
-    req = tmp_path / f"req{ranks}.json"
-    out = tmp_path / f"out{ranks}.json"
+RUNS = {None: {}, 2: {}, "2-mpi": {"FASTDECODE_SHM_LINK": "0"}, 3: {"FASTDECODE_INJECT_FAULT": "2:link:enospc"}}
+LINKS = {None: [""], 2: ["shared memory"], "2-mpi": [""], 3: ["shared memory", "MPI (the link failed"]}
+
+
+def run_ids(tmp_path, requests, ranks, env: dict | None = None):
+    name = ranks
+    ranks = int(str(ranks).split("-")[0]) if ranks else None
+    req = tmp_path / f"req{name}.json"
+    out = tmp_path / f"out{name}.json"
     req.write_text(json.dumps(requests))
     cmd = [sys.executable, os.path.join(REPO, "tests", "mpi_scripts", "generate_ids.py"), str(req), str(out),
            json.dumps(ENGINE)]
     if ranks:
         cmd = [MPIEXEC, "-n", str(ranks)] + cmd
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -64,7 +75,7 @@ def hf_reference(hf_smollm):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
-    return {ranks: run_ids(tmp, GREEDY + SAMPLED, ranks) for ranks in (None, 2, 3)}
+    return {name: run_ids(tmp, GREEDY + SAMPLED, name, env) for name, env in RUNS.items()}
 
 
 def test_weights_equal_hf_gguf_loader(smollm_source, hf_smollm):
@@ -80,10 +91,11 @@ def test_weights_equal_hf_gguf_loader(smollm_source, hf_smollm):
     assert "lm_head.weight" not in ours   # tied embeddings
 
 
-@pytest.mark.parametrize("ranks", [None, 2, 3], ids=["local", "mpi-n2", "mpi-n3"])
+@pytest.mark.parametrize("ranks", list(RUNS), ids=["local", "mpi-n2-linked", "mpi-n2-mpi", "mpi-n3-mixed"])
 def test_greedy_token_identical_to_hf(runs, hf_reference, ranks):
     result = runs[ranks]
-    assert result["workers"] == (ranks - 1 if ranks else 1)
+    assert result["workers"] == len(LINKS[ranks])
+    assert [link[:len(want)] for link, want in zip(result["links"], LINKS[ranks])] == LINKS[ranks]
     for i, ref in enumerate(hf_reference):
         ours = result["outputs"][i][0]
         assert ours == ref, f"prompt {i}: first difference at token " \
@@ -93,8 +105,8 @@ def test_greedy_token_identical_to_hf(runs, hf_reference, ranks):
 def test_sampling_identical_across_rworker_counts(runs):
     n = len(GREEDY)
     local = runs[None]["outputs"][n:]
-    assert runs[2]["outputs"][n:] == local
-    assert runs[3]["outputs"][n:] == local
+    for name in RUNS:
+        assert runs[name]["outputs"][n:] == local, name
     # the samples differ from greedy and from each other (n=2 draws two streams)
     assert local[1][0] != local[1][1]
     assert all(len(ids) >= 8 for ids in local[2])     # min_tokens held EOS back

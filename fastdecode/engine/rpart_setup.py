@@ -87,7 +87,7 @@ def _other_workers(eng, comm, variants, tp) -> RBackend:
         others = MPIBackend(comm, eng.config, eng.kv_dtype, variants, eng.args.r_threads,
                             eng.args.rworker_mem, policy, eng.args.timeout, eng.device, eng.dtype,
                             s_cores=eng.s_cores, bf16_probs=bf16_probs, s_kv_bytes=local_kv,
-                            ranks=range(s_ranks, comm.Get_size()))
+                            ranks=range(s_ranks, comm.Get_size()), link_rows=eng.args.max_batch or 0)
     if tp is None:
         return others
     import dataclasses
@@ -180,7 +180,8 @@ def log_roster(eng) -> None:
         kv = gib(w.capacity_bytes)
         print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
               f"{kv} {eng.kv_dtype} KV ({eng.kv_bytes_per_token / 1024:.1f} KiB/token)"
-              + (f"; kernel {w.kernel}" if w.kernel else ""), file=sys.stderr, flush=True)
+              + (f"; kernel {w.kernel}" if w.kernel else "") + (f"; decode rows by {w.link}" if w.link else ""),
+              file=sys.stderr, flush=True)
 
 
 def tier_summary(eng) -> dict:

@@ -65,6 +65,7 @@ CHECKS: dict[str, Callable[[str], str | None]] = {
     "FASTDECODE_SPIN_US": integer(0),
     "FASTDECODE_WAIT": one_of("adaptive", "spin", "sleep"),
     "FASTDECODE_PROGRESS_THREAD": ON_OFF,
+    "FASTDECODE_SHM_LINK": ON_OFF,
     "FASTDECODE_EXTENT_PAGES": integer(1),
     "FASTDECODE_RESERVE_PAGES": ON_OFF,
     "FASTDECODE_FUSED": one_of("auto", "0", "1"),

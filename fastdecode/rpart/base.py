@@ -31,6 +31,8 @@ class WorkerInfo:
     attend_call_s: float = 0.0    # its kernel's fixed seconds per call (one layer of one mini-batch), when measured
     kv_layout: str = ""       # hex of its store's layout_signature() (KV blobs move between equal ones);
                               # "": it cannot export or import a sequence's KV
+    link: str = ""            # how decode rows reach it when it shares the S-worker's node: "shared
+                              # memory", or "MPI (why not)"; "": another node (MPI)
 
 
 @dataclass(slots=True)

@@ -20,9 +20,11 @@ from mpi4py import MPI
 from fastdecode.model.config import ModelConfig
 from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo, check_kv_import, check_kv_lists
 from fastdecode.rpart.kv_transfer import check_answer, receive_answer, receive_exports, send_imports
+from fastdecode.rpart.shm_links import open_links, slot_plan, tensor
 from fastdecode.rpart.staging import HostBuffer, Stager
 from fastdecode.rpart.variants import AttentionVariants
 from rworker.host.progressor import Progressor
+from rworker.host.shm_link import tick
 from rworker.host.wait import PeerTimeout, wait_all, wait_message
 from rworker.protocol import control as P
 from rworker.protocol.kvformat import ACT_CODES
@@ -44,6 +46,8 @@ class _MiniBatch:
         self.recv_expect: list[int] = []        # bytes each R-worker's answer must have
         self.ids: np.ndarray | None = None
         self.bounds: np.ndarray | None = None
+        self.linked: list[int] = []         # workers whose rows go through their shared-memory link
+        self.direct: int | None = None      # the linked worker holding every row: the S-part writes in place
 
 
 class MPIBackend(RBackend):
@@ -53,7 +57,7 @@ class MPIBackend(RBackend):
                  r_threads: int | None = None, rworker_mem: int | None = None, policy: str = "adaptive",
                  timeout: float | None = None, device: torch.device | None = None,
                  act_dtype: torch.dtype = torch.float32, s_cores: int = 0, bf16_probs: bool = False,
-                 s_kv_bytes: int = 0, ranks: range | None = None):
+                 s_kv_bytes: int = 0, ranks: range | None = None, link_rows: int = 0):
         if not isinstance(variants, AttentionVariants):      # a bare softmax scale
             variants = AttentionVariants(float(variants))
         self.comm = comm
@@ -88,6 +92,9 @@ class MPIBackend(RBackend):
         self._pf_bufs = [HostBuffer(self.act_dtype, self.pinned), HostBuffer(self.act_dtype, self.pinned)]
         self._pf_tickets = [None, None]
         self.prefill_times = PrefillTimes()
+        # R-workers on this node take a CPU S-worker's decode rows through shared memory, up to
+        # link_rows per mini-batch (rpart/shm_links.py)
+        self._links = open_links(self, link_rows, self.act_dtype.itemsize, self.device)
 
     def _who(self, r: int) -> str:
         return f"rank {r} (R-worker)"
@@ -214,6 +221,7 @@ class MPIBackend(RBackend):
             slot = self._slots[m]
             slot.ids = ids
             slot.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            slot.linked, slot.direct = slot_plan(self._links, m, slot.bounds)
             for w in range(len(self.ranks)):
                 per_worker_ids[w].append(ids[slot.bounds[w]:slot.bounds[w + 1]])
         for w in range(len(self.ranks)):
@@ -228,23 +236,38 @@ class MPIBackend(RBackend):
         host send buffer itself on a CPU S-worker, device memory on a GPU."""
         slot = self._slots[mb]
         self._wait(slot.send_ticket)                  # the previous layer's rows have left the buffer
+        if slot.direct is not None:
+            return tensor(self._links[slot.direct].qkv_buffer(mb), self.act_dtype, numel)
         return self.stager.buffer(numel, self.act_dtype, slot.send)
 
     def decode_submit(self, layer, mb, packed):
         slot = self._slots[mb]
         self._wait(slot.send_ticket)
-        ready = self.stager.to_host(packed, slot.send)
         b = slot.bounds
         n = int(b[-1])
+        row_in = (self.hq + 2 * self.hkv) * self.d
+        for w in slot.linked:
+            link = self._links[w]
+            if w != slot.direct:
+                s, e = int(b[w]) * row_in, int(b[w + 1]) * row_in
+                tensor(link.qkv_buffer(mb), self.act_dtype, e - s).copy_(packed.reshape(-1)[s:e])
+            link.ring(mb, tick(self.step, layer))
+        if slot.direct is not None:
+            self.bytes_sent += n * row_in * packed.element_size()
+            self.bytes_received += n * self.hq * self.d * packed.element_size()
+            slot.send_ticket = slot.recv_ticket = None
+            return
+        ready = self.stager.to_host(packed, slot.send)
         out = slot.out[layer % 2]
         out.ensure(n * self.hq * self.d)
         self.stager.wait(slot.out_free[layer % 2])    # its device copy from two layers ago is done
         out_rows = out.array[: n * self.hq * self.d].reshape(n, self.hq * self.d)
-        row_in = (self.hq + 2 * self.hkv) * self.d
         recvs, names, expect = [], [], []
         for w, r in enumerate(self.ranks):
             s, e = int(b[w]), int(b[w + 1])
-            if s < e:
+            if w in slot.linked:
+                self.bytes_received += out_rows[s:e].nbytes
+            elif s < e:
                 recvs.append(self.comm.Irecv(out_rows[s:e], source=r, tag=P.tag_out(mb)))
                 names.append(self._names[w])
                 expect.append(out_rows[s:e].nbytes)
@@ -254,7 +277,7 @@ class MPIBackend(RBackend):
             sends = []
             for w, r in enumerate(self.ranks):
                 s, e = int(b[w]), int(b[w + 1])
-                if s < e:
+                if s < e and w not in slot.linked:
                     sends.append(self.comm.Isend(slot.send.array[s * row_in:e * row_in], dest=r, tag=P.tag_qkv(mb)))
             return sends
 
@@ -268,16 +291,31 @@ class MPIBackend(RBackend):
 
     def decode_wait(self, layer, mb):
         slot = self._slots[mb]
+        n, parity = int(slot.bounds[-1]), layer % 2
+        if slot.direct is not None:
+            self._wait_link(slot.direct, mb, layer)
+            return tensor(self._links[slot.direct].out_buffer(mb, parity), self.act_dtype,
+                          n * self.hq * self.d).view(n, self.hq, self.d)
         self._wait(slot.recv_ticket)
         for got, want, name in zip(slot.recv_ticket.received, slot.recv_expect, slot.recv_ticket.names):
             if got != want:
                 raise P.ProtocolError(f"protocol error: {name} answered with {got} bytes of attention output, "
                                       f"expected {want}")
-        n = int(slot.bounds[-1])
-        parity = layer % 2
         host = slot.out[parity].tensor[: n * self.hq * self.d].view(n, self.hq, self.d)
+        for w in slot.linked:
+            self._wait_link(w, mb, layer)
+            s, e = int(slot.bounds[w]), int(slot.bounds[w + 1])
+            host[s:e].copy_(tensor(self._links[w].out_buffer(mb, parity), self.act_dtype,
+                                   (e - s) * self.hq * self.d).view(e - s, self.hq, self.d))
         o, slot.out_free[parity] = self.stager.to_device(host)    # H2D on its own stream
         return o
+
+    def _wait_link(self, w: int, mb: int, layer: int) -> None:
+        try:
+            self._links[w].wait(mb, tick(self.step, layer), self.timeout or self._auto_timeout, self._names[w])
+        except PeerTimeout:
+            self._silent_rank = True
+            raise
 
     def decode_end(self):
         for slot in self._slots[: self._n_mb]:
@@ -380,6 +418,9 @@ class MPIBackend(RBackend):
             self._pending_free[w].extend(int(i) for i in ids)
 
     def close(self):
+        for link in self._links:
+            if link is not None:
+                link.close()
         if self._silent_rank:     # the job is being aborted (mpi_env.fail); a SHUTDOWN would wait for it
             self.progress.close()
             return

@@ -3,7 +3,8 @@
 Points: hello, prefill, decode, kv_export, kv_import (R-workers, on that control message; every
 control kind's name is one), prefill-stream (an R-worker, after a prefill's first layer of K/V is
 appended: mid-stream), step (the S-worker's engine step; a tensor-parallel S-rank's runner call),
-rewrite (rank 0's final rewrite of the output, before it replaces the file).
+rewrite (rank 0's final rewrite of the output, before it replaces the file), link (an R-worker
+answering LINK: `enospc` makes it refuse the shared-memory link, so its decode rows stay on MPI).
 nth: fire on the nth time the point is reached (default the first).
 How: raise (default) an exception; exit: die at once without MPI's help (a crash, exit code 17);
 kill: SIGKILL itself (the OOM killer, `kill -9`); hang: stop answering (a stuck node); enospc: an

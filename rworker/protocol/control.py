@@ -27,7 +27,7 @@ import numpy as np
 from rworker.protocol.kvformat import ACT_DTYPES, KV_CODES, KV_DTYPES
 
 MAGIC = 0x46444543          # "FDEC"
-VERSION = 7                 # bump on any change to a message's layout or meaning
+VERSION = 8                 # bump on any change to a message's layout or meaning
 MAX_SEQ_ID = (1 << 53) - 1  # sequence ids are 0..MAX_SEQ_ID (the engine's stay far below)
 
 # What an R-worker reports after each DECODE step, float64 each: kernel seconds, seconds not
@@ -62,10 +62,10 @@ def _minibatch(mb: int) -> int:
 
 # ---------------------------------------------------------------- header
 
-HELLO, PREFILL, DECODE, FREE, SHUTDOWN, ABORT, PROFILE, PING, KV_EXPORT, KV_IMPORT = range(1, 11)
+HELLO, PREFILL, DECODE, FREE, SHUTDOWN, ABORT, PROFILE, PING, KV_EXPORT, KV_IMPORT, LINK = range(1, 12)
 KIND_NAMES = {HELLO: "HELLO", PREFILL: "PREFILL", DECODE: "DECODE", FREE: "FREE",
               SHUTDOWN: "SHUTDOWN", ABORT: "ABORT", PROFILE: "PROFILE", PING: "PING",
-              KV_EXPORT: "KV_EXPORT", KV_IMPORT: "KV_IMPORT"}
+              KV_EXPORT: "KV_EXPORT", KV_IMPORT: "KV_IMPORT", LINK: "LINK"}
 HEADER_WORDS = 9
 
 
@@ -292,6 +292,9 @@ def parse_decode(hdr: np.ndarray, body: np.ndarray) -> Decode:
 #   FREE:     a=n; body: seq_ids[n]
 #   PROFILE:  a=seqs b=target_bytes; the worker times its kernel and sends JSON back (TAG_INFO)
 #   PING:     a=repeats; body: message sizes in bytes; each size is echoed `repeats` times (TAG_PING)
+#   LINK:     a=nonce b=path bytes; body: the path's UTF-8 bytes, 8 to a word. Sent after HELLO's
+#             answer to an R-worker on the S-worker's node: attach the shared-memory link there
+#             (rworker.host.shm_link) and answer JSON {"link": "ok" or why not} (TAG_INFO)
 #   SHUTDOWN / ABORT: no body
 
 
@@ -303,6 +306,20 @@ def parse_free(hdr: np.ndarray, body: np.ndarray) -> np.ndarray:
     if int(hdr[0]) != body.size:
         raise ProtocolError(f"protocol error: FREE announces {int(hdr[0])} ids, its body has {body.size} words")
     return check_ids(body, "FREE")
+
+
+def link_message(directory: str, nonce: int) -> np.ndarray:
+    raw = directory.encode()
+    words = np.frombuffer(raw + b"\0" * (-len(raw) % 8), dtype=np.int64)
+    return control(LINK, 0, nonce, len(raw), body=[words])
+
+
+def parse_link(hdr: np.ndarray, body: np.ndarray) -> tuple[str, int]:
+    """-> (directory, nonce)."""
+    nonce, size = int(hdr[0]), int(hdr[1])
+    if not 0 < size <= body.size * 8 or body.size * 8 - size >= 8:
+        raise ProtocolError(f"protocol error: LINK with a path of {size} bytes in {body.size} words")
+    return body.astype(np.int64).tobytes()[:size].decode(), nonce
 
 
 def decode_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:

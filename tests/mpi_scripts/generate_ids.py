@@ -21,6 +21,7 @@ params = [SamplingParams(**r["params"]) for r in requests]
 outs = llm.generate(prompts, params, use_tqdm=False)
 workers = llm.engine.backend.workers
 result = {"workers": sum(1 for w in workers if not w.tier), "tiers": [w.tier for w in workers if w.tier],
+          "links": [w.link for w in workers if not w.tier],
           "placed": llm.engine.placement.placed,
           "preempted_on": {str(w): n for w, n in llm.engine.scheduler.preempted_on.items()},
           "outputs": [[c.token_ids for c in o.outputs] for o in outs],
