@@ -17,7 +17,7 @@ UNIT_FILES = (
     "test_families_spart.py", "test_fp8.py", "test_fused_ops.py", "test_inflight_kv.py", "test_int8_kernel.py",
     "test_int8_kernel_inputs.py", "test_kv_cap_line.py", "test_kv_export.py", "test_kv_extents.py", "test_kv_tiers.py",
     "test_kv_transfer.py", "test_kvstore.py", "test_kvstore_limits.py", "test_layout.py", "test_length_model.py",
-    "test_moe.py",
+    "test_moe.py", "test_packed_weights.py", "test_shm_link.py",
     "test_plan_balance.py", "test_prefix_store.py", "test_prompt_kernel.py", "test_request_memory.py", "test_runner.py",
     "test_simulate.py", "test_simulate_cli.py", "test_simulate_tiers.py", "test_sizing.py",
     "test_sizing_families.py", "test_sizing_link.py", "test_sizing_sharing.py", "test_sizing_tiers.py",

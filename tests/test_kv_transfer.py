@@ -32,7 +32,8 @@ def test_kv_import_round_trips_with_sizes_past_an_mpi_count():
 
 def test_the_new_kinds_have_names():
     assert P.KIND_NAMES[P.KV_EXPORT] == "KV_EXPORT" and P.KIND_NAMES[P.KV_IMPORT] == "KV_IMPORT"
-    assert len(set(P.KIND_NAMES)) == len(P.KIND_NAMES) == 10
+    assert P.KIND_NAMES[P.LINK] == "LINK"
+    assert len(set(P.KIND_NAMES.values())) == len(P.KIND_NAMES) == 11
 
 
 CHUNK_WORD, IDS, SIZES = 5, P.HEADER_WORDS, P.HEADER_WORDS + 3     # of kv_import_message(1, [1, 2, 3], ...)

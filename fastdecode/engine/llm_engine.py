@@ -100,6 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self._make_admission(), self.placement, args.max_batch,
                                    args.max_prefill_tokens, args.max_num_batched_tokens, self.prefix,
                                    self.balance if gated else None)
+        spart_setup.pack_weights(args, self.model)
         spart_setup.compile_spart(args, self.model)
         graphs = spart_setup.make_graphs(args, self.device, self.model, tp)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, graphs) \

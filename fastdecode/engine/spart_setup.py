@@ -65,6 +65,20 @@ def make_graphs(args, device: torch.device, model, tp) -> LayerGraphs | None:
     return LayerGraphs(model, args.cuda_graph_max_rows)
 
 
+def pack_weights(args, model) -> None:
+    """The dense projections in oneDNN's layout where that pays (model/packed.py): a CPU S-part in
+    bf16 running eagerly (--compile's graphs take the dense weights)."""
+    from fastdecode.model import packed
+    why = "--compile" if args.compile else packed.why_not(model)
+    if why is None:
+        nbytes = packed.pack(model)
+        line = f"S-part weights prepacked for oneDNN ({nbytes / 2**20:.0f} MiB, the LM head's copy included)"
+    else:
+        line = f"S-part weights dense ({why})"
+    if not args.quiet and model.device.type == "cpu":
+        print(f"fastdecode: {line}", file=sys.stderr, flush=True)
+
+
 def compile_spart(args, model) -> None:
     """Under --compile, the S-part's per-layer halves compiled (model/compiled.py); the start-up line
     says whether they were and, compiled, the seconds it took or that the cache served it."""

@@ -60,6 +60,7 @@ CHECKS: dict[str, Callable[[str], str | None]] = {
     "FASTDECODE_AMX": one_of("0", "off", "1", "on", "emulate", fold=True),
     "FASTDECODE_DPBF16": ON_OFF,
     "FASTDECODE_PROMPT_KERNEL": ON_OFF,
+    "FASTDECODE_PACKED": ON_OFF,
     "FASTDECODE_THREADS": integer(1),
     "FASTDECODE_PIN": ON_OFF,
     "FASTDECODE_SPIN_US": integer(0),

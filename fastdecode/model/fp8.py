@@ -6,7 +6,7 @@ nearest even and saturated at +-448. W is recovered as q * s. Rows are independe
 projections (Q|K|V, gate|up) are the concatenation of their parts' rows and scales, exactly.
 
 `linear(x, w, b)` is the one place the S-part applies a weight: a plain tensor goes to F.linear,
-an Fp8Weight runs the path fp8_gemm.py picked for the device and activation dtype: e4m3
+a PackedWeight (packed.py: bf16 on a CPU, in oneDNN's layout) to its oneDNN kernel, an Fp8Weight runs the path fp8_gemm.py picked for the device and activation dtype: e4m3
 activations with one scale per token (row) into torch._scaled_mm on GPUs with fp8 GEMMs, or the
 weight dequantized to the activation dtype everywhere else:
 - on a GPU without fp8 GEMMs at each use: fp8 is chosen there to halve the weights' memory, and
@@ -40,8 +40,10 @@ from fastdecode.model.fp8_format import (  # noqa: F401  (the weight and its hel
 )
 
 
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [n, K], w: [N, K] (a tensor or an Fp8Weight) -> x @ w^T + bias [n, N]."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [n, K], w: [N, K] (a tensor, a PackedWeight or an Fp8Weight) -> x @ w^T + bias [n, N]."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
     if isinstance(w, Fp8Weight):
         return fp8_gemm.fp8_linear(x, w, bias)
-    return F.linear(x, w, bias)
+    return w.apply(x, bias)

@@ -26,7 +26,6 @@ Hq/Hkv = query/KV heads, D = head_dim, V = vocabulary.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fastdecode.model import fp8_gemm
 from fastdecode.model import prompt_attention as pa
@@ -70,6 +69,7 @@ class SPart:
         # the fused RoPE + wire packing kernel covers whole-head RoPE without q/k norms
         self._plain_rope = not c.qk_norm and c.rotary_dim == c.head_dim
         self.compiled = None           # the per-layer halves under torch.compile (compiled.py), or eager
+        self.lm_head_packed = None     # the LM head in oneDNN's layout (packed.py), where packed
         # the residual stream x [n, h]: float32 on a CPU in half precision (the module docstring)
         self.residual_dtype = torch.float32 if self.device.type == "cpu" else dtype
 
@@ -182,7 +182,7 @@ class SPart:
         float32 (top_in_float32)."""
         cap = self.config.final_softcap
         h = self._norm(x, self.final_norm)                                # [n, h]
-        logits = F.linear(h, self.lm_head)                                # [n, V] activation dtype ([n, V/T])
+        logits = linear(h, self.lm_head_packed or self.lm_head)          # [n, V] activation dtype ([n, V/T])
         if cap:                        # in the activation dtype, as HF
             logits = torch.tanh(logits / cap) * cap
         if self.tp is not None:
