@@ -15,9 +15,11 @@
 #           the new defaults (bf16, depth 1) and --compile (on AMX oneDNN's prepacked bf16 GEMMs may make
 #           the compiled halves pay where they did not on the 2-core Zen 5 dev box); results
 #           bench/e2e/results/spart_breakdown_$BOX-host-16core.json.
-#   call -1c: cpuprompt (~2 min, issue 50): the CPU prompt-attention pass (csrc/avx512/prefill.h) against
+#   call -1c: cpuprompt (~4 min, issue 50): the CPU prompt-attention pass (csrc/avx512/prefill.h) against
 #           torch's SDPA on the host's 16 cores (AVX512-BF16 and AMX: the pass uses vdpbf16ps, not AMX);
-#           results bench/kernel/results/prompt_attention_$BOX-host-16core.json.
+#           results bench/kernel/results/prompt_attention_$BOX-host-16core.json; then the projections on
+#           prepacked weights against F.linear (model/packed.py: on AMX oneDNN's per-call reorder may
+#           cost more or less than on Zen 5), bench/kernel/results/packed_linear_$BOX-host-16core.json.
 #   call 0: pagedattn tiertests (~7 min, issue 42, never run on a card): the device tier's Triton kernel
 #           and the tier under local mode and mpirun on CUDA (the box has Triton 3.6.0: the kernels keep
 #           to its matrix-unit sizes); then the paged kernel's read bandwidth against the card's copy.
@@ -177,7 +179,8 @@ cpuspart)    # issue 50: the host as a CPU S-worker: old and new CPU defaults, -
     CUDA_VISIBLE_DEVICES= stage cpuspart 330 $PY bench/e2e/spart_breakdown.py --label $BOX-host-16core --prompts 256
     CUDA_VISIBLE_DEVICES= stage cpudepth 240 $PY bench/e2e/local_depth_bench.py --label $BOX-host-16core --rounds 1 ;;
 cpuprompt)   # issue 50: the CPU prompt-attention pass against torch's SDPA on the host's cores
-    CUDA_VISIBLE_DEVICES= stage cpuprompt 150 $PY bench/kernel/prompt_attention_bench.py --label $BOX-host-16core --rounds 2 ;;
+    CUDA_VISIBLE_DEVICES= stage cpuprompt 150 $PY bench/kernel/prompt_attention_bench.py --label $BOX-host-16core --rounds 2
+    CUDA_VISIBLE_DEVICES= stage cpupacked 100 $PY bench/kernel/packed_linear_bench.py --label $BOX-host-16core --rounds 2 ;;
 tiers8k)     # issue 42: the same at 8,192-token prompts
     stage tiers8k 280 $PY bench/e2e/tiers_bench.py --label $BOX-8k --model random:llama-3-8b --device cuda \
         --configs card=1: card+14=15: --prompts 64 --prompt-len 8192 --gen 256 --max-batch 64 \

@@ -1,11 +1,14 @@
 """What the kernel benches share: where they live, the KV shapes they time, the data they fill a
-store with, and the timer. Imported first by every script in bench/kernel/, because it also puts
+store with, the timer, and the record a bf16 compute bench writes. Imported first by every script in bench/kernel/, because it also puts
 this checkout (and tests/, for the float64 reference and the bf16 helpers) on sys.path, so a
 script runs the packages next to it whatever else is installed.
 """
 from __future__ import annotations
 
+import json
 import os
+import platform
+import statistics
 import sys
 import time
 
@@ -58,3 +61,26 @@ def fill_store(store: KVStore, blk: np.ndarray, B: int, ctx: int, kv_dtype: str)
         for t0 in range(0, ctx, nb):
             n = min(nb, ctx - t0)
             store.append(0, np.full(n, b, np.int64), src[:n], src[:n])
+
+
+def dpbf16_record(label: str, threads: int, rounds: int, peak_rounds: list[float]) -> dict:
+    """The head of a bf16 compute bench's result: the machine, its AVX-512/AMX features, torch, and
+    the vdpbf16ps rate measured in the same run (GFLOP/s, each round's and their median)."""
+    import torch
+
+    from rworker import isa
+    return {"label": label, "cpu": platform.processor() or platform.machine(),
+            "features": sorted(f for f in isa.cpu_features() if f.startswith(("avx512", "amx"))),
+            "threads": threads, "rounds": rounds, "torch": torch.__version__,
+            "dpbf16_peak_gflops": round(statistics.median(peak_rounds), 1),
+            "dpbf16_peak_rounds": [round(p, 1) for p in peak_rounds]}
+
+
+def write_result(out: dict, name: str, plot) -> str:
+    """results/<name>_<label>.json, and plot(out, its .png path); -> the JSON's path."""
+    path = os.path.join(RESULTS, f"{name}_{out['label']}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print("wrote", path)
+    plot(out, path[:-5] + ".png")
+    return path

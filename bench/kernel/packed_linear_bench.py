@@ -14,9 +14,7 @@ Writes bench/kernel/results/packed_linear_<label>.json and .png (with matplotlib
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,9 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_fixtures import dpbf16_record, write_result  # noqa: E402  (puts this checkout on sys.path)
 
 from fastdecode.model.packed import PackedWeight  # noqa: E402
 from rworker import isa  # noqa: E402
@@ -85,15 +82,8 @@ def main() -> None:
         print(f"{row['model']:13s} {row['projection']:8s} {row['rows']:5d} rows: dense {ds * 1e6:9.1f} us, packed "
               f"{ps * 1e6:9.1f} us: {ds / ps:.2f}x ({flop / ps / 1e9 / peak_gflops:.0%} of peak), same bits "
               f"{row['same_bits']}")
-    out = {"label": args.label, "cpu": platform.processor() or platform.machine(), "features": sorted(
-        f for f in isa.cpu_features() if f.startswith(("avx512", "amx"))), "threads": threads, "rounds": args.rounds,
-        "torch": torch.__version__, "dpbf16_peak_gflops": round(peak_gflops, 1),
-        "dpbf16_peak_rounds": [round(p, 1) for p in peak], "rows": out_rows}
-    path = os.path.join(HERE, "results", f"packed_linear_{args.label}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
-    plot(out, path[:-5] + ".png")
+    out = {**dpbf16_record(args.label, threads, args.rounds, peak), "rows": out_rows}
+    write_result(out, "packed_linear", plot)
 
 
 def plot(out: dict, path: str) -> None:

@@ -15,9 +15,7 @@ Writes bench/kernel/results/prompt_attention_<label>.json and .png (with matplot
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,9 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_fixtures import dpbf16_record, write_result  # noqa: E402  (puts this checkout on sys.path)
 
 from rworker import isa  # noqa: E402
 
@@ -115,15 +112,8 @@ def main() -> None:
                       "sdpa_of_peak": round(flop / ss / 1e9 / peak_gflops, 3)})
         print(f"{model:13s} {n:5d}: kernel {table[-1]['kernel_ms']:8.2f} ms ({table[-1]['kernel_of_peak']:.0%} of peak), "
               f"sdpa {table[-1]['sdpa_ms']:8.2f} ms: {table[-1]['kernel_over_sdpa']}x")
-    out = {"label": args.label, "cpu": platform.processor() or platform.machine(), "features": sorted(
-        f for f in isa.cpu_features() if f.startswith(("avx512", "amx"))), "threads": threads, "rounds": args.rounds,
-        "torch": torch.__version__, "isa": mod.ISA, "dpbf16_peak_gflops": round(peak_gflops, 1),
-        "dpbf16_peak_rounds": [round(p, 1) for p in peak], "rows": table}
-    path = os.path.join(HERE, "results", f"prompt_attention_{args.label}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
-    plot(out, path[:-5] + ".png")
+    out = {**dpbf16_record(args.label, threads, args.rounds, peak), "isa": mod.ISA, "rows": table}
+    write_result(out, "prompt_attention", plot)
 
 
 def plot(out: dict, path: str) -> None:
