@@ -178,9 +178,10 @@ def run_job(args, validate, s_worker_main) -> int:
     """The rank logic shared by generate and profile: check the environment on every rank and the
     command line on rank 0, agree, split roles."""
     from fastdecode.launch.env_vars import environment_error
+    from fastdecode.launch.ranks import launched_roles
     rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
-    s_ranks = getattr(args, "tensor_parallel_size", 1)       # ranks 0..T-1: the S-worker; the rest R-workers
-    error = environment_error(runs_kernels=rank >= s_ranks or size <= s_ranks) or machine_error(args, rank, size)
+    roles = launched_roles(getattr(args, "tensor_parallel_size", 1))
+    error = environment_error(runs_kernels=roles.holds_kv(rank)) or machine_error(args, rank, roles)
     if rank == 0 and error is None:
         error = validation_error(args, validate)
     if size <= 1 and error:                              # a singleton: stop before MPI starts
@@ -195,10 +196,10 @@ def run_job(args, validate, s_worker_main) -> int:
             if agree_on_usage(comm, error):
                 return EXIT_USAGE
             rank0_address = mpi_env.share_end_notices(comm)      # a rank that fails or dies is reported
-            if comm.Get_rank() >= s_ranks:
+            if roles.is_rworker(comm.Get_rank()):
                 from rworker.worker import run
                 return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address,
-                           s_ranks=s_ranks)
+                           s_ranks=roles.s_ranks)
             if comm.Get_rank() != 0:                             # the tensor-parallel S-worker's other ranks
                 from fastdecode.tp.follower_engine import run_follower
                 return run_follower(engine_args(args), comm, end_notice_to=rank0_address)

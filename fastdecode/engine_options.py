@@ -46,6 +46,37 @@ def bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class Renamed(argparse.Action):
+    """A flag that took another name: using it records a message naming the new one
+    (`renamed_flag`), which the command then refuses as a usage error (plan's check_hardware)."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.renamed_flag = f"{option_string} is now {self.new}"
+
+
+def add_tensor_parallel_size(p) -> None:
+    """--tensor-parallel-size, as generate, profile, plan and simulate all read it."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="T",
+                   help="the S-worker over T ranks, one per GPU (0..T-1; the R-workers are the ranks after "
+                        "them: mpirun -n T+R), each holding 1/T of every layer's weights (vLLM's flag; T must "
+                        "divide the heads, the KV heads and the MLP width; default 1)")
+
+
+def add_quantization(p) -> None:
+    """--quantization, as generate, profile, plan and simulate all read it."""
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the projections' weights in float8_e4m3fn with per-channel scales, half of bf16's "
+                        "bytes (vLLM's flag); GEMMs in fp8 on GPUs with fp8 (sm89+), elsewhere the weights "
+                        "dequantize (once at load on a CPU, at each use on older GPUs). An fp8 checkpoint "
+                        "(compressed-tensors, fbgemm_fp8) is served fp8 without it; plan and simulate price a "
+                        "bf16 profile's GEMMs with --fp8-speedup. Embeddings, norms and the LM head stay in "
+                        "--dtype")
+
+
 def kv_dtype_name(text: str) -> str:
     """--kv-dtype (generate, profile, plan, simulate): auto or a dtype the KV store holds; fp8 is
     refused with the one message naming int8 (kvformat.fp8_kv_refusal)."""
@@ -93,11 +124,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="S-part weights/activations (auto: bfloat16 on CUDA; on a CPU the checkpoint's dtype, "
                         "bfloat16 unless it stores float32, where the CPU has AVX512-BF16 or AMX, else float32; "
                         "float32 matches HF transformers' float32 outputs: docs/tuning.md)")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="fp8: the projections' weights in float8_e4m3fn with per-channel scales, half of bf16's "
-                        "bytes (vLLM's flag); GEMMs in fp8 on GPUs with fp8 (sm89+), elsewhere the weights "
-                        "dequantize (once at load on a CPU, at each use on older GPUs). An fp8 checkpoint (compressed-tensors, fbgemm_fp8) is served "
-                        "fp8 without it. Embeddings, norms and the LM head stay in --dtype")
+    add_quantization(p)
     p.add_argument("--kv-dtype", default="auto", type=kv_dtype_name, metavar="{auto,fp32,bf16,fp16,int8}",
                    help="KV-cache element type on the R-workers (auto: fp32 for float32 models, else bf16; int8: "
                         "per-token scales, about half of bf16's bytes read per token: docs/tuning.md; fp8 KV is "
@@ -133,10 +160,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="GPU S-worker: the fraction of the card's memory the job may fill, weights, "
                         "activations and its KV tier together (vLLM's; default 0.9)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="T",
-                   help="the S-worker over T ranks, one per GPU (0..T-1; the R-workers are the ranks after "
-                        "them: mpirun -n T+R), each holding 1/T of every layer's weights (vLLM's flag; T must "
-                        "divide the heads, the KV heads and the MLP width; default 1)")
+    add_tensor_parallel_size(p)
     p.add_argument("--timeout", type=duration(MIN_TIMEOUT_S), default=None,
                    help="seconds a rank may stay silent before the job aborts naming it, at least 1 (default: 900 "
                         "until a step was timed, then 50x the slowest step, at least 300)")

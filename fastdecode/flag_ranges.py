@@ -59,14 +59,15 @@ SIZE_FLAGS = (("--rworker-mem", "rworker_mem", None, "kv"),
               ("--max-line-bytes", "max_line_bytes", 16 << 20, "rank0"))
 
 
-def machine_error(args, rank: int, size: int, total_bytes: int | None = None) -> str | None:
+def machine_error(args, rank: int, roles, total_bytes: int | None = None) -> str | None:
     """The first size flag larger than this machine's memory, named with both; None if all fit.
-    --rworker-mem is checked where KV is held (an R-worker; rank 0 alone in local mode), the
-    rank-0 limits on rank 0; a default is never refused (it may exceed a small machine unused)."""
+    --rworker-mem is checked where KV is held (an R-worker; rank 0 in local mode: roles, a
+    launch.ranks.Roles), the rank-0 limits on rank 0; a default is never refused (it may exceed a
+    small machine unused)."""
     if total_bytes is None:
         import psutil
         total_bytes = psutil.virtual_memory().total
-    holds_kv = rank > 0 or size <= 1
+    holds_kv = roles.holds_kv(rank)
     for flag, dest, default, where in SIZE_FLAGS:
         value = getattr(args, dest, None)
         if value is None or value == default or (where == "kv" and not holds_kv) or (where == "rank0" and rank):

@@ -25,6 +25,7 @@ from fastdecode.engine.request_checks import RequestError
 from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
 from fastdecode.flag_ranges import engine_args_error, machine_error
 from fastdecode.launch import mpi_env
+from fastdecode.launch.ranks import launched_roles, set_s_ranks
 from fastdecode.vllm_args import engine_kwargs
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
@@ -34,17 +35,17 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs):
         from fastdecode.launch.env_vars import environment_error
         args = EngineArgs(model=model, **engine_kwargs(kwargs, _ENGINE_FIELDS))
-        rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
+        set_s_ranks(args.tensor_parallel_size)            # the roles' names in every message and report
+        rank, roles = mpi_env.launched_rank(), launched_roles()
         # the command line's ranges, and its check of sizes against this machine (flag_ranges.py)
-        error = engine_args_error(args) or machine_error(args, rank, size) \
-            or environment_error(runs_kernels=rank > 0 or size <= 1)
+        error = engine_args_error(args) or machine_error(args, rank, roles) \
+            or environment_error(runs_kernels=roles.holds_kv(rank))
         if error:
             raise ValueError(error)
-        s_ranks = args.tensor_parallel_size
         comm = mpi_env.world()
-        if comm is not None and comm.Get_rank() >= s_ranks:
+        if comm is not None and roles.is_rworker(comm.Get_rank()):
             from rworker.worker import run
-            run(comm, args.r_threads, args.rworker_mem, args.timeout, s_ranks=s_ranks)
+            run(comm, args.r_threads, args.rworker_mem, args.timeout, s_ranks=roles.s_ranks)
             sys.exit(0)
         if comm is not None and comm.Get_rank() != 0:       # a tensor-parallel S-worker's other ranks
             from fastdecode.tp.follower_engine import run_follower

@@ -139,15 +139,41 @@ def test_good_durations_are_read():
 
 def test_a_size_flag_larger_than_the_machine_is_refused_naming_both():
     from fastdecode.flag_ranges import machine_error
+    from fastdecode.launch.ranks import Roles
     args, _ = parse(["generate", "-i", "in", "-o", "out", "--rworker-mem", "100G"])
     total = 23 << 30
-    assert machine_error(args, 0, 1, total) == "--rworker-mem 100.0 GiB is more than this machine's memory (23.0 GiB)"
-    assert machine_error(args, 1, 3, total) is not None       # an R-worker checks its own node
-    assert machine_error(args, 0, 3, total) is None           # rank 0 of an MPI job holds no KV
+    assert machine_error(args, 0, Roles(1), total) == \
+        "--rworker-mem 100.0 GiB is more than this machine's memory (23.0 GiB)"
+    assert machine_error(args, 1, Roles(3), total) is not None       # an R-worker checks its own node
+    assert machine_error(args, 0, Roles(3), total) is None           # rank 0 of an MPI job holds no KV
+    assert machine_error(args, 1, Roles(3, 2), total) is None        # nor does a tensor-parallel S-rank
+    assert machine_error(args, 2, Roles(3, 2), total) is not None
+    assert machine_error(args, 0, Roles(2, 2), total) is not None    # T ranks alone: rank 0 holds it
     args, _ = parse(["generate", "-i", "in", "-o", "out", "--max-inflight-mem", "1T"])
-    assert "--max-inflight-mem 1,024.0 GiB" in machine_error(args, 0, 1, total)
+    assert "--max-inflight-mem 1,024.0 GiB" in machine_error(args, 0, Roles(1), total)
     args, _ = parse(["generate", "-i", "in", "-o", "out"])
-    assert machine_error(args, 0, 1, 2 << 30) is None         # defaults are never refused
+    assert machine_error(args, 0, Roles(1), 2 << 30) is None         # defaults are never refused
+
+
+def test_the_roles_of_a_job_s_ranks():
+    from fastdecode.launch.ranks import Roles
+    plain, tp, alone, tp_alone = Roles(4), Roles(5, 2), Roles(1), Roles(2, 2)
+    assert [plain.name(r) for r in range(4)] == ["S-worker", "R-worker", "R-worker", "R-worker"]
+    assert [tp.name(r) for r in range(5)] == ["S-worker", "tensor-parallel S-rank"] + ["R-worker"] * 3
+    assert list(plain.rworkers) == [1, 2, 3] and list(tp.rworkers) == [2, 3, 4]
+    assert plain.kv_holders == 3 and tp.kv_holders == 3 and alone.kv_holders == 1 and tp_alone.kv_holders == 1
+    assert [plain.holds_kv(r) for r in range(4)] == [False, True, True, True]
+    assert [tp.holds_kv(r) for r in range(5)] == [False, False, True, True, True]
+    assert alone.holds_kv(0) and [tp_alone.holds_kv(r) for r in range(2)] == [True, False]
+    assert not tp_alone.rworkers
+
+
+def test_role_names_follow_the_s_worker_s_ranks(monkeypatch):
+    from fastdecode.launch import ranks
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setattr(ranks, "_s_ranks", 1)
+    ranks.set_s_ranks(2)                    # what LLM(tensor_parallel_size=2) and the CLI both do first
+    assert [ranks.role_name(r) for r in range(4)] == ["S-worker", "tensor-parallel S-rank", "R-worker", "R-worker"]
 
 
 def test_bad_flags_exit_2_with_one_line_before_the_model_loads(tmp_path):
@@ -167,7 +193,7 @@ def test_plans_hardware_numbers_must_be_finite(flag, value):
     from fastdecode.sizing.plan import PlanError, check_hardware
     args = argparse.Namespace(cpu_bw=100.0, cpu_mem=None, link_bw=None, cpu_eff=0.66, link_latency=None,
                               rworker_overhead_us=None, shared_cost_ratio=None, device_kv=True,
-                              device_kv_gb=None, device_kv_gbps=None)
+                              device_kv_memory=None, device_kv_gbps=None)
     setattr(args, flag, value)
     with pytest.raises(PlanError, match=f"--{flag.replace('_', '-')} must be a finite number"):
         check_hardware(args)

@@ -190,7 +190,7 @@ def test_plan_flags_state_replace_or_drop_the_tier(tmp_path):
     tiered.write_text(flat_profile().to_json())
     common = ["--batch", "1024", "--context", "1024", "--rworkers", "1", "--json"]
     # a tier stated for an old profile: 100 sequences' worth at 1,000 GB/s
-    code, out, _ = run_plan("--profile", str(old), "--device-kv-gb", f"{100 * SEQ_HELD / 1e9}",
+    code, out, _ = run_plan("--profile", str(old), "--device-kv-memory", f"{100 * SEQ_HELD}",
                             "--device-kv-gbps", "1000", *common)
     d = json.loads(out)
     assert code == 0 and (d["tier_sequences"], d["tier_split"]) == (100, "tier full")
@@ -205,7 +205,8 @@ def test_plan_flags_state_replace_or_drop_the_tier(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--no-device-kv", "--device-kv-gb", "5"], "--no-device-kv with"),
+    (["--no-device-kv", "--device-kv-memory", "5G"], "--no-device-kv with"),
+    (["--device-kv-gb", "5"], "--device-kv-gb is now --device-kv-memory SIZE (40G"),
     (["--device-kv-gbps", "0"], "--device-kv-gbps must be a finite number > 0"),
     (["--no-device-kv", "--rworkers", "0"], "at least one R-worker"),
     (["--rworkers", "-1"], "--rworkers must be >= 0"),
@@ -219,7 +220,7 @@ def test_plan_tier_flags_bad_input_is_one_line_and_exit_2(argv, message):
 def test_an_old_profile_needs_both_figures_for_a_tier(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(flat_profile(tier_seqs=None).to_json())
-    code, _, err = run_plan("--profile", str(old), "--device-kv-gb", "10", "--batch", "64")
+    code, _, err = run_plan("--profile", str(old), "--device-kv-memory", "10G", "--batch", "64")
     assert code == 2 and "--device-kv-gbps" in err
 
 

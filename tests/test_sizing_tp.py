@@ -71,8 +71,15 @@ def test_stated_fp8_on_a_card_without_fp8_gemms_is_slower_than_on_one_with_them(
     assert without.layer_time_s[-1] > with_fp8.layer_time_s[-1]
 
 
+def test_a_tensor_parallel_size_below_one_is_refused_as_generate_refuses_it(capsys):
+    p = argparse.ArgumentParser()
+    add_options(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tensor-parallel-size", "0"])
+    assert "argument --tensor-parallel-size/-tp: expected a positive integer, got '0'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, needle", [
-    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be a finite number >= 1 (got 0)"),
     (["--tp-link-gbps", "0"], "--tp-link-gbps must be a finite number"),
 ])
 def test_bad_flags_name_themselves(argv, needle):

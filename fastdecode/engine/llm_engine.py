@@ -20,6 +20,7 @@ from fastdecode.engine.runner import ModelRunner
 from fastdecode.engine.sampling_params import RequestMetrics, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
+from fastdecode.launch.ranks import Roles
 from fastdecode.model.config import ModelConfig
 from fastdecode.model.llama import LlamaSPart
 from fastdecode.model.names import ServedModel, served_model
@@ -62,8 +63,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.source, digest, tokenizer, self.max_model_len) \
             if self.source.kind != "random" or tokenizer \
             else TokenIdsOnly(self.config.vocab_size)
-        world = comm.Get_size() - s_ranks + 1 if comm is not None else 1      # the S-worker and the R-workers
-        self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, world,
+        members = Roles(comm.Get_size(), s_ranks).members if comm is not None else 1
+        self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, members,
                                 self.layout[0] if self.layout else 1, self.kv_bytes_per_token)
         tp = self.tp
         weights = load_weights(self.source, self.config, self.dtype, self.device, self.weight_format,

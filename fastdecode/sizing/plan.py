@@ -1,7 +1,7 @@
 """`fastdecode plan`: R-workers needed, step latency, tokens/s and the bounding side, before a job.
 
 From a measured profile (`--profile profile.json`) or stated hardware (`--gpu-profile`,
-`--cpu-bw`, `--cpu-mem`, `--link-bw`, `--model`, `--device-kv-gb`, `--device-kv-gbps`); stated
+`--cpu-bw`, `--cpu-mem`, `--link-bw`, `--model`, `--device-kv-memory`, `--device-kv-gbps`); stated
 flags given with a profile replace those parts of it (what-if). With the S-worker's own KV tier
 (the profile's, a stated GPU's by default, or stated) it says how the batch splits between the tier
 and the R-workers; `--rworkers 0` plans a GPU-only engine. What runs of a batch follows the
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from fastdecode.engine_options import kv_dtype_or_model
+from fastdecode.engine_options import Renamed, bytes_arg, kv_dtype_or_model
 from fastdecode.model.hf_cache import looks_like_repo_id
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
 from fastdecode.sizing import plan_text as text
@@ -133,10 +133,12 @@ def add_hardware_options(p: argparse.ArgumentParser):
                      help="the S-worker's own KV tier, as generate's flag: the profile's, or on a stated GPU "
                           "what its memory holds beside the weights (default); --no-device-kv plans all KV on "
                           "the R-workers")
-    src.add_argument("--device-kv-gb", type=float, metavar="GB",
-                     help="KV bytes of the S-worker's own tier, GB (default: the profile's measurement; a stated "
-                          "GPU: 0.9 of its memory less the weights and the activations' reserve, generate's "
-                          "default)")
+    src.add_argument("--device-kv-memory", type=bytes_arg, metavar="SIZE",
+                     help="KV memory of the S-worker's own tier, as generate's flag (40G; bytes without a unit; "
+                          "default: the profile's measurement; a stated GPU: 0.9 of its memory less the weights "
+                          "and the activations' reserve, generate's default)")
+    src.add_argument("--device-kv-gb", action=Renamed, nargs="?", help=argparse.SUPPRESS,
+                     new="--device-kv-memory SIZE (40G: binary units, as generate's)")
     src.add_argument("--device-kv-gbps", type=float, metavar="GB/S",
                      help="KV read rate of the tier's attention, GB/s (default: the profile's measurement; a "
                           f"stated GPU: {TIER_ATTN_EFF:g} of its memory bandwidth)")
@@ -199,7 +201,7 @@ def build_profile(args) -> Profile:
         tier = _stated_tier(gpu, model, tp, args) if args.device_kv else None
         if args.cpu_bw is None and tier is None:
             raise PlanError(f"{model.name}'s weights leave no room for a KV tier on {gpu.name}: give --cpu-bw "
-                            f"(R-workers) or --device-kv-gb")
+                            f"(R-workers) or --device-kv-memory")
         return with_tensor_parallel(
             stated_profile(gpu, model, args.cpu_bw, args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
                            call_overhead_us=overhead,
@@ -245,14 +247,19 @@ def build_profile(args) -> Profile:
 
 def _stated_tier(gpu, model, tp, args):
     """The device tier of a stated GPU S-worker (over T GPUs: tensor_parallel.stated_tier_over)."""
-    return stated_tier_over(gpu, model, tp, args.device_kv_gb, args.device_kv_gbps)
+    return stated_tier_over(gpu, model, tp, _tier_gb(args), args.device_kv_gbps)
+
+
+def _tier_gb(args) -> float | None:
+    """--device-kv-memory in the sizing model's GB (1e9 bytes)."""
+    return None if args.device_kv_memory is None else args.device_kv_memory / 1e9
 
 
 def _profile_tier(prof: Profile, args):
     """The S-worker's tier to plan a measured profile with: none under --no-device-kv; the profile's
     with any stated part replacing the measured one; stated afresh where the profile has none
     (both figures, or a --gpu-profile to take the missing one from)."""
-    gb, gbps = args.device_kv_gb, args.device_kv_gbps
+    gb, gbps = _tier_gb(args), args.device_kv_gbps
     if not args.device_kv:
         return None
     tier = prof.device_tier
@@ -262,7 +269,7 @@ def _profile_tier(prof: Profile, args):
         try:
             return stated_tier(_gpu(args.gpu_profile) if args.gpu_profile else None, prof.model, gb, gbps)
         except ValueError:
-            raise PlanError(f"{args.profile} has no S-worker tier: state one with both --device-kv-gb and "
+            raise PlanError(f"{args.profile} has no S-worker tier: state one with both --device-kv-memory and "
                             f"--device-kv-gbps (or --gpu-profile to take the missing one from)") from None
     if gb is not None:
         tier.capacity_bytes = gb * 1e9
@@ -312,13 +319,14 @@ def _check(args) -> None:
 
 def check_hardware(args) -> None:
     """The hardware flags' values (add_hardware_options)."""
+    if getattr(args, "renamed_flag", None):
+        raise PlanError(args.renamed_flag)
     for flag, v in (("--cpu-bw", args.cpu_bw), ("--cpu-mem", args.cpu_mem), ("--link-bw", args.link_bw),
-                    ("--cpu-eff", args.cpu_eff), ("--device-kv-gb", args.device_kv_gb),
-                    ("--device-kv-gbps", args.device_kv_gbps)):
+                    ("--cpu-eff", args.cpu_eff), ("--device-kv-gbps", args.device_kv_gbps)):
         if v is not None and not 0 < v < float("inf"):
             raise PlanError(f"{flag} must be a finite number > 0 (got {v})")
-    if not args.device_kv and (args.device_kv_gb is not None or args.device_kv_gbps is not None):
-        raise PlanError("--no-device-kv with --device-kv-gb or --device-kv-gbps: plan one or the other")
+    if not args.device_kv and (args.device_kv_memory is not None or args.device_kv_gbps is not None):
+        raise PlanError("--no-device-kv with --device-kv-memory or --device-kv-gbps: plan one or the other")
     for flag, v in (("--link-latency", args.link_latency), ("--rworker-overhead-us", args.rworker_overhead_us)):
         if v is not None and not 0 <= v < float("inf"):
             raise PlanError(f"{flag} must be a finite number >= 0 (got {v})")

@@ -19,7 +19,7 @@ def header(prof: Profile, knee: int, depth: int, args=None) -> list[str]:
              f"call, so B = {knee} with {depth} mini-batch(es)",
              f"S-worker's own KV tier {tier.name}: {tier.bandwidth() / 1e9:.0f} GB/s attention, "
              f"{tier.capacity_bytes / 1e9:.1f} GB KV, {tier.call_overhead_s * 1e6:.0f} us/call" if tier is not None
-             else "S-worker's own KV tier: none (--device-kv-gb and --device-kv-gbps state one)"]
+             else "S-worker's own KV tier: none (--device-kv-memory and --device-kv-gbps state one)"]
     if prof.r_workers:
         w = prof.r_workers[0]
         lines.append(f"R-worker {w.name}: {w.bandwidth() / 1e9:.1f} GB/s attention, {w.capacity_bytes / 1e9:.0f} GB KV, "

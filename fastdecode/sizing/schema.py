@@ -208,7 +208,7 @@ class RWorkerProfile:
 class TierProfile:
     """The S-worker's own KV tier (docs/design.md, "The S-worker's own KV tier"): sequences whose
     KV it holds and attends to itself, its attention on the S-part's critical path. Measured by
-    `fastdecode profile` where the job has one, or stated (`plan --device-kv-gb/--device-kv-gbps`)."""
+    `fastdecode profile` where the job has one, or stated (`plan --device-kv-memory/--device-kv-gbps`)."""
     name: str                       # "device (cuda:0)", "local (in-process store)", or a stated one
     seconds_per_kv_byte: float      # attention cost per KV byte read, as the step pays it (s/B)
     call_overhead_s: float          # fixed cost per attention call (one layer, one mini-batch)

@@ -190,13 +190,11 @@ def sizing_from_args(args) -> TPSizing:
 
 
 def add_options(p) -> None:
-    """The flags plan and simulate take for a tensor-parallel or fp8 S-worker."""
+    """The flags plan and simulate take for a tensor-parallel or fp8 S-worker (the first two as generate's)."""
+    from fastdecode.engine_options import add_quantization, add_tensor_parallel_size
     g = p.add_argument_group("S-worker over several GPUs, fp8 weights")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="T",
-                   help="the S-worker over T GPUs of one node, each with 1/T of every layer (default: %(default)s)")
-    g.add_argument("--quantization", "-q", choices=["fp8"], default=None,
-                   help="fp8 projection weights: the card's fp8 GEMMs from stated hardware, or a bf16 profile "
-                        "sped up by --fp8-speedup (a profile measured with --quantization fp8 is fp8's already)")
+    add_tensor_parallel_size(g)
+    add_quantization(g)
     g.add_argument("--tp-interconnect", choices=sorted(INTERCONNECTS), default="nvlink",
                    help="the GPUs' link for the all-reduces: " + ", ".join(
                        f"{k} {bw:g} GB/s, {lat:g} us" for k, (bw, lat) in INTERCONNECTS.items())

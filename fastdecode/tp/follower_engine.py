@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastdecode.engine import rpart_setup
 from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes
 from fastdecode.engine.kv_tiers import choose_tier
+from fastdecode.launch.ranks import Roles
 from fastdecode.model.quantization import weight_format
 from fastdecode.model.source import read_config, resolve_model
 from fastdecode.model.spart import SPart
@@ -33,7 +34,7 @@ class FollowerEngine:
         self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype)
         self.s_cores = self._setup_threads()
         self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype,
-                                comm.Get_size() - s_ranks + 1, layout[0])
+                                Roles(comm.Get_size(), s_ranks).members, layout[0])
         weights = load_weights(self.source, self.config, self.dtype, self.device,
                                weight_format(args.quantization, self.source), self.tp.shard)
         self.model = SPart(self.tp.config, weights, self.device, self.dtype, max_model_len=max_model_len,
