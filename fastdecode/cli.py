@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeated); the first is the model named in every response. Requests may always name "
                         "-m as given, or no model; any other name gets a 404 model_not_found row")
     add_generate_engine_options(g)
+    from fastdecode.engine_options import add_data_parallel_size
+    add_data_parallel_size(g)
     g.add_argument("--sort-output", dest="sort_output", action=argparse.BooleanOptionalAction, default=True,
                    help="when the input is done, rewrite the output in input order, lines of earlier runs "
                         "included (default); --no-sort-output keeps completion order")
@@ -136,8 +138,11 @@ def check_model(args, world: int | None = None) -> None:
         config = read_config(source)
         config.resolve_max_model_len(getattr(args, "max_model_len", None))
         weight_format(getattr(args, "quantization", None), source)     # an fp8 checkpoint's scales, too
-        tp_error = usage_error(args.tensor_parallel_size, config, args.device,
-                               world or mpi_env.launched_size())
+        from fastdecode.launch.groups import group_error
+        world = world or mpi_env.launched_size()
+        groups = getattr(args, "data_parallel_size", 1)
+        tp_error = group_error(groups, args.tensor_parallel_size, world) or \
+            usage_error(args.tensor_parallel_size, config, args.device, world // groups)
         if tp_error:
             raise ConfigError(tp_error)
         if args.tokenizer:
@@ -176,11 +181,11 @@ def agree_on_usage(comm, error: str | None) -> bool:
 
 def run_job(args, validate, s_worker_main) -> int:
     """The rank logic shared by generate and profile: check the environment on every rank and the
-    command line on rank 0, agree, split roles."""
+    command line on rank 0, agree, split roles (and data-parallel groups: launch/groups.py)."""
     from fastdecode.launch.env_vars import environment_error
     from fastdecode.launch.ranks import launched_roles
     rank, size = mpi_env.launched_rank(), mpi_env.launched_size()
-    roles = launched_roles(getattr(args, "tensor_parallel_size", 1))
+    roles = launched_roles(getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
     error = environment_error(runs_kernels=roles.holds_kv(rank)) or machine_error(args, rank, roles)
     if rank == 0 and error is None:
         error = validation_error(args, validate)
@@ -190,29 +195,36 @@ def run_job(args, validate, s_worker_main) -> int:
     if size == 1 and mpi_env.under_launcher() and not getattr(args, "quiet", False):
         print("fastdecode: one MPI rank: local mode, the R-part runs in this process (no R-workers); launch 1+R "
               "ranks for R R-workers (mpirun -n 3: two)", file=sys.stderr, flush=True)
-    comm = mpi_env.world(args.timeout)
+    comm = world = mpi_env.world(args.timeout)
     try:   # from here a failure anywhere before the first step ends every rank at once (an abort)
+        leaders = None
         if comm is not None:
             if agree_on_usage(comm, error):
                 return EXIT_USAGE
             rank0_address = mpi_env.share_end_notices(comm)      # a rank that fails or dies is reported
-            if roles.is_rworker(comm.Get_rank()):
+            from fastdecode.launch import groups
+            group = groups.split(comm, roles)
+            inner, at = roles.local(comm.Get_rank())
+            if inner.is_rworker(at):
                 from rworker.worker import run
-                return run(comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address,
+                return run(group.comm, args.r_threads, args.rworker_mem, args.timeout, end_notice_to=rank0_address,
                            s_ranks=roles.s_ranks)
-            if comm.Get_rank() != 0:                             # the tensor-parallel S-worker's other ranks
+            if at != 0:                                          # the tensor-parallel S-worker's other ranks
                 from fastdecode.tp.follower_engine import run_follower
-                return run_follower(engine_args(args), comm, end_notice_to=rank0_address)
+                return run_follower(engine_args(args), group.comm, end_notice_to=rank0_address)
+            if group.index > 0:                                  # another data-parallel group's S-worker
+                from fastdecode.batch.group_runner import run_group
+                return run_group(args, group.comm, group.leaders)
+            comm, leaders = group.comm, group.leaders
         elif error:
             print(f"fastdecode: error: {error}", file=sys.stderr)
             return EXIT_USAGE
-        return s_worker_main(args, comm)
+        return s_worker_main(args, comm, leaders) if leaders is not None else s_worker_main(args, comm)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - must end the MPI job, not hang it
-        mpi_env.fail(comm, e)
+        mpi_env.fail(world, e)                  # every group's ranks end
         return EXIT_FAILURE
-
 
 def validation_error(args, validate) -> str | None:
     """Rank 0's check of the command line and its inputs, as one line (None: all is well). Any
@@ -249,10 +261,10 @@ def cmd_dry_run(args) -> int:
     return EXIT_OK
 
 
-def run_s_worker(args, comm) -> int:
+def run_s_worker(args, comm, leaders=None) -> int:
     """Rank 0: resume from the output, serve, and on SIGUSR1/SIGTERM/SIGINT stop after the step in
     flight, save (rows done, generation in flight), shut the R-workers down and exit 75 (the SLURM
-    scripts requeue on it)."""
+    scripts requeue on it). leaders: the data-parallel groups' S-workers, whose dealer this rank is."""
     from fastdecode.batch.generate import print_report, run_generate
     from fastdecode.batch.interrupt import STOP
 
@@ -260,16 +272,26 @@ def run_s_worker(args, comm) -> int:
     # stop, never the default action (which would end rank 0 without a report)
     stop = STOP.install()
     engines = []
+    dealer = None
+    if leaders is not None:
+        from fastdecode.batch.dealer import Dealer
+        dealer = Dealer(leaders, args.timeout)
 
     def make_engine():
         from fastdecode.engine.llm_engine import LLMEngine
+        if dealer is not None:
+            dealer.start(serve=True)              # the other groups load their engines meanwhile
         engines.append(LLMEngine(engine_args(args), comm))
         return engines[0]
 
+    def skip_engine():
+        if dealer is not None:
+            dealer.start(serve=False)
+        mpi_env.stop_rworkers(comm, args.tensor_parallel_size)
+
     # the output is read before the model loads: a rerun that finds every line answered makes no
     # engine, and the R-workers end before their start-up (and kernel tune)
-    summary, rep, code = run_generate(make_engine, args, stop,
-                                      skip_engine=lambda: mpi_env.stop_rworkers(comm, args.tensor_parallel_size))
+    summary, rep, code = run_generate(make_engine, args, stop, skip_engine=skip_engine, dealer=dealer)
     rows_to_stdout = getattr(args, "rows_to_stdout", False)     # set by validate_generate (batch/stdio.py)
     if rows_to_stdout:                         # -o -: stdout holds the rows, the report goes to stderr
         from fastdecode.batch.stdio import deliver_rows
@@ -356,8 +378,9 @@ def run_command(argv: list[str] | None, words: list[str], job: bool) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if job:
-        from fastdecode.launch.ranks import set_s_ranks
+        from fastdecode.launch.ranks import set_groups, set_s_ranks
         set_s_ranks(getattr(args, "tensor_parallel_size", 1))   # which ranks are the S-worker's (role names)
+        set_groups(getattr(args, "data_parallel_size", 1))
     if args.command == "generate" and args.dry_run:
         return cmd_dry_run(args) if rank == 0 else EXIT_OK
     if job and supervise.should_supervise():  # under a launcher: a dead rank gets named

@@ -66,6 +66,15 @@ def add_tensor_parallel_size(p) -> None:
                         "divide the heads, the KV heads and the MLP width; default 1)")
 
 
+def add_data_parallel_size(p) -> None:
+    """--data-parallel-size, as generate, plan and simulate read it."""
+    p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1, metavar="D",
+                   help="D S-workers in one job, each with its own R-workers (vLLM's flag): the ranks form D "
+                        "groups of contiguous ranks, each an S-worker (--tensor-parallel-size ranks) followed by "
+                        "its R-workers; rank 0 reads the input and deals lines to the groups as their queues run "
+                        "low, and writes every group's rows into the one output (default 1)")
+
+
 def add_quantization(p) -> None:
     """--quantization, as generate, profile, plan and simulate all read it."""
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],

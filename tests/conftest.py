@@ -160,6 +160,23 @@ def run_fastdecode(args: list[str], ranks: int | None = None, timeout: float = 6
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
+def stop_after_rows(args: list[str], ranks: int, out, rows: int, limit_s: float = 300) -> tuple[int, str]:
+    """`mpiexec -n ranks fastdecode ARGS`, sent SIGUSR1 (hydra forwards it to every rank) once `out`
+    holds `rows` rows (or the job ended); -> (exit code, stderr)."""
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    job = subprocess.Popen([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "fastdecode"] + args,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    deadline = time.monotonic() + limit_s
+    while not (out.exists() and out.read_text().count("\n") >= rows) and job.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    _, err = job.communicate(timeout=limit_s)
+    return job.returncode, err
+
+
 def write_bound_rows(inp, out, rows, model: str = "smollm2-135m") -> None:
     """Write `rows` to the output `out` of input `inp` as a job serving `model` would: each
     (line number, row dict) with the record binding it to that input line; (None, text) as a line

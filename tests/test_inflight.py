@@ -6,15 +6,10 @@ an uninterrupted run, whatever step the stop came at; in local mode (in-process,
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import MPIEXEC, REPO, batch_line, read_output, run_fastdecode
+from conftest import batch_line, read_output, run_fastdecode, stop_after_rows
 from inprocess import generate
 
 from fastdecode.batch import inflight
@@ -170,15 +165,8 @@ def test_a_stopped_mpi_job_continues_its_sequences(llm, tmp_path):
     reference = answers(read_output(tmp_path / "ref.jsonl"))
     flags = ["generate", "-i", str(inp), "-o", str(out), "--quiet", "--max-batch", "6", "--dtype", "float32",
              "--kv-dtype", "fp32"]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    job = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "fastdecode"] + flags, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    deadline = time.monotonic() + 300
-    while not (out.exists() and out.read_text().count("\n") >= 2) and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    job.send_signal(signal.SIGUSR1)          # to mpiexec: hydra forwards it to every rank
-    _, err = job.communicate(timeout=300)
-    assert job.returncode == 75, err[-3000:]
+    code, err = stop_after_rows(flags, 3, out, 2)
+    assert code == 75, err[-3000:]
     assert "sequence(s) in flight" in err and (tmp_path / "out.jsonl.inflight").exists(), err[-3000:]
     assert "saved the KV of" in err and (tmp_path / "out.jsonl.inflight.kv").exists(), err[-3000:]
     again = run_fastdecode(flags, ranks=3, timeout=600)

@@ -77,7 +77,23 @@ def run_summary(runner: BatchRunner, wall: float) -> dict:
                reloaded_sequences=eng.reload_kv.sequences - runner.reloaded_before[1],
                kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token, **eng.prefix_summary(),
                **eng.tier_summary())
+    if runner.dealer is not None:
+        add_groups(out, runner.dealer.summaries(), wall)
     return out
+
+
+def add_groups(out: dict, groups: list[dict], wall: float) -> None:
+    """The job's tokens are every group's: group 0's figures (out) become the first of
+    `data_parallel_groups`, the totals and rates the job's."""
+    first = {"group": 0, "requests": out["requests"] - sum(g.get("requests", 0) for g in groups),
+             "errors": out["errors"] - sum(g.get("errors", 0) for g in groups), "output_tokens": out["output_tokens"],
+             "prompt_tokens": out["prompt_tokens"], "steps": out["steps"], "wall_s": out["wall_s"]}
+    out["data_parallel_groups"] = [first, *groups]
+    for key in ("output_tokens", "prompt_tokens"):
+        out[key] += sum(g.get(key, 0) for g in groups)
+    if wall:
+        out["output_tokens_per_s"] = round(out["output_tokens"] / wall, 3)
+        out["total_tokens_per_s"] = round((out["output_tokens"] + out["prompt_tokens"]) / wall, 3)
 
 
 class BatchJob:
@@ -164,11 +180,13 @@ class BatchJob:
             out["model_digest"] = self.model_identity["digest"]
         return out
 
-    def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None) -> bool:
+    def run(self, engine: LLMEngine, show_progress: bool = True, progress_interval: float | None = None,
+            dealer=None) -> bool:
+        """dealer: the other data-parallel groups' (batch/dealer.py), if any."""
         total = self.total_lines
         self.saved = inflight.Saved(self.inflight_path, self.identity(engine))
         self.runner = BatchRunner(engine, self.input_path, self.writer, self.index, self.stop, limits=self.limits,
-                                  saved=self.saved)
+                                  saved=self.saved, dealer=dealer)
         self.runner.total_lines = total
         start = time.perf_counter()
         with Progress(self.runner.snapshot, enabled=show_progress, interval=progress_interval) as progress:
@@ -274,14 +292,16 @@ def served_name(args) -> str:
     return served_model(resolve_model(args.model), args.served_model_name).reported
 
 
-def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None) -> tuple[dict | None, dict, int]:
+def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None,
+                 dealer=None) -> tuple[dict | None, dict, int]:
     """Resume, serve, shut the engine down, rewrite, report; (this run's summary, the run report,
     the exit code: the report's).
 
     The engine (and with it the R-workers' start-up and kernel tune) is made only once the output
     was read and some input line needs serving; otherwise skip_engine() ends the R-workers and the
     summary is None: earlier runs answered every line, or a stop came first. The engine is closed
-    on every path, and before the final rewrite (which may take a while)."""
+    on every path, and before the final rewrite (which may take a while). dealer: the other
+    data-parallel groups (batch/dealer.py), told to start or skip as this engine is."""
     path = args.summary_json or report.default_path(args.output)
     engine = None
     closed = []
@@ -310,7 +330,8 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None)
             engine = make_engine()
             print(f"fastdecode: {engine.served.describe()}", file=sys.stderr, flush=True)
             print(f"fastdecode: {engine.describe_model()}", file=sys.stderr, flush=True)
-            job.run(engine, show_progress=not args.quiet, progress_interval=getattr(args, "progress_interval", None))
+            job.run(engine, show_progress=not args.quiet, progress_interval=getattr(args, "progress_interval", None),
+                    dealer=dealer)
             close_engine()
             moved = job.finish(sort=args.sort_output)
             summary = run_summary(job.runner, job.wall)

@@ -3,33 +3,33 @@ engine runs), requests to the engine, each finished request's row written with t
 request it answers; a stop request ends the loop after the step in flight (generate.py runs it)."""
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from fastdecode.batch import inflight
+from fastdecode.batch.group_runner import queue_target
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
-from fastdecode.batch.line_requests import PendingLine, check_prompts, encode_prompts, request_id
+from fastdecode.batch.line_server import LineServer
 from fastdecode.batch.output import OutputWriter
 from fastdecode.batch.progress import Progress, Snapshot, engine_snapshot
-from fastdecode.batch.responses import Answer, error_line, success_line
 from fastdecode.batch.resume import DONE, DUP, ResumeIndex
 from fastdecode.batch.schema import Limits
-from fastdecode.engine.continuation import capture
-from fastdecode.engine.request_checks import RequestError
 
 if TYPE_CHECKING:                 # the engine (torch) loads only when a line needs serving
+    from fastdecode.batch.dealer import Dealer
     from fastdecode.engine.llm_engine import LLMEngine
 
 
-class BatchRunner:
-    """Feeds input lines to the engine and writes one output row per line."""
+class BatchRunner(LineServer):
+    """Feeds input lines to the engine and writes one output row per line. With data-parallel
+    groups (dealer: dealer.Dealer) it also deals lines to the other groups' engines by their
+    demand and writes their rows."""
 
     def __init__(self, engine: LLMEngine, input_path: str, writer: OutputWriter, index: ResumeIndex,
                  stop: StopRequest | None = None, lookahead: int | None = None, limits: Limits = Limits(),
-                 saved: inflight.Saved | None = None):
-        self.engine = engine
-        self.writer, self.index, self.stop, self.saved = writer, index, stop, saved
+                 saved: inflight.Saved | None = None, dealer: Dealer | None = None):
+        super().__init__(engine, saved)
+        self.writer, self.index, self.stop, self.dealer = writer, index, stop, dealer
         if index.model is None:
             index.model = engine.served.reported
         self.lookahead = lookahead or max(2 * engine.args.max_batch, 64)
@@ -37,18 +37,10 @@ class BatchRunner:
         self.lines = read_lines(input_path, limits, engine.served)
         self.exhausted = False
         self.interrupted = False
-        self.pending: dict[int, tuple[PendingLine, int]] = {}    # request index -> its line, which prompt
-        self._next_index = 0
         self.lines_read = 0                        # input lines read this run (done earlier ones included)
         self.total_lines: int | None = None        # the input's lines, when the job has counted them
-        self.num_requests = 0                      # served this run
-        self.errors: Counter[str] = Counter()      # error rows this run, by code
         self.engine_tokens_before = engine.num_output_tokens    # an engine lent to runs before (tests, API)
         self.reloaded_before = (engine.reload_kv.tokens, engine.reload_kv.sequences)
-
-    @property
-    def num_errors(self) -> int:
-        return sum(self.errors.values())
 
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.requested
@@ -59,89 +51,54 @@ class BatchRunner:
         if self.saved is not None:
             self.saved.written(key)
 
-    def _error(self, line: BatchLine, key: bytes, code: str, message: str, status: int = 400) -> None:
-        self._write(line.line_no, error_line(line.custom_id, code, message, status), code, key)
-        self.errors[code] += 1
-
     def _submit(self, line: BatchLine) -> None:
+        claimed = self._claim(line)
+        if claimed is not None:
+            self._serve(line, *claimed)
+
+    def _claim(self, line: BatchLine) -> tuple[bytes, list | None] | None:
+        """The line as the output sees it: None if earlier rows answer it or its row is an error
+        written here (a duplicate custom_id, a malformed line); else (the key its row is recorded
+        under, the generation an earlier run saved for it or None)."""
         state, first, key = self.index.claim(line.line_no, line.custom_id, line.digest)
         saved = self.saved.take(key) if self.saved is not None and state != DONE else None
         if state == DONE:
-            return
+            return None
         if state == DUP:     # every later line with a used custom_id is this error (resume.py relies on it)
             also = f"; the line also has this problem: {line.error}" if line.error is not None else ""
             self._error(line, key, "duplicate_custom_id",
                         f"line {line.line_no}: custom_id {line.custom_id!r} was used on line {first}{also}")
-            return
+            return None
         if line.error is not None:
             self._error(line, key, line.error.code, str(line.error), line.error.status)
-            return
-        try:
-            prompts = encode_prompts(self.engine.tokenizer, line)
-        except Exception as e:  # a chat template may raise on odd role orders, etc.
-            self._error(line, key, "invalid_prompt", f"cannot tokenize: {type(e).__name__}: {e}")
-            return
-        if saved is not None and len(saved) != len(prompts):
-            self.saved.note_used(saved, [f"{len(saved)} prompts saved, the line has {len(prompts)}"] * len(saved),
-                                 line.line_no)
-            saved = None
-        try:
-            if len(prompts) > 1:            # all of a line or none: checked before any is queued
-                check_prompts(self.engine, prompts, line.params)
-            reqs = [self.engine.add_request(self._next_index + k, request_id(line, k, len(prompts)), text, ids,
-                                            line.params, resume=saved[k] if saved is not None else None)
-                    for k, (text, ids) in enumerate(prompts)]
-        except RequestError as e:
-            self._error(line, key, e.code, str(e))
-            return
-        self._next_index += len(reqs)
-        pending = PendingLine(line, [None] * len(reqs), key, reqs)
-        for k, req in enumerate(reqs):
-            self.pending[req.index] = (pending, k)
-        if saved is not None:
-            self.saved.note_used(saved, [r.meta.get("resume_refused") for r in reqs], line.line_no)
-        for req in reqs:
-            if req.finished:                # every sample had finished before the stop
-                self._finished(req)
+            return None
+        return key, saved
+
+    def _next_line(self) -> BatchLine | None:
+        line = next(self.lines, None)
+        if line is None:
+            self.exhausted = True
+        else:
+            self.lines_read += 1
+        return line
 
     def _refill(self) -> None:
+        if self.dealer is not None:          # the other groups' rows in, and their asks answered first
+            self.dealer.poll(self)
         sched = self.engine.scheduler
-        while (not self.exhausted and len(sched.waiting) < self.lookahead and not self._stopping()
+        # with other groups, a short queue of its own: the input's end goes to whoever frees a slot
+        lookahead = self.lookahead if self.dealer is None else queue_target(self.engine, margin=1)
+        while (not self.exhausted and len(sched.waiting) < lookahead and not self._stopping()
                and self.engine.pinned_bytes < self.inflight_mem):
-            line = next(self.lines, None)
-            if line is None:
-                self.exhausted = True
-            else:
-                self.lines_read += 1
+            line = self._next_line()
+            if line is not None:
                 self._submit(line)
 
-    def _answer(self, line: BatchLine, req) -> Answer:
-        """One finished request (one prompt of a line) as its part of the line's row."""
-        tok = self.engine.tokenizer
-        echo = None
-        if line.echo:
-            echo = req.prompt if req.prompt is not None else tok.decode(req.prompt_ids, False)
-        return Answer(self.engine.output_of(req), len(req.prompt_ids), echo, tok.token_text(req.prompt_ids[0]))
-
-    def _finished(self, req) -> None:
-        """A request is done: its line's row is written once all of the line's prompts are."""
-        pending, k = self.pending.pop(req.index)
-        pending.answers[k] = self._answer(pending.line, req)
-        if any(a is None for a in pending.answers):
-            return
-        line = pending.line
-        row = success_line(line.custom_id, line.is_chat, self.engine.served.reported, pending.answers,
-                           line.params.logprobs or 0, line.echo_only)
-        self._write(line.line_no, row, None, pending.key)
-        self.num_requests += 1
-
-    def in_flight(self) -> dict[bytes, inflight.Entry]:
-        """Every line whose row is not written: its requests' generation so far (those with any)."""
-        out: dict[bytes, inflight.Entry] = {}
-        for pending in {id(p): p for p, _ in self.pending.values()}.values():
-            states = [capture(req) for req in pending.requests]
-            if any(st is not None for st in states):
-                out[pending.key] = (pending.line.custom_id, states)
+    def in_flight(self) -> dict:
+        """This engine's generation in flight, and that of the other groups that stopped."""
+        out = super().in_flight()
+        if self.dealer is not None:
+            out.update(self.dealer.in_flight)
         return out
 
     def done_lines(self) -> int:
@@ -155,7 +112,8 @@ class BatchRunner:
         index, total = self.index, self.total_lines
         new_lines = self.lines_read - index.skipped
         since = self.engine_tokens_before
-        more, expected = 0.0, self.engine.expected_output_tokens()
+        groups = self.dealer.status() if self.dealer is not None else None
+        more, expected = 0.0, self.engine.expected_output_tokens() + (groups.expected_tokens if groups else 0)
         if total is not None and not self.exhausted:
             answered_before = max(index.prior_rows - index.junk - index.unbound - index.skipped, 0)
             unread = max(total - self.lines_read - answered_before, 0)
@@ -163,6 +121,11 @@ class BatchRunner:
                 more = (expected - since) / new_lines * unread if new_lines else None
         snap = engine_snapshot(self.engine, self.done_lines(), total, more, since_tokens=since,
                                engine_expected=expected)
+        if groups is not None:              # the job's progress: every group's; its eta by tokens alone
+            snap.tokens_done += groups.output_tokens
+            snap.running += groups.running
+            snap.waiting += groups.waiting
+            snap.steps_done = snap.work = None
         continued = self.saved.continued_tokens if self.saved is not None else 0
         snap.tokens_before = index.prior_tokens + continued
         snap.tokens_done += snap.tokens_before
@@ -178,12 +141,17 @@ class BatchRunner:
             if not self._stopping():
                 self._refill()
             tick()
-            if self.exhausted and not eng.has_unfinished():
+            idle = not eng.has_unfinished()
+            if self.exhausted and idle and (self.dealer is None or self.dealer.finished):
                 break                      # complete, even if a stop came during the last step
             if self._stopping():
                 self.interrupted = True
+                if self.dealer is not None:
+                    self.dealer.stop_all(self)
                 break
-            if not eng.has_unfinished():
+            if idle:
+                if self.dealer is not None:            # the other groups still serve: wait for their rows
+                    self.dealer.wait(self, self._stopping)
                 continue
             for req in eng.step():
                 self._finished(req)

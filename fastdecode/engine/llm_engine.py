@@ -20,7 +20,7 @@ from fastdecode.engine.runner import ModelRunner
 from fastdecode.engine.sampling_params import RequestMetrics, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
-from fastdecode.launch.ranks import Roles
+from fastdecode.launch.ranks import Roles, launched_rank
 from fastdecode.model.config import ModelConfig
 from fastdecode.model.llama import LlamaSPart
 from fastdecode.model.names import ServedModel, served_model
@@ -266,7 +266,7 @@ class LLMEngine:
         the rows already written stay and a rerun resumes."""
         self.step_no += 1
         try:
-            faults.check(0, "step")
+            faults.check(launched_rank(), "step")   # a data-parallel group's S-worker: its world rank
             if self.scheduler.step_budget() is not None:       # chunked prefill, or recompute beside decode
                 return self._mixed_step()
             return self._step()

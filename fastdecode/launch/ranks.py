@@ -3,8 +3,12 @@ its role, decided here and nowhere else (Roles): rank 0 is the S-worker, ranks 1
 R-workers; with a tensor-parallel S-worker of T ranks (`--tensor-parallel-size T`, set here once
 the command line or LLM(...) is read) ranks 1..T-1 are its other ranks and the R-workers are
 ranks T..T+R-1. A job of T ranks or fewer has no R-workers: rank 0 holds the KV-cache itself
-(local mode). Imports nothing of fastdecode, so the supervisor, the MPI set-up and the reports
-can all ask."""
+(local mode).
+
+With `--data-parallel-size D` the ranks form D groups of contiguous ranks (sizes differing by
+one at most, the larger first), each an S-worker with its own R-workers laid out as above within
+the group; group 0's S-worker (rank 0) also reads the input and writes the output for all.
+Imports nothing of fastdecode, so the supervisor, the MPI set-up and the reports can all ask."""
 from __future__ import annotations
 
 import os
@@ -32,6 +36,7 @@ def launched_size() -> int:
 
 
 _s_ranks = 1              # the S-worker's ranks (0..T-1): --tensor-parallel-size, once parsed
+_groups = 1               # --data-parallel-size, once parsed
 
 
 def set_s_ranks(count: int) -> None:
@@ -39,27 +44,63 @@ def set_s_ranks(count: int) -> None:
     _s_ranks = max(int(count), 1)
 
 
+def set_groups(count: int) -> None:
+    global _groups
+    _groups = max(int(count), 1)
+
+
 @dataclass(frozen=True)
 class Roles:
-    """The ranks of a job of `world` ranks whose S-worker has `s_ranks` of them."""
+    """The ranks of a job of `world` ranks in `groups` data-parallel groups, each S-worker of
+    `s_ranks` ranks. Methods take world ranks."""
     world: int
     s_ranks: int = 1
+    groups: int = 1
+
+    def group_ranks(self, group: int) -> range:
+        """The world ranks of a group: contiguous, the first world % groups groups one rank larger."""
+        size, extra = divmod(self.world, self.groups)
+        start = group * size + min(group, extra)
+        return range(start, start + size + (group < extra))
+
+    def group_of(self, rank: int) -> int:
+        return next(g for g in range(self.groups) if rank in self.group_ranks(g))
+
+    def local(self, rank: int) -> tuple[Roles, int]:
+        """(the roles inside this rank's group, as a job of its own; the rank's place in it)."""
+        ranks = self.group_ranks(self.group_of(rank))
+        return Roles(len(ranks), self.s_ranks), rank - ranks.start
+
+    def leaders(self) -> list[int]:
+        """Each group's S-worker (its first rank), by group."""
+        return [self.group_ranks(g).start for g in range(self.groups)]
 
     def name(self, rank: int) -> str:
+        if self.groups > 1:
+            inner, at = self.local(rank)
+            return f"{inner.name(at)} of group {self.group_of(rank)}"
         if rank == 0:
             return "S-worker"
         return "tensor-parallel S-rank" if rank < self.s_ranks else "R-worker"
 
     def is_rworker(self, rank: int) -> bool:
+        if self.groups > 1:
+            inner, at = self.local(rank)
+            return inner.is_rworker(at)
         return rank >= self.s_ranks
 
     def holds_kv(self, rank: int) -> bool:
-        """An R-worker, or rank 0 in local mode (it then runs the attention kernels itself)."""
+        """An R-worker, or an S-worker in local mode (it then runs the attention kernels itself)."""
+        if self.groups > 1:
+            inner, at = self.local(rank)
+            return inner.holds_kv(at)
         return self.is_rworker(rank) or (rank == 0 and self.world <= self.s_ranks)
 
     @property
     def rworkers(self) -> range:
-        return range(self.s_ranks, max(self.world, self.s_ranks))
+        """Group 0's R-workers (the job's, with one group)."""
+        ranks = self.group_ranks(0)
+        return range(ranks.start + self.s_ranks, max(ranks.stop, ranks.start + self.s_ranks))
 
     @property
     def members(self) -> int:
@@ -72,9 +113,11 @@ class Roles:
         return max(len(self.rworkers), 1)
 
 
-def launched_roles(s_ranks: int | None = None) -> Roles:
-    """This job's roles from the launcher's size and the S-worker's ranks (set_s_ranks's, unless given)."""
-    return Roles(launched_size(), _s_ranks if s_ranks is None else max(int(s_ranks), 1))
+def launched_roles(s_ranks: int | None = None, groups: int | None = None) -> Roles:
+    """This job's roles from the launcher's size, the S-worker's ranks and the groups (set_s_ranks's
+    and set_groups's, unless given)."""
+    return Roles(launched_size(), _s_ranks if s_ranks is None else max(int(s_ranks), 1),
+                 _groups if groups is None else max(int(groups), 1))
 
 
 def role_name(rank: int) -> str:
