@@ -275,7 +275,12 @@ def run_s_worker(args, comm, leaders=None) -> int:
     dealer = None
     if leaders is not None:
         from fastdecode.batch.dealer import Dealer
+        from fastdecode.launch.ranks import launched_roles
         dealer = Dealer(leaders, args.timeout)
+        if not args.quiet:
+            print(f"fastdecode: {args.data_parallel_size} data-parallel groups ({launched_roles().describe_groups()}); "
+                  f"rank 0 deals the input to them as their queues run low and writes the one output",
+                  file=sys.stderr, flush=True)
 
     def make_engine():
         from fastdecode.engine.llm_engine import LLMEngine

@@ -69,10 +69,10 @@ def add_tensor_parallel_size(p) -> None:
 def add_data_parallel_size(p) -> None:
     """--data-parallel-size, as generate, plan and simulate read it."""
     p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1, metavar="D",
-                   help="D S-workers in one job, each with its own R-workers (vLLM's flag): the ranks form D "
-                        "groups of contiguous ranks, each an S-worker (--tensor-parallel-size ranks) followed by "
-                        "its R-workers; rank 0 reads the input and deals lines to the groups as their queues run "
-                        "low, and writes every group's rows into the one output (default 1)")
+                   help="D S-workers in one job, each with its own R-workers (vLLM's flag): ranks 0..D*T-1 are "
+                        "the S-workers (T: --tensor-parallel-size), the rest their R-workers in D contiguous "
+                        "blocks; rank 0 deals the input's lines to the groups as their queues run low and writes "
+                        "every group's rows into the one output; plan and simulate: D such groups (default 1)")
 
 
 def add_quantization(p) -> None:

@@ -71,6 +71,9 @@ ROWS = (
     VllmArg("pipeline_parallel_size", noop=(1,), flag=int,
             why="the S-worker runs every layer; fastdecode pipelines mini-batches between the S-worker and "
                 "the R-workers instead (pipeline_depth, --pipeline-depth)"),
+    VllmArg("data_parallel_size", noop=(1,),
+            why="the Python API serves one S-worker group; `fastdecode generate --data-parallel-size D` serves one "
+                "input file with D groups (docs/usage.md)"),
     VllmArg("tokenizer_mode", noop=("auto",), why="the tokenizer is the one transformers' AutoTokenizer picks"),
     VllmArg("skip_tokenizer_init", noop=(False,), why="prompts are tokenized and outputs detokenized on rank 0"),
     VllmArg("swap_space", noop=(4,), why="preempted sequences are recomputed, never swapped (kv_reserve='grow')"),

@@ -21,26 +21,28 @@ FLAGS = ["--quiet", "--dtype", "float32", "--kv-dtype", "fp32", "--max-batch", "
 
 # ---------------------------------------------------------------------------- roles (no MPI)
 
-def test_groups_are_contiguous_and_the_larger_come_first():
-    roles = Roles(5, 1, 2)
-    assert [list(roles.group_ranks(g)) for g in range(2)] == [[0, 1, 2], [3, 4]]
-    assert roles.leaders() == [0, 3] and [roles.group_of(r) for r in range(5)] == [0, 0, 0, 1, 1]
-    assert [roles.is_rworker(r) for r in range(5)] == [False, True, True, False, True]
-    assert roles.name(3) == "S-worker of group 1" and roles.name(4) == "R-worker of group 1"
+def test_the_s_workers_come_first_then_each_group_s_block_of_rworkers():
+    roles = Roles(5, 1, 2)                     # S-workers 0 and 1; R-workers 2, 3 (group 0) and 4 (group 1)
+    assert [roles.group_ranks(g) for g in range(2)] == [[0, 2, 3], [1, 4]]
+    assert roles.leaders() == [0, 1] and [roles.group_of(r) for r in range(5)] == [0, 1, 0, 0, 1]
+    assert [roles.is_rworker(r) for r in range(5)] == [False, False, True, True, True]
+    assert roles.name(1) == "S-worker of group 1" and roles.name(4) == "R-worker of group 1"
     local, at = roles.local(4)
     assert (local.world, local.s_ranks, at) == (2, 1, 1)
+    assert roles.rworkers == [2, 3]            # group 0's
 
 
 def test_a_group_without_rworkers_holds_its_kv_and_tensor_parallel_groups_keep_their_ranks():
     two = Roles(2, 1, 2)                       # two local-mode S-workers
     assert [two.holds_kv(r) for r in range(2)] == [True, True]
-    tp = Roles(6, 2, 2)                        # groups of 3: S-ranks 0-1 and 3-4, R-workers 2 and 5
+    tp = Roles(6, 2, 2)                        # S-ranks 0-1 (group 0) and 2-3 (group 1); R-workers 4 and 5
     assert [tp.name(r) for r in range(6)] == [
-        "S-worker of group 0", "tensor-parallel S-rank of group 0", "R-worker of group 0",
-        "S-worker of group 1", "tensor-parallel S-rank of group 1", "R-worker of group 1"]
-    assert [tp.holds_kv(r) for r in range(6)] == [False, False, True, False, False, True]
+        "S-worker of group 0", "tensor-parallel S-rank of group 0", "S-worker of group 1",
+        "tensor-parallel S-rank of group 1", "R-worker of group 0", "R-worker of group 1"]
+    assert [tp.holds_kv(r) for r in range(6)] == [False, False, False, False, True, True]
+    assert tp.group_ranks(1) == [2, 3, 5] and tp.local(5) == (Roles(3, 2), 2)
     one = Roles(3)                             # one group: as before
-    assert one.name(0) == "S-worker" and one.name(2) == "R-worker" and list(one.rworkers) == [1, 2]
+    assert one.name(0) == "S-worker" and one.name(2) == "R-worker" and one.rworkers == [1, 2]
 
 
 def test_too_few_ranks_for_the_groups_is_named():
@@ -82,9 +84,10 @@ def texts_by_id(rows) -> dict[str, str]:
     return {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in rows}
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=["two_local", "local_and_rworker", "each_with_an_rworker"])
 def test_two_groups_serve_one_input_into_one_output_with_hf_greedy_text(tmp_path, hf_texts, ranks):
-    """2: two local-mode S-workers; 3: group 0 with an R-worker, group 1 alone; 4: one R-worker each."""
+    """2: two local-mode S-workers; 3: group 0 with an R-worker (rank 2), group 1 alone; 4: one R-worker
+    each (ranks 2 and 3)."""
     if MPIEXEC is None:
         pytest.skip("no MPI launcher")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -125,12 +128,63 @@ def test_a_group_killed_mid_job_loses_no_row_and_the_rerun_completes(tmp_path, h
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompts = write_input(inp, copies=3)
     flags = ["generate", "-i", str(inp), "-o", str(out), "-dp", "2", *FLAGS]
-    killed = run_fastdecode(flags, ranks=4, timeout=600, env={"FASTDECODE_INJECT_FAULT": "2:step:kill:40"})
+    killed = run_fastdecode(flags, ranks=4, timeout=600, env={"FASTDECODE_INJECT_FAULT": "1:step:kill:40"})
     assert killed.returncode != 0, killed.stderr[-3000:]
-    assert "rank 2" in killed.stderr and "S-worker of group 1" in killed.stderr, killed.stderr[-3000:]
+    assert "rank 1 (S-worker of group 1" in killed.stderr, killed.stderr[-3000:]
     kept = read_output(out)
     assert 0 < len(kept) < len(prompts)
     assert all(texts_by_id(kept)[r["custom_id"]] == hf_texts[prompts[int(r["custom_id"][1:])]] for r in kept)
     again = run_fastdecode(flags, ranks=4, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert texts_by_id(read_output(out)) == {f"r{i}": hf_texts[p] for i, p in enumerate(prompts)}
+
+
+def test_groups_on_one_node_share_its_cpus_and_gpus():
+    from fastdecode.launch.groups import cpu_share, gpu_share
+    assert [cpu_share([0, 1, 2, 3, 4], at, 2) for at in range(2)] == [[0, 1], [2, 3, 4]]
+    assert [cpu_share([0, 1], at, 3) for at in range(3)] == [[0], [1], [1]]      # more groups than CPUs
+    assert [gpu_share(["0", "1", "2", "3"], at, 2) for at in range(2)] == [["0", "1"], ["2", "3"]]
+    assert gpu_share(["4", "5"], 1, 1) == ["5"] and gpu_share(["0"], 1, 1) == ["0"]
+
+
+# ---------------------------------------------------------------------------- plan and simulate
+
+def test_plan_gives_the_job_of_d_groups():
+    from fastdecode.sizing.plan import main as plan_main
+    import contextlib
+    import io
+    flags = ["--gpu-profile", "h100", "--model", "llama-3-8b", "--cpu-bw", "150", "--rworkers", "4", "--json",
+             "--batch", "512"]
+    outs = []
+    for d in ("1", "3"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert plan_main(flags + ["--data-parallel-size", d]) == 0
+        outs.append(json.loads(buf.getvalue()))
+    one, three = outs
+    assert three["tokens_per_s"] == one["tokens_per_s"]                  # each group is the plan
+    assert three["job_tokens_per_s"] == round(3 * one["tokens_per_s"], 1) and three["job_rworkers"] == 12
+
+
+def test_simulate_deals_the_requests_to_d_groups_and_ends_with_the_last():
+    from fastdecode.sim.cli import simulate_args
+    from fastdecode.sim.cli import add_parser
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    flags = ["simulate", "--gpu-profile", "h100", "--model", "llama-3-8b", "--cpu-bw", "150", "--rworkers", "2",
+             "--requests", "301", "--output-len", "uniform:32:256", "--seed", "3"]
+    one = simulate_args(parser.parse_args(flags))["summary"]
+    two = simulate_args(parser.parse_args(flags + ["-dp", "2"]))["summary"]
+    groups = two["data_parallel_groups"]
+    assert [g["requests"] for g in groups] == [151, 150]
+    assert two["requests"] == one["requests"] == 301 and two["output_tokens"] == one["output_tokens"]
+    assert two["wall_s"] == max(g["wall_s"] for g in groups) < one["wall_s"]
+    assert two["output_tokens_per_s"] == round(two["output_tokens"] / two["wall_s"], 3)
+
+
+def test_the_python_api_refuses_several_groups_naming_the_command_that_serves_them():
+    from fastdecode import LLM
+    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported by fastdecode: the Python API serves "
+                                         "one S-worker group; `fastdecode generate --data-parallel-size D`"):
+        LLM("smollm2-135m", data_parallel_size=2)

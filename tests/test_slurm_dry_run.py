@@ -130,6 +130,29 @@ def test_hetjob_tensor_parallel_s_ranks_on_the_gpu_node(tmp_path):
     assert proc.returncode == 2 and "--tensor-parallel-size 4 must divide the model's 9 query heads" in proc.stderr
 
 
+def test_hetjob_data_parallel_groups_one_gpu_node_each(tmp_path):
+    proc = run(HETJOB, "--dry-run", tmp_path=tmp_path,
+               env=dict(FD_DATA_PARALLEL="2", FD_DRY_GPU_NODE="g1 g2", FD_DRY_GPUS="2", FD_DRY_NODES="c1 c2 c3",
+                        FD_DRY_SOCKETS="1", FD_DRY_CORES="8", FD_SRUN_MPI="pmi2"))
+    assert proc.returncode == 0, proc.stderr
+    assert layout(proc.stdout) == ["rank 0 g1 S-worker of group 0 (the GPU)", "rank 1 g2 S-worker of group 1 (the GPU)",
+                                   "rank 2 c1 R-worker of group 0, 8 threads, bound to socket/NUMA node 0",
+                                   "rank 3 c2 R-worker of group 0, 8 threads, bound to socket/NUMA node 0",
+                                   "rank 4 c3 R-worker of group 1, 8 threads, bound to socket/NUMA node 0"]
+    assert launch(proc.stdout).endswith("--r-threads 8 --data-parallel-size 2") and "FD_S_RANKS=2" in proc.stdout
+    assert "dry run: 2 data-parallel groups: ranks 0..1 are the 2 groups' S-workers" in proc.stdout
+    # tensor-parallel groups: T = 3 S-ranks on each GPU node
+    proc = run(HETJOB, "--dry-run", tmp_path=tmp_path,
+               env=dict(FD_DATA_PARALLEL="2", FD_DRY_GPU_NODE="g1 g2", FD_DRY_GPUS="6", FD_DRY_NODES="c1 c2",
+                        FD_DRY_SOCKETS="1", FD_SRUN_MPI="pmi2"))
+    assert proc.returncode == 0, proc.stderr
+    assert layout(proc.stdout)[:6] == [f"rank {r} g{1 + r // 3} S-rank {r % 3} of 3 (tensor-parallel) of group {r // 3}, "
+                                       f"GPU {r % 3}" for r in range(6)], proc.stdout
+    assert launch(proc.stdout).endswith("--tensor-parallel-size 3 --data-parallel-size 2")
+    proc = run(HETJOB, "--dry-run", tmp_path=tmp_path, env=dict(FD_DATA_PARALLEL="2", FD_DRY_GPUS="3"))
+    assert proc.returncode == 2 and "FD_DATA_PARALLEL=2 groups need a multiple of 2" in proc.stdout
+
+
 # ---- the job's start-up checks, before the queue wait (generate --dry-run) -------------------
 
 def check_line(stdout: str) -> str:

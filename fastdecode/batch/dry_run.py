@@ -26,12 +26,26 @@ def check_job(args, check_model) -> list[str]:
     bad = [n for n in args.served_model_name or () if not n.strip()]
     if bad:
         raise ValueError(f"--served-model-name: a name must be non-empty, got {bad[0]!r}")
-    # the job's ranks are not launched yet: the S-worker's split is checked, not the launch's size
-    check_model(args, world=args.tensor_parallel_size)
+    # the job's ranks are not launched yet: the S-workers' split is checked, not the launch's size
+    groups = getattr(args, "data_parallel_size", 1)
+    check_model(args, world=args.tensor_parallel_size * groups)
     binding.check(args.output, args.input, args.overwrite)
     lines = _check_lines(args)
-    return [f"dry run: model {args.model}: found and servable", f"dry run: input {args.input}: {lines}",
-            f"dry run: output {args.output}: {_output_state(args)}"]
+    found = [f"dry run: model {args.model}: found and servable", f"dry run: input {args.input}: {lines}",
+             f"dry run: output {args.output}: {_output_state(args)}"]
+    if groups > 1:
+        found.append(f"dry run: {groups} data-parallel groups: {groups_layout(groups, args.tensor_parallel_size)}")
+    return found
+
+
+def groups_layout(groups: int, s_ranks: int) -> str:
+    """Where a job's groups' ranks go, in words (launch/ranks.Roles)."""
+    heads = groups * s_ranks
+    each = "S-worker" if s_ranks == 1 else f"S-worker of {s_ranks} ranks"
+    return (f"ranks 0..{heads - 1} are the {groups} groups' S-workers (group g: "
+            f"{'rank g' if s_ranks == 1 else f'ranks {s_ranks}g..{s_ranks}g+{s_ranks - 1}'}, one {each} each), the "
+            f"ranks from {heads} on their R-workers in {groups} contiguous blocks (block g: group g's); rank 0 "
+            f"deals the input and writes the output")
 
 
 def _check_streams(args) -> None:

@@ -124,6 +124,10 @@ class Record:
             return f"the saved KV covers {self.tokens} tokens, the sequence {kv_tokens}"
         return None
 
+    def __reduce__(self):
+        """Pickled with a copy of its bytes (the dealer hands a line's saved KV to another group)."""
+        return Record, (self.tokens, self.layout, bytes(self._view), self._sha)
+
     def blob(self) -> memoryview:
         """The bytes, checked against their SHA-256 (Untrusted if damaged)."""
         if hashlib.sha256(self._view).hexdigest() != self._sha:

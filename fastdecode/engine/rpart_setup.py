@@ -173,12 +173,15 @@ def trip_prior(eng) -> tuple[float, float] | None:
 
 
 def log_roster(eng) -> None:
-    """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank."""
+    """One line per R-worker, so a launcher's report of a dead PID can be traced to its rank (its
+    world rank and role: with data-parallel groups the backend's ranks are its group's)."""
+    from fastdecode.launch.ranks import role_name, world_rank
     for w in eng.backend.workers:
         if w.tier:
             continue                     # the S-worker's own tier: _log_tiers names it
         kv = gib(w.capacity_bytes)
-        print(f"fastdecode: rank {w.rank} = R-worker pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
+        rank = world_rank(w.rank)
+        print(f"fastdecode: rank {rank} = {role_name(rank)} pid {w.pid} on {w.host}: {w.isa}, {w.threads} threads, "
               f"{kv} {eng.kv_dtype} KV ({eng.kv_bytes_per_token / 1024:.1f} KiB/token)"
               + (f"; kernel {w.kernel}" if w.kernel else "") + (f"; decode rows by {w.link}" if w.link else ""),
               file=sys.stderr, flush=True)

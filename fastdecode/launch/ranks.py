@@ -5,9 +5,12 @@ the command line or LLM(...) is read) ranks 1..T-1 are its other ranks and the R
 ranks T..T+R-1. A job of T ranks or fewer has no R-workers: rank 0 holds the KV-cache itself
 (local mode).
 
-With `--data-parallel-size D` the ranks form D groups of contiguous ranks (sizes differing by
-one at most, the larger first), each an S-worker with its own R-workers laid out as above within
-the group; group 0's S-worker (rank 0) also reads the input and writes the output for all.
+With `--data-parallel-size D` the job is D groups, each an S-worker with its own R-workers: the
+S-workers come first (group g's are ranks g*T..g*T+T-1: a hetjob's GPU component, or the GPU
+nodes first in a host file), then the R-workers in D contiguous blocks (block g is group g's;
+sizes differ by one at most, the larger first). Inside a group its ranks are numbered as a job
+of their own (S-ranks first). Group 0's S-worker (rank 0) also reads the input and writes the
+output for all.
 Imports nothing of fastdecode, so the supervisor, the MPI set-up and the reports can all ask."""
 from __future__ import annotations
 
@@ -44,9 +47,22 @@ def set_s_ranks(count: int) -> None:
     _s_ranks = max(int(count), 1)
 
 
+_group = 0                # this rank's group, once the groups are split (launch/groups.py)
+
+
 def set_groups(count: int) -> None:
     global _groups
     _groups = max(int(count), 1)
+
+
+def set_group(group: int) -> None:
+    global _group
+    _group = group
+
+
+def world_rank(local: int) -> int:
+    """The world rank of rank `local` of this rank's group (the same rank with one group)."""
+    return launched_roles().group_ranks(_group)[local] if _groups > 1 else local
 
 
 @dataclass(frozen=True)
@@ -57,11 +73,13 @@ class Roles:
     s_ranks: int = 1
     groups: int = 1
 
-    def group_ranks(self, group: int) -> range:
-        """The world ranks of a group: contiguous, the first world % groups groups one rank larger."""
-        size, extra = divmod(self.world, self.groups)
-        start = group * size + min(group, extra)
-        return range(start, start + size + (group < extra))
+    def group_ranks(self, group: int) -> list[int]:
+        """The world ranks of a group, in its own order: its S-ranks, then its block of R-workers."""
+        heads = self.groups * self.s_ranks
+        size, extra = divmod(max(self.world - heads, 0), self.groups)
+        start = heads + group * size + min(group, extra)
+        return [*range(group * self.s_ranks, (group + 1) * self.s_ranks),
+                *range(start, start + size + (group < extra))]
 
     def group_of(self, rank: int) -> int:
         return next(g for g in range(self.groups) if rank in self.group_ranks(g))
@@ -69,11 +87,22 @@ class Roles:
     def local(self, rank: int) -> tuple[Roles, int]:
         """(the roles inside this rank's group, as a job of its own; the rank's place in it)."""
         ranks = self.group_ranks(self.group_of(rank))
-        return Roles(len(ranks), self.s_ranks), rank - ranks.start
+        return Roles(len(ranks), self.s_ranks), ranks.index(rank)
 
     def leaders(self) -> list[int]:
         """Each group's S-worker (its first rank), by group."""
-        return [self.group_ranks(g).start for g in range(self.groups)]
+        return [g * self.s_ranks for g in range(self.groups)]
+
+    def describe_groups(self) -> str:
+        """The groups' ranks in one line (the start-up line of a job of several groups)."""
+        parts = []
+        for g in range(self.groups):
+            ranks = self.group_ranks(g)
+            rworkers = ranks[self.s_ranks:]
+            s = f"S-worker rank{'s' if self.s_ranks > 1 else ''} {', '.join(map(str, ranks[:self.s_ranks]))}"
+            r = f"R-workers {', '.join(map(str, rworkers))}" if rworkers else "no R-workers (local mode)"
+            parts.append(f"group {g}: {s}, {r}")
+        return "; ".join(parts)
 
     def name(self, rank: int) -> str:
         if self.groups > 1:
@@ -97,10 +126,9 @@ class Roles:
         return self.is_rworker(rank) or (rank == 0 and self.world <= self.s_ranks)
 
     @property
-    def rworkers(self) -> range:
+    def rworkers(self) -> list[int]:
         """Group 0's R-workers (the job's, with one group)."""
-        ranks = self.group_ranks(0)
-        return range(ranks.start + self.s_ranks, max(ranks.stop, ranks.start + self.s_ranks))
+        return self.group_ranks(0)[self.s_ranks:]
 
     @property
     def members(self) -> int:

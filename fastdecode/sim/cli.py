@@ -106,17 +106,28 @@ def simulate_args(args) -> dict:
 
     from fastdecode.sim.core import simulate
     from fastdecode.sim.costs import costs_of
-    from fastdecode.sim.report import document
+    from fastdecode.sim.groups import group_trace, job_summary
+    from fastdecode.sim.report import document, summary
     check_hardware(args)
     prof = build_profile(args)
     cfg = _config(args, prof)
     trace = _trace(args)
-    run = simulate(costs_of(prof, cfg.rworkers, cfg.max_batch), trace, cfg)
+    groups = args.data_parallel_size
+    costs = costs_of(prof, cfg.rworkers, cfg.max_batch)
+    traces = [group_trace(trace, g, groups) for g in range(groups)] if groups > 1 else [trace]
+    if min(len(t) for t in traces) == 0:
+        raise PlanError(f"--data-parallel-size {groups} needs at least {groups} requests, one for each group")
+    runs = [simulate(costs, t, cfg) for t in traces]
     setting = {k: v for k, v in asdict(cfg).items() if k not in ("use_numba", "max_steps")}
     setting["pipeline_depth"] = setting.pop("depth")
     setting.update(model=prof.model.name, s_worker=prof.s_worker.device, profile_source=prof.source,
-                   trace=args.trace, device_tier=asdict(prof.device_tier) if prof.device_tier is not None else None)
-    return document(run, trace, setting)
+                   trace=args.trace, device_tier=asdict(prof.device_tier) if prof.device_tier is not None else None,
+                   data_parallel_size=groups)
+    doc = document(runs[0], traces[0], setting)          # group 0's steps and timeline
+    if groups > 1:
+        doc["summary"] = job_summary(doc["summary"], [summary(r, t) for r, t in zip(runs, traces)])
+        doc["trace"] = trace.describe()
+    return doc
 
 
 def _print(doc: dict) -> None:
@@ -124,6 +135,10 @@ def _print(doc: dict) -> None:
     u = s["utilisation"]
     print(f"simulated {s['requests_finished']}/{s['requests']} requests, {s['output_tokens']} output tokens in "
           f"{s['wall_s']:.2f} s: {s['output_tokens_per_s']:.1f} tokens/s")
+    if "data_parallel_groups" in s:
+        rates = ", ".join(f"{g['output_tokens_per_s']:.1f}" for g in s["data_parallel_groups"])
+        print(f"{len(s['data_parallel_groups'])} data-parallel groups: {rates} tokens/s each; the last ended "
+              f"{s['group_end_spread_s']:.2f} s after the first (the details below are group 0's)")
     if s["token_latency_p50_s"] is not None:
         print(f"per-token latency p50 {s['token_latency_p50_s'] * 1e3:.2f} ms, p99 {s['token_latency_p99_s'] * 1e3:.2f} ms")
     print(f"utilisation: S-worker {u['s_worker']:.0%}"

@@ -401,10 +401,11 @@ def run(args) -> int:
         print(f"fastdecode plan: error: {e}", file=sys.stderr)
         return 2
     pick = rows[0] if args.batch else next(r for r in rows if r["batch"] == knee)
-    best = best_of_rows(rows)
+    best = text.best_of_rows(rows)
     fid = fidelity(prof.s_worker.device, pick["bound"], prof.source == "measured")
     if args.json:
-        out = {**pick, "knee_batch": knee, **_about(prof), "fidelity": fid}
+        out = {**pick, "knee_batch": knee, **_about(prof), "fidelity": fid,
+               **text.groups_fields(pick if args.batch else best, args.data_parallel_size)}
         if not args.batch:
             out["sweep"], out["best"] = rows, best
         print(json.dumps(out, indent=1))
@@ -420,12 +421,9 @@ def run(args) -> int:
         if best["rworkers"] and prof.device_tier is not None and not best["rworker_sequences"]:
             print(text.card_alone_words(best, best["tokens_per_s"]))
     print(f"at the knee (batch {knee}): " + fidelity_line(fid, pick["bound"]))
+    if args.data_parallel_size > 1:
+        print(text.groups_line(best, args.data_parallel_size))
     return 0
-
-
-def best_of_rows(rows: list[dict]) -> dict:
-    """The row with the most tokens/s (ties: the smaller batch)."""
-    return max(rows, key=lambda r: r["tokens_per_s"])
 
 
 def _about(prof: Profile) -> dict:

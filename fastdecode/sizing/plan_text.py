@@ -102,6 +102,24 @@ def _balance_line(r: dict) -> str:
             f"R-workers take sequences only up to their balance point (one more would lower tokens/s)")
 
 
+def best_of_rows(rows: list[dict]) -> dict:
+    """The row with the most tokens/s (ties: the smaller batch)."""
+    return max(rows, key=lambda r: r["tokens_per_s"])
+
+
+def groups_fields(r: dict, groups: int) -> dict:
+    """--data-parallel-size D: the job is D groups as planned, each with its own R-workers."""
+    return {"data_parallel_size": groups, "job_tokens_per_s": round(r["tokens_per_s"] * groups, 1),
+            "job_rworkers": r["rworkers"] * groups}
+
+
+def groups_line(r: dict, groups: int) -> str:
+    f = groups_fields(r, groups)
+    return (f"with --data-parallel-size {groups}: {groups} groups of this plan, {f['job_tokens_per_s']:,.0f} tokens/s "
+            f"and {f['job_rworkers']} R-workers in all (rank 0 also deals the input and writes every group's rows, "
+            f"about 20 us a row: docs/cluster.md)")
+
+
 def best_line(r: dict) -> str:
     split = f" ({r['tier_sequences']:,} on the tier, {r['rworker_sequences']:,} on the R-workers)" \
         if r["tier_capacity_sequences"] and r["rworkers"] else ""

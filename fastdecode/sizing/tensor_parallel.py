@@ -190,10 +190,12 @@ def sizing_from_args(args) -> TPSizing:
 
 
 def add_options(p) -> None:
-    """The flags plan and simulate take for a tensor-parallel or fp8 S-worker (the first two as generate's)."""
-    from fastdecode.engine_options import add_quantization, add_tensor_parallel_size
-    g = p.add_argument_group("S-worker over several GPUs, fp8 weights")
+    """The flags plan and simulate take for a tensor-parallel or fp8 S-worker, and for several S-worker
+    groups (the first three as generate's)."""
+    from fastdecode.engine_options import add_data_parallel_size, add_quantization, add_tensor_parallel_size
+    g = p.add_argument_group("S-worker over several GPUs, several S-workers, fp8 weights")
     add_tensor_parallel_size(g)
+    add_data_parallel_size(g)
     add_quantization(g)
     g.add_argument("--tp-interconnect", choices=sorted(INTERCONNECTS), default="nvlink",
                    help="the GPUs' link for the all-reduces: " + ", ".join(
