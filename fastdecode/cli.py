@@ -283,16 +283,17 @@ def run_s_worker(args, comm, leaders=None) -> int:
                   file=sys.stderr, flush=True)
 
     def make_engine():
-        from fastdecode.engine.llm_engine import LLMEngine
+        from fastdecode.tp.engines import s_worker_engine
         if dealer is not None:
             dealer.start(serve=True)              # the other groups load their engines meanwhile
-        engines.append(LLMEngine(engine_args(args), comm))
+        engines.append(s_worker_engine(engine_args(args), comm))
         return engines[0]
 
     def skip_engine():
         if dealer is not None:
             dealer.start(serve=False)
-        mpi_env.stop_rworkers(comm, args.tensor_parallel_size)
+        from fastdecode.tp.steps import stop_group
+        stop_group(comm, args.tensor_parallel_size)
 
     # the output is read before the model loads: a rerun that finds every line answered makes no
     # engine, and the R-workers end before their start-up (and kernel tune)

@@ -19,13 +19,13 @@ from collections.abc import Sequence as Seq
 from fastdecode.batch.progress import Progress, engine_snapshot
 from fastdecode.engine.args import EngineArgs
 from fastdecode.engine.chat import conversations, load_chat_template, template_messages
-from fastdecode.engine.llm_engine import LLMEngine
 from fastdecode.engine.prompt_inputs import params_per_prompt, parse_prompts
 from fastdecode.engine.request_checks import RequestError
 from fastdecode.engine.sampling_params import RequestOutput, SamplingParams
 from fastdecode.flag_ranges import engine_args_error, machine_error
 from fastdecode.launch import mpi_env
 from fastdecode.launch.ranks import launched_roles, set_s_ranks
+from fastdecode.tp.engines import s_worker_engine
 from fastdecode.vllm_args import engine_kwargs
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
@@ -52,7 +52,7 @@ class LLM:
             run_follower(args, comm)
             sys.exit(0)
         try:
-            self.engine = LLMEngine(args, comm)
+            self.engine = s_worker_engine(args, comm)
         except Exception as e:
             if comm is not None:
                 mpi_env.fail(comm, e)

@@ -188,3 +188,27 @@ def test_the_python_api_refuses_several_groups_naming_the_command_that_serves_th
     with pytest.raises(ValueError, match="data_parallel_size=2 is not supported by fastdecode: the Python API serves "
                                          "one S-worker group; `fastdecode generate --data-parallel-size D`"):
         LLM("smollm2-135m", data_parallel_size=2)
+
+
+def test_two_tensor_parallel_groups_give_one_rank_s_greedy_text(tmp_path_factory, tmp_path):
+    """D = 2, T = 2 (mpiexec -n 4: S-ranks 0-1 and 2-3, each group's KV in its own tier) on a tiny
+    random Llama whose heads split in two: the texts of T = 1 in local mode (itself held to HF's
+    by test_tensor_parallel and test_hf_parity)."""
+    if MPIEXEC is None:
+        pytest.skip("no MPI launcher")
+    from family_cases import save_tokenizer
+    from test_tensor_parallel import build_llama
+    model, _ = build_llama(tmp_path_factory.mktemp("dp-tp"), "llama", vocab=512)
+    save_tokenizer(model)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(batch_line(f"r{i}", {"prompt": f"{p} {i}", "max_tokens": 10, "temperature": 0,
+                                                "ignore_eos": True}) + "\n" for i, p in enumerate(PROMPTS * 2)))
+    common = ["generate", "-m", str(model), "-i", str(inp), "--quiet", "--dtype", "float32", "--kv-dtype", "fp32",
+              "--max-batch", "2"]
+    one = run_fastdecode(common + ["-o", str(tmp_path / "one.jsonl")], timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    four = run_fastdecode(common + ["-o", str(tmp_path / "dp.jsonl"), "-dp", "2", "-tp", "2"], ranks=4, timeout=600)
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert texts_by_id(read_output(tmp_path / "dp.jsonl")) == texts_by_id(read_output(tmp_path / "one.jsonl"))
+    groups = json.loads((tmp_path / "dp.jsonl.summary.json").read_text())["this_run"]["data_parallel_groups"]
+    assert all(g["requests"] > 0 for g in groups), groups

@@ -96,6 +96,47 @@ def test_imports_are_absolute_and_public(module):
         assert is_module or not name.startswith("_"), f"{where}: imports the private name {name} from {target}"
 
 
+# fastdecode's wings from the bottom up: a module imports its own wing, the wings below it and the
+# foundation, never a wing above (not even inside a function; annotations under TYPE_CHECKING aside).
+# The flag definitions shared by the commands sit above the engine they configure; the doors
+# (cli.py, llm.py) on top.
+WINGS = ("model", "rpart", "sched", "engine", "tp", "options", "batch", "sizing", "sim", "launch", "doors")
+OPTIONS = ("fastdecode.engine_options", "fastdecode.flag_ranges", "fastdecode.vllm_args")
+FOUNDATION = ("fastdecode.launch.ranks", "fastdecode.launch.omp_binding", "fastdecode.launch.streams")
+
+
+def wing_of(module: str) -> str:
+    if module in OPTIONS:
+        return "options"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (REPO / "fastdecode" / parts[-1]).is_dir() else "doors"
+
+
+FASTDECODE = sorted(m for m in ALL if m.startswith("fastdecode.") and m not in FOUNDATION)
+
+
+@pytest.mark.parametrize("module", FASTDECODE)
+def test_no_wing_imports_a_wing_above_it(module):
+    own = WINGS.index(wing_of(module))
+    above = []
+    for target, name, line in imports(ALL[module], runtime_only=True):
+        dep = f"{target}.{name}" if f"{target}.{name}" in ALL else target
+        if dep.startswith("fastdecode.") and dep not in FOUNDATION and WINGS.index(wing_of(dep)) > own:
+            above.append(f"line {line}: {dep} ({wing_of(dep)})")
+    assert not above, f"{ALL[module].relative_to(REPO)} ({wing_of(module)}) imports wings above it: {above}"
+
+
+@pytest.mark.parametrize("module", FOUNDATION)
+def test_the_foundation_imports_nothing_of_fastdecode(module):
+    """What every wing may ask (a rank's role, the OpenMP binding, whole lines on stderr)."""
+    assert not [t for t, _, _ in imports(ALL[module]) if t.startswith("fastdecode")]
+
+
+def test_every_wing_is_placed():
+    wings = {wing_of(m) for m in FASTDECODE}
+    assert wings <= set(WINGS), wings - set(WINGS)
+
+
 def test_no_import_cycles_between_modules():
     """Not even through a function-level import: a module that imports another inside a function
     to dodge a cycle still depends on it (only annotations under TYPE_CHECKING are left out)."""

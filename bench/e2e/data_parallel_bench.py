@@ -7,8 +7,8 @@ Systems, each on the whole batch (N chat requests, M new tokens each, greedy, EO
   two-jobs  the input split in two shard files by hand, two independent `fastdecode generate` jobs
             at once, each bound to half the cores (taskset): the job's end is the later one's
 Interleaved rounds; whole-job wall time (start-up included) and output tokens/s, medians; the
-ratios dp2/two-jobs (the target: no slower) and dp2/one; each dp2 run's group end spread (how far
-apart the two groups finished) from its report. Results: bench/e2e/results/data_parallel_<label>.json.
+ratios dp2/two-jobs (the target: no slower) and dp2/one; each dp2 run's group end spread (how long
+after the first group ran out of work the last one did) from its report, beside group 0's mean step. Results: bench/e2e/results/data_parallel_<label>.json.
 
     python3 bench/e2e/data_parallel_bench.py --label devbox-2core-zen5 --requests 96 --max-tokens 64
 """
@@ -87,9 +87,13 @@ def run_system(name: str, work: str, n: int, max_tokens: int, cores: int) -> dic
     rec = {"wall_s": round(wall, 3), "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 2)}
     if name == "dp2":
         with open(out[0] + ".summary.json") as f:
-            groups = json.load(f)["this_run"]["data_parallel_groups"]
+            run = json.load(f)["this_run"]
+        groups = run["data_parallel_groups"]
         rec["groups"] = groups
         rec["group_requests"] = [g["requests"] for g in groups]
+        # how long after the first group ran out of work the last one did, in group 0's mean steps
+        rec["group_end_spread_s"] = run["group_end_spread_s"]
+        rec["group0_mean_step_s"] = round(groups[0]["wall_s"] / max(groups[0]["steps"], 1), 4)
     return rec
 
 

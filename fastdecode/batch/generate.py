@@ -78,17 +78,20 @@ def run_summary(runner: BatchRunner, wall: float) -> dict:
                kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token, **eng.prefix_summary(),
                **eng.tier_summary())
     if runner.dealer is not None:
-        add_groups(out, runner.dealer.summaries(), wall)
+        add_groups(out, runner.dealer.summaries(), wall, runner.ended_at)
     return out
 
 
-def add_groups(out: dict, groups: list[dict], wall: float) -> None:
+def add_groups(out: dict, groups: list[dict], wall: float, ended_at: float) -> None:
     """The job's tokens are every group's: group 0's figures (out) become the first of
-    `data_parallel_groups`, the totals and rates the job's."""
+    `data_parallel_groups`, the totals and rates the job's; `group_end_spread_s`: how long after the
+    first group to run out of work the last one did (ended_at: group 0's end, time.time())."""
     first = {"group": 0, "requests": out["requests"] - sum(g.get("requests", 0) for g in groups),
              "errors": out["errors"] - sum(g.get("errors", 0) for g in groups), "output_tokens": out["output_tokens"],
-             "prompt_tokens": out["prompt_tokens"], "steps": out["steps"], "wall_s": out["wall_s"]}
+             "prompt_tokens": out["prompt_tokens"], "steps": out["steps"], "wall_s": out["wall_s"], "ended_at": ended_at}
     out["data_parallel_groups"] = [first, *groups]
+    ends = [g["ended_at"] for g in out["data_parallel_groups"] if g.get("ended_at")]
+    out["group_end_spread_s"] = round(max(ends) - min(ends), 4) if ends else None
     for key in ("output_tokens", "prompt_tokens"):
         out[key] += sum(g.get(key, 0) for g in groups)
     if wall:
@@ -336,7 +339,8 @@ def run_generate(make_engine, args, stop: StopRequest, skip_engine=lambda: None,
             moved = job.finish(sort=args.sort_output)
             summary = run_summary(job.runner, job.wall)
             if args.stats_json:               # before the report: a failure here fails the run
-                engine.recorder.write(args.stats_json, summary)
+                from fastdecode.batch.report_file import write_stats
+                write_stats(args.stats_json, engine.recorder.document(summary))
             rep = report.finished(path, rep, job, engine, summary, stop.name, moved, args.sort_output)
         except BaseException as e:
             from rworker.host.wait import PeerTimeout

@@ -114,7 +114,7 @@ class GroupRunner(LineServer):
         eng = self.engine
         return {"requests": self.num_requests, "errors": self.num_errors, "output_tokens": eng.num_output_tokens,
                 "prompt_tokens": eng.num_prompt_tokens, "steps": eng.recorder.num_steps,
-                "wall_s": round(time.perf_counter() - self.started, 4)}
+                "wall_s": round(time.perf_counter() - self.started, 4), "ended_at": time.time()}
 
     def _finish(self) -> None:
         if self.stopped:
@@ -131,15 +131,15 @@ def run_group(args, comm, leaders) -> int:
     R-workers end), exit 0 (rank 0 reports the job)."""
     from fastdecode.batch.schema import limits_from
     from fastdecode.engine_options import engine_args
-    from fastdecode.launch.mpi_env import stop_rworkers
+    from fastdecode.tp.steps import stop_group
     from rworker.host.wait import wait_message
     wait_message(leaders, 0, TAG_DEAL, "sleep", who="rank 0 (the dealer)")   # it reads the output first
     word = leaders.recv(source=0, tag=TAG_DEAL)
     if word[0] == "skip":
-        stop_rworkers(comm, args.tensor_parallel_size)
+        stop_group(comm, args.tensor_parallel_size)
         return 0
-    from fastdecode.engine.llm_engine import LLMEngine
-    engine = LLMEngine(engine_args(args), comm)
+    from fastdecode.tp.engines import s_worker_engine
+    engine = s_worker_engine(engine_args(args), comm)
     try:
         runner = GroupRunner(engine, leaders, limits_from(args).max_inflight_mem, args.timeout)
         runner.run()

@@ -73,7 +73,7 @@ def previous(path: str, overwrite: bool) -> dict:
 
 def _commit(path: str, obj: dict) -> None:
     """Write the report of the run in progress, and make it what rank 0 writes if orphaned meanwhile."""
-    from fastdecode.launch.supervise import note_for_orphan
+    from fastdecode.batch.orphan_note import note_for_orphan
     data = encode(obj)
     note_for_orphan(path, data)
     write_atomic(path, data)
@@ -132,7 +132,7 @@ def started(path: str, prev: dict, input_path: str, output_path: str, stats_json
 
 def _set_live(path: str, report: dict | None) -> None:
     """The run in progress (None: no longer), and what rank 0 writes if the launcher ends it."""
-    from fastdecode.launch.supervise import note_for_orphan
+    from fastdecode.batch.orphan_note import note_for_orphan
     _live.clear()
     if report is not None:
         _live.update(path=path, report=report, t0=time.monotonic())

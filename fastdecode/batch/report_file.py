@@ -38,6 +38,14 @@ def write_atomic(path: str, obj: dict | bytes) -> None:
             os.fsync(f.fileno())
 
 
+def write_stats(path: str, document: dict) -> None:
+    """--stats-json: replace `path` atomically, keeping an existing file's mode and owner."""
+    tmp = path + ".tmp"
+    with open_like(tmp, path, "w") as f:
+        json.dump(document, f)
+    os.replace(tmp, path)
+
+
 def _write_tmp(tmp: str, like: str, data: bytes) -> None:
     try:
         fd = open_no_link(tmp, os.O_WRONLY)      # the spare: its blocks are there whatever the disk holds

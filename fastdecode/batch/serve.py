@@ -3,6 +3,7 @@ engine runs), requests to the engine, each finished request's row written with t
 request it answers; a stop request ends the loop after the step in flight (generate.py runs it)."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from fastdecode.batch import inflight
@@ -39,6 +40,7 @@ class BatchRunner(LineServer):
         self.interrupted = False
         self.lines_read = 0                        # input lines read this run (done earlier ones included)
         self.total_lines: int | None = None        # the input's lines, when the job has counted them
+        self.ended_at = time.time()
         self.engine_tokens_before = engine.num_output_tokens    # an engine lent to runs before (tests, API)
         self.reloaded_before = (engine.reload_kv.tokens, engine.reload_kv.sequences)
 
@@ -157,4 +159,6 @@ class BatchRunner(LineServer):
                 self._finished(req)
             self.writer.sync()
             tick()
+            if self.exhausted and not eng.has_unfinished():
+                self.ended_at = time.time()     # this engine's last step (the groups' end spread)
         return self.interrupted

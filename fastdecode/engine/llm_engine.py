@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from fastdecode.engine import continuation, rpart_setup, spart_setup
-from fastdecode.engine.args import EngineArgs, resolve_batch_limits, resolve_device, resolve_dtypes, say_dtype
+from fastdecode.engine.assembly import adopt, build
+from fastdecode.engine.args import EngineArgs
 from fastdecode.engine.kv_reload import Reloader
-from fastdecode.engine.kv_tiers import choose_tier
 from fastdecode.engine.outputs import request_output
 from fastdecode.engine.prefix_cache import PrefixCache
 from fastdecode.engine.request_checks import Checked, RequestChecks, RequestError
@@ -20,66 +20,34 @@ from fastdecode.engine.runner import ModelRunner
 from fastdecode.engine.sampling_params import RequestMetrics, RequestOutput, SamplingParams
 from fastdecode.engine.sequence import Request, Sequence, Status
 from fastdecode.engine.stats import Reservoir, StepRecorder
-from fastdecode.launch.ranks import Roles, launched_rank
-from fastdecode.model.config import ModelConfig
-from fastdecode.model.llama import LlamaSPart
+from fastdecode.launch.ranks import launched_rank
 from fastdecode.model.names import ServedModel, served_model
-from fastdecode.model.quantization import WeightFormat, say_fp8, weight_format
-from fastdecode.model.source import ModelSource, read_config, resolve_model
+from fastdecode.model.source import resolve_model
 from fastdecode.model.tokenizer import TokenIdsOnly, Tokenizer
-from fastdecode.model.weights import load_weights, source_digest
-from fastdecode.rpart.base import RBackend
+from fastdecode.model.weights import source_digest
 from fastdecode.sched.admission import FifoAdmission, StabilizedAdmission
 from fastdecode.sched.balance import StepBalance
 from fastdecode.sched.placement import Placement
 from fastdecode.sched.scheduler import Scheduler
-from fastdecode.tp import leader as tp_leader
 from rworker.host import faults
-from rworker.host.wait import node_layout
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, comm=None):
-        self.args = args
-        self.source: ModelSource = resolve_model(args.model, args.revision)
+    def __init__(self, args: EngineArgs, comm=None, parallel=None):
+        """comm: the S-worker's communicator (None: local mode); parallel: a tensor-parallel
+        S-worker's side of the assembly (tp/engines.py makes such an engine)."""
+        self.parallel = parallel
+        adopt(self, build(args, comm, parallel))       # config, device, dtypes, model, tier, backend, ...
+        args = self.args
         self.served: ServedModel = served_model(self.source, args.served_model_name)
-        self.config: ModelConfig = read_config(self.source)
-        self.max_model_len = self.config.resolve_max_model_len(args.max_model_len)
-        s_ranks = args.tensor_parallel_size
-        self.layout = node_layout(comm, s_ranks) if comm is not None and comm.Get_size() > 1 else None
-        # a tensor-parallel S-worker: ranks 0..T-1 join, each on its own GPU with 1/T of the model (fastdecode/tp/)
-        self.tp = tp_leader.start(comm, args, self.config) if s_ranks > 1 else None
-        self.device = self.tp.device if self.tp else resolve_device(args.device)
-        self.dtype, self.kv_dtype = resolve_dtypes(args, self.device, self.config)
-        if not args.quiet:
-            say_dtype(args, self.device, self.config, self.dtype)
-        self.weight_format: WeightFormat = weight_format(args.quantization, self.source)
-        self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.kv_dtype)
-        one_node = self.tp is None and (self.layout is None or self.layout[0] == comm.Get_size())  # R-part beside
-        self.args = args = resolve_batch_limits(args, self.device, self.config, self.dtype, one_node)
-        self.s_cores, self._node_cpus = spart_setup.setup_cores(args, self.device, self.layout, self.tp)
         digest = source_digest(self.source) if self.source.kind == "gguf" else None
         tokenizer = resolve_model(args.tokenizer, args.tokenizer_revision) if args.tokenizer else None
         self.tokenizer = Tokenizer(self.source, digest, tokenizer, self.max_model_len) \
             if self.source.kind != "random" or tokenizer \
             else TokenIdsOnly(self.config.vocab_size)
-        members = Roles(comm.Get_size(), s_ranks).members if comm is not None else 1
-        self.tier = choose_tier(args.device_kv, args.device_kv_memory, self.device, self.kv_dtype, members,
-                                self.layout[0] if self.layout else 1, self.kv_bytes_per_token)
-        tp = self.tp
-        weights = load_weights(self.source, self.config, self.dtype, self.device, self.weight_format,
-                               tp.shard if tp else None)
-        self.model = LlamaSPart(tp.config if tp else self.config, weights, self.device, self.dtype,
-                                max_model_len=self.max_model_len, tp=tp.group if tp else None,
-                                vocab_size=self.config.vocab_size)
-        del weights
-        say_fp8(self.weight_format, self.model)
-        if tp and not args.quiet:
-            tp_leader.say(self)
         self.eos_ids = self.tokenizer.eos_token_ids(self.config.eos_token_ids)
         self.checks = RequestChecks(self.config.vocab_size, self.max_model_len, self.eos_ids,
                                     self.tokenizer.encode_text, args.max_logprobs, args.max_request_mem)
-        self.backend: RBackend = rpart_setup.make_backend(self, comm)
         if comm is not None and comm.Get_size() > 1 and not args.quiet:
             rpart_setup.log_roster(self)
         self.placement = Placement(self.backend.workers, self.kv_bytes_per_token, policy=args.kv_reserve,
@@ -103,12 +71,12 @@ class LLMEngine:
                                    self.balance if gated else None)
         spart_setup.pack_weights(args, self.model)
         spart_setup.compile_spart(args, self.model)
-        graphs = spart_setup.make_graphs(args, self.device, self.model, tp)
+        graphs = spart_setup.make_graphs(args, self.device, self.model, self.tp)
         self.runner = ModelRunner(self.model, self.backend, self.eos_ids, args.pipeline_depth, graphs) \
-            if tp is None else tp_leader.runner(self, comm)
+            if self.tp is None else parallel.runner(self, comm)
         self.runner.reserve_tokens, self.runner.prefix = self.placement.store_tokens, self.prefix   # pages at prefill
-        if spart_setup.prefills_on_the_node(args, self.device, self.layout, self._node_cpus):
-            self.runner.prefill_threads, self.runner.prefill_cpus = spart_setup.node_cores(self._node_cpus)
+        if spart_setup.prefills_on_the_node(args, self.device, self.layout, self.node_cpus):
+            self.runner.prefill_threads, self.runner.prefill_cpus = spart_setup.node_cores(self.node_cpus)
         self.recorder = StepRecorder(len(self.backend.workers))
         self.token_gaps = Reservoir()      # seconds between a sequence's consecutive tokens
         self.step_no, self._next_seq_id = 0, 1
@@ -405,7 +373,7 @@ class LLMEngine:
 
     def close(self) -> None:
         if self.tp is not None:
-            tp_leader.close(self)
+            self.parallel.close(self)
         else:
             self.backend.close()
 

@@ -25,15 +25,17 @@ class OutOfMemory(RuntimeError):
     """A step's allocation failed: the message says where and which limits to lower."""
 
 
-def make_backend(eng, comm) -> RBackend:
+def make_backend(eng, comm, parallel=None) -> tuple[RBackend, object, TierChoice]:
     """The R-part: local mode's in-process store, or the R-workers over MPI; beside either,
-    the S-worker's own KV tier where the job has one (engine/kv_tiers.py). A tensor-parallel
-    S-worker (eng.tp) reaches them through rank 0 (rpart/head_gather.py), each S-rank holding the
+    the S-worker's own KV tier where the job has one (engine/kv_tiers.py). -> (the backend, the
+    model's attention variants, the tier as built: a tier too small on the device is none). `eng`
+    is what assembly.build_spart made. A tensor-parallel S-worker (eng.tp) reaches the R-workers
+    the way `parallel` says (fastdecode/tp: rank 0 gathers the heads), each S-rank holding the
     tier's pages of its own heads (rpart/sharded_tier.py)."""
     from fastdecode.rpart.variants import AttentionVariants
-    variants = eng.variants = AttentionVariants.of(eng.config, eng.model)
-    tp = getattr(eng, "tp", None)
-    others = _other_workers(eng, comm, variants, tp)
+    variants = AttentionVariants.of(eng.config, eng.model)
+    tp = eng.tp
+    others = _other_workers(eng, comm, variants, parallel)
     tier_config = eng.model.config                   # a tensor-parallel rank's: its own heads
     if eng.tier.kind == "device":
         from fastdecode.rpart.device_kv import DeviceKVTier, page_bytes
@@ -44,8 +46,7 @@ def make_backend(eng, comm) -> RBackend:
         size = tp.group.min_int(size) if tp is not None else size      # every rank's tier alike
         page = others.workers[0].page_tokens
         if size < 2 * page_bytes(tier_config, eng.kv_dtype, page):
-            eng.tier = TierChoice("", 0, f"{gib(size)} free on {eng.device}: too little for a KV tier")
-            return others
+            return others, variants, TierChoice("", 0, f"{gib(size)} free on {eng.device}: too little for a KV tier")
         tier = DeviceKVTier(tier_config, eng.kv_dtype, size, eng.device, variants, page_tokens=page)
     elif eng.tier.kind == "local":
         from fastdecode.rpart.local import LocalBackend
@@ -56,19 +57,20 @@ def make_backend(eng, comm) -> RBackend:
     else:
         if tp is not None:
             tp.group.min_int(0)                      # the ranks agree on no tier as on a size
-        return others
+        return others, variants, eng.tier
     if tp is not None:
         from fastdecode.rpart.sharded_tier import ShardedTier
         tier = ShardedTier(tier, tp.size)
-    return TieredBackend(others, tier)
+    return TieredBackend(others, tier), variants, eng.tier
 
 
-def _other_workers(eng, comm, variants, tp) -> RBackend:
+def _other_workers(eng, comm, variants, parallel) -> RBackend:
     """The workers beside the tier: local mode's store or the R-workers (ranks T.. under a
-    tensor-parallel S-worker of T ranks, whose rank 0 gathers every rank's heads for them)."""
+    tensor-parallel S-worker of T ranks, reached as `parallel` says)."""
+    tp = eng.tp
     s_ranks = tp.size if tp is not None else 1
     if tp is not None and tp.rank > 0:
-        return _follower_side(eng, comm, tp)
+        return parallel.workers(eng, comm, None)
     bf16_probs = eng.args.attn_probs == "bf16"
     if comm is None or comm.Get_size() <= s_ranks:
         from fastdecode.rpart.local import LocalBackend
@@ -88,28 +90,7 @@ def _other_workers(eng, comm, variants, tp) -> RBackend:
                             eng.args.rworker_mem, policy, eng.args.timeout, eng.device, eng.dtype,
                             s_cores=eng.s_cores, bf16_probs=bf16_probs, s_kv_bytes=local_kv,
                             ranks=range(s_ranks, comm.Get_size()), link_rows=eng.args.max_batch or 0)
-    if tp is None:
-        return others
-    import dataclasses
-
-    from fastdecode.rpart.head_gather import HeadGather
-    from fastdecode.tp import steps
-    steps.send_all(comm, range(1, tp.size), {"kind": "workers", "workers": [dataclasses.asdict(w) for w in
-                                                                             others.workers]},
-                   timeout=eng.args.timeout)
-    c = tp.config
-    return HeadGather(others, tp.group, c.num_heads, c.num_kv_heads, c.head_dim)
-
-
-def _follower_side(eng, comm, tp) -> RBackend:
-    """A follower S-rank: rank 0's workers, as rank 0 found them."""
-    from fastdecode.rpart.base import WorkerInfo
-    from fastdecode.rpart.head_gather import HeadFollower
-    from fastdecode.tp import steps
-    message = steps.receive(comm, timeout=3 * eng.args.timeout if eng.args.timeout else None)
-    c = tp.config
-    return HeadFollower([WorkerInfo(**w) for w in message["workers"]], tp.group, c.num_heads, c.num_kv_heads,
-                        c.head_dim, eng.device)
+    return others if tp is None else parallel.workers(eng, comm, others)
 
 
 def log_tiers(eng) -> None:

@@ -1,17 +1,10 @@
 """Requests and the sequences generated for them (n sequences per request)."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from fastdecode.engine.sampling_params import RequestMetrics, SamplingParams
-
-
-class Status(enum.Enum):
-    WAITING = 0
-    RUNNING = 1
-    FINISHED = 2
-    PREFILLING = 3       # placed, its prompt prefilled in chunks (--max-num-batched-tokens); not decoding yet
+from fastdecode.sched.status import Status  # noqa: F401  (a sequence's state, named here too)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from fastdecode.model.compiled import compile_layers
 from fastdecode.model.layer_graphs import LayerGraphs
 
 
-def setup_cores(args, device: torch.device, layout: tuple | None, tp) -> tuple[int, list[int]]:
+def setup_cores(args, device: torch.device, layout: tuple | None, tp, say: bool = True) -> tuple[int, list[int]]:
     """Threads and cores of the S-worker -> (the cores it keeps from co-located R-workers, the
     node's CPUs where it bound itself to its share of them, else []).
 
@@ -33,7 +33,7 @@ def setup_cores(args, device: torch.device, layout: tuple | None, tp) -> tuple[i
             bind(physical_cpus()[:s_cores])
     if cpu:
         torch.set_num_threads(args.s_threads or s_cores)
-        if not args.quiet:
+        if say and not args.quiet:
             from fastdecode.launch.omp_binding import binding, spin
             print(f"fastdecode: S-part threads: {torch.get_num_threads()}, {binding()}, {spin()}", file=sys.stderr,
                   flush=True)

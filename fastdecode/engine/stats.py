@@ -1,8 +1,6 @@
 """Per-step statistics of the decode loop, and the run summary (`--stats-json`)."""
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -179,13 +177,9 @@ class StepRecorder:
             out["r_time_cv"] = round(float(np.sqrt(var) / mean), 4) if mean > 0 else None
         return out
 
-    def write(self, path: str, summary: dict) -> None:
-        """Replace `path` atomically, keeping an existing file's mode and owner."""
-        from fastdecode.batch.filemode import open_like
-        tmp = path + ".tmp"
-        with open_like(tmp, path, "w") as f:
-            json.dump({"summary": summary, "steps_stride": self.stride, "steps": self.steps}, f)
-        os.replace(tmp, path)
+    def document(self, summary: dict) -> dict:
+        """The --stats-json file's content: the run's summary and its recorded steps."""
+        return {"summary": summary, "steps_stride": self.stride, "steps": self.steps}
 
 
 class Reservoir:

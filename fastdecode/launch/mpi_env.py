@@ -125,23 +125,6 @@ def mixed_mpi_message(world_size: int | None, library_version: str, env=None, or
 EXIT_TEMPFAIL = 75        # EX_TEMPFAIL: outputs saved, rerun me (the SLURM scripts requeue on it)
 
 
-def stop_rworkers(comm, s_ranks: int = 1) -> None:
-    """Rank 0, before any HELLO: end the R-workers (ranks s_ranks..) and a tensor-parallel
-    S-worker's other ranks (1..s_ranks-1) cleanly (they wait in the node-layout collective, then
-    for a control message, or for the step message that says start or stop)."""
-    if comm is None or comm.Get_size() == 1:
-        return
-    from fastdecode.tp.steps import TAG_STEP, stop_message
-    from rworker.host.wait import node_layout
-    from rworker.protocol import control as P
-    node_layout(comm, s_ranks)
-    for r in range(1, min(s_ranks, comm.Get_size())):
-        comm.send(stop_message(), dest=r, tag=TAG_STEP)
-    bye = P.control(P.SHUTDOWN)
-    for r in range(s_ranks, comm.Get_size()):
-        comm.Send(bye, dest=r, tag=P.TAG_CTRL)
-
-
 def share_end_notices(comm) -> dict | None:
     """Collective, at start-up: rank 0 listens for end notices (rworker/host/end_notice.py) on the
     addresses the ranks reach it by, and every other rank passes the address it was given to its
@@ -150,7 +133,8 @@ def share_end_notices(comm) -> dict | None:
     where = comm.gather(end_notice.whereabouts(), root=0)
     if comm.Get_rank() == 0:
         from fastdecode.launch import launcher_watch
-        from fastdecode.launch.supervise import launcher_exit_code, launcher_name, on_orphan
+        from fastdecode.batch.orphan_note import on_orphan
+        from fastdecode.launch.supervise import launcher_exit_code, launcher_name
         hosts = end_notice.listen_hosts(where)             # per rank: rank 0's addresses towards it
         # a lost rank's supervisor was killed (SIGKILL): what the launcher exits with then, for the report
         lost_code = launcher_exit_code(-int(signal.SIGKILL), launcher_name())

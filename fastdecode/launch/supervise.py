@@ -24,7 +24,7 @@ which marks its report failed naming the rank and aborts the job with exit 1; an
 supervisor was killed too is found by the link that supervisor held open to rank 0 (closed
 without a bye), with the same result; rank 0's own supervisor marks the report failed when rank 0
 ends abnormally; and rank 0, ended because its supervisor was killed, writes the report prepared
-for that (note_for_orphan: "failed", or "interrupted" once a stop signal came) with plain system
+for that (batch/orphan_note.py: "failed", or "interrupted" once a stop signal came) with plain system
 calls before it exits, or "failed" naming an R-worker whose link it finds closed then (on_orphan).
 The report comes first there: a message to a launcher that has gone (a broken pipe) must not cost it.
 """
@@ -45,8 +45,6 @@ ORPHAN_SIGNAL = signal.SIGUSR2            # what the child gets when its supervi
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 CLEAN_EXITS = (0, 2, 75)      # done, usage error, interrupted with work saved
 WAIT_FOR_ABORT_S = 10.0       # after rank 0 recorded this rank's death: its abort ends this process
-_orphan_note: tuple[str, bytes] | None = None     # (report path, report bytes) rank 0 writes if orphaned
-_orphan_check = None          # rank 0: () -> report bytes naming a rank found gone as it is orphaned, or None
 
 
 def should_supervise() -> bool:
@@ -152,29 +150,18 @@ def launcher_exit_code(code: int, launcher: str | None) -> int | None:
     return None
 
 
-def note_for_orphan(path: str | None, data: bytes | None) -> None:
-    """Rank 0: the report to write at `path` if this process ends because its supervisor died
-    (None: nothing, the run has ended)."""
-    global _orphan_note
-    _orphan_note = (path, data) if path is not None and data is not None else None
-
-
-def on_orphan(check) -> None:
-    """Rank 0: check() -> the report naming a rank found gone, to write instead of the prepared note."""
-    global _orphan_check
-    _orphan_check = check
-
-
 def _write_orphan_note() -> None:
     """Plain system calls only (and the check's peek at rank 0's links): this runs in a signal
     handler or as the process ends."""
+    from fastdecode.batch.orphan_note import pending
     found = None
-    if _orphan_note is not None and _orphan_check is not None:
+    note, check = pending()
+    if note is not None and check is not None:
         try:
-            found = _orphan_check()
+            found = check()
         except Exception:  # noqa: BLE001 - the prepared note still goes out
             pass
-    note = _orphan_note                  # read after the check: a listener thread may have written meanwhile
+    note, _ = pending()                  # read after the check: a listener thread may have written meanwhile
     if note is None:
         return
     path, data = note[0], found or note[1]

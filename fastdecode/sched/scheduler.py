@@ -27,16 +27,16 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from itertools import islice
-
 from typing import TYPE_CHECKING
 
-from fastdecode.engine.sequence import Sequence, Status
 from fastdecode.sched.admission import HEAD_WINDOW
 from fastdecode.sched.balance import StepBalance, follow_balance
 from fastdecode.sched.placement import Placement
+from fastdecode.sched.status import Status
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:                 # the engine's types, named in annotations only: sched/ sits below engine/
     from fastdecode.engine.prefix_cache import PrefixCache
+    from fastdecode.engine.sequence import Sequence
 
 RECOMPUTE_SHARE = 4     # a step re-prefills at most max_prefill_tokens / this of recomputed sequences
 

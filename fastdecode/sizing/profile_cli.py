@@ -72,7 +72,7 @@ def run_s_worker(args, comm) -> int:
     """Rank 0 of `fastdecode profile`: build the engine, say how long it will take, measure, write."""
     from fastdecode.engine_options import engine_args
     from fastdecode.engine.args import resolve_device
-    from fastdecode.engine.llm_engine import LLMEngine
+    from fastdecode.tp.engines import s_worker_engine
     from fastdecode.sizing.estimate import estimate, estimate_line
     from fastdecode.sizing.profile import QUICK_PREFILL_TOKENS, run_profile
 
@@ -82,7 +82,7 @@ def run_s_worker(args, comm) -> int:
     device = resolve_device(args.device)
     if args.quick and args.max_prefill_tokens is None:
         args.max_prefill_tokens = QUICK_PREFILL_TOKENS["cuda" if device.type == "cuda" else "cpu"]
-    engine = LLMEngine(engine_args(args), comm)
+    engine = s_worker_engine(engine_args(args), comm)
     try:
         settings = settings_of(args, engine.device.type == "cuda")
         parts, costs = estimate(engine, settings)

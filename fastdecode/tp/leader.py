@@ -103,6 +103,20 @@ def runner(eng, comm) -> LeaderRunner:
                         size=eng.tp.size, policy=choose_policy(ranks_here, ranks_here), timeout=eng.args.timeout)
 
 
+def workers(eng, comm, others):
+    """Rank 0 found the R-workers (`others`): every follower learns them, and rank 0 reaches them for
+    all S-ranks, gathering their heads (rpart/head_gather.py)."""
+    import dataclasses
+
+    from fastdecode.rpart.head_gather import HeadGather
+    tp = eng.tp
+    steps.send_all(comm, range(1, tp.size), {"kind": "workers", "workers": [dataclasses.asdict(w) for w in
+                                                                             others.workers]},
+                   timeout=eng.args.timeout)
+    c = tp.config
+    return HeadGather(others, tp.group, c.num_heads, c.num_kv_heads, c.head_dim)
+
+
 def say(eng) -> None:
     """The start-up line of a tensor-parallel S-worker: its ranks and what each holds."""
     import sys
@@ -142,3 +156,12 @@ def close(eng) -> None:
             eng.backend.close()
         finally:
             eng.tp.group.close()
+
+
+class Leader:
+    """Rank 0's side of the assembly (engine/assembly.py) and of the engine's run and close."""
+    join = staticmethod(start)
+    workers = staticmethod(workers)
+    say = staticmethod(say)
+    runner = staticmethod(runner)
+    close = staticmethod(close)

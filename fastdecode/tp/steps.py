@@ -70,3 +70,19 @@ def receive(comm, policy: str = "adaptive", timeout: float | None = None) -> dic
     from rworker.host.wait import wait_message
     wait_message(comm, 0, TAG_STEP, policy, timeout, who="rank 0 (S-worker)")
     return comm.recv(source=0, tag=TAG_STEP)
+
+
+def stop_group(comm, s_ranks: int = 1) -> None:
+    """Rank 0, before any HELLO: end the R-workers (ranks s_ranks..) and a tensor-parallel
+    S-worker's other ranks (1..s_ranks-1) cleanly (they wait in the node-layout collective, then
+    for a control message, or for the step message that says start or stop)."""
+    if comm is None or comm.Get_size() == 1:
+        return
+    from rworker.host.wait import node_layout
+    from rworker.protocol import control as P
+    node_layout(comm, s_ranks)
+    for r in range(1, min(s_ranks, comm.Get_size())):
+        comm.send(stop_message(), dest=r, tag=TAG_STEP)
+    bye = P.control(P.SHUTDOWN)
+    for r in range(s_ranks, comm.Get_size()):
+        comm.Send(bye, dest=r, tag=P.TAG_CTRL)
