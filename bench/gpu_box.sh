@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup balance cpuspart cpuprompt pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup balance cpuspart cpuprompt dpgroups pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
@@ -20,6 +20,10 @@
 #           results bench/kernel/results/prompt_attention_$BOX-host-16core.json; then the projections on
 #           prepacked weights against F.linear (model/packed.py: on AMX oneDNN's per-call reorder may
 #           cost more or less than on Zen 5), bench/kernel/results/packed_linear_$BOX-host-16core.json.
+#   call -1d: dpgroups (~5 min, issue 52): two data-parallel groups on the host's 16 cores (CPU S-workers,
+#           local mode, the embedded model, 1,024 chats of 32-128 new tokens, --max-batch 64) against one
+#           job on half the cores (target: dp2 >= 1.8x) and against the input split by hand into two
+#           independent jobs (target: no slower); results bench/e2e/results/data_parallel_$BOX-host-16core.json.
 #   call 0: pagedattn tiertests (~7 min, issue 42, never run on a card): the device tier's Triton kernel
 #           and the tier under local mode and mpirun on CUDA (the box has Triton 3.6.0: the kernels keep
 #           to its matrix-unit sizes); then the paged kernel's read bandwidth against the card's copy.
@@ -181,6 +185,9 @@ cpuspart)    # issue 50: the host as a CPU S-worker: old and new CPU defaults, -
 cpuprompt)   # issue 50: the CPU prompt-attention pass against torch's SDPA on the host's cores
     CUDA_VISIBLE_DEVICES= stage cpuprompt 150 $PY bench/kernel/prompt_attention_bench.py --label $BOX-host-16core --rounds 2
     CUDA_VISIBLE_DEVICES= stage cpupacked 100 $PY bench/kernel/packed_linear_bench.py --label $BOX-host-16core --rounds 2 ;;
+dpgroups)    # issue 52: two data-parallel groups against one on half the cores and two hand-split jobs
+    CUDA_VISIBLE_DEVICES= stage dpgroups 330 $PY bench/e2e/data_parallel_bench.py --label $BOX-host-16core \
+        --systems one-half,dp2,two-jobs --requests 1024 --max-tokens 128 --max-batch 64 --rounds 2 ;;
 tiers8k)     # issue 42: the same at 8,192-token prompts
     stage tiers8k 280 $PY bench/e2e/tiers_bench.py --label $BOX-8k --model random:llama-3-8b --device cuda \
         --configs card=1: card+14=15: --prompts 64 --prompt-len 8192 --gen 256 --max-batch 64 \

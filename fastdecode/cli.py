@@ -188,7 +188,9 @@ def run_job(args, validate, s_worker_main) -> int:
     roles = launched_roles(getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
     error = environment_error(runs_kernels=roles.holds_kv(rank)) or machine_error(args, rank, roles)
     if rank == 0 and error is None:
-        error = validation_error(args, validate)
+        error = validation_error(args, validate)      # (it loads torch: the model's config is checked)
+    elif error is None and rank in roles.leaders():
+        import fastdecode.tp.engines  # noqa: F401  another group's S-worker loads torch as rank 0 does, not after
     if size <= 1 and error:                              # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,6 +11,7 @@ group's rows wait at most one step of group 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -96,9 +97,26 @@ class Dealer:
         if rows:
             runner.writer.sync()
 
+    def share(self, runner, group: int) -> int | None:
+        """Lines group `group` may take now: its fair share of the work left (the input's unread
+        lines and every group's queued and running ones, split evenly) less what it holds. So a
+        small input is split evenly, however early a group asks, and the input's end is shared out;
+        on a large one the groups' own asks (free slots and a few more) are the bound. None: no
+        bound known (an input of unknown length)."""
+        if runner.total_lines is None:
+            return None
+        unread = max(runner.total_lines - runner.lines_read, 0)
+        sched = runner.engine.scheduler
+        held = {0: len(sched.running) + len(sched.waiting)}
+        held.update({g: s.status.running + s.status.waiting for g, s in self.groups.items() if not s.finished})
+        fair = -(-(unread + sum(held.values())) // len(held))
+        return max(fair - held.get(group, 0), 0)
+
     def _deal(self, runner, g: int, state: GroupState) -> None:
         lines = []
-        while len(lines) < state.want and not runner.exhausted:
+        share = self.share(runner, g)
+        want = state.want if share is None else min(state.want, max(share, 1))
+        while len(lines) < want and not runner.exhausted:
             line = runner._next_line()
             if line is None:
                 break
@@ -108,6 +126,8 @@ class Dealer:
         if lines or runner.exhausted:
             self.outbox.send(("lines", lines, runner.exhausted), g)
             state.want = 0
+            # held there from now on (its next message says so too): the shares that follow count them
+            state.status = dataclasses.replace(state.status, waiting=state.status.waiting + len(lines))
 
     # ------------------------------------------------------------------------ waiting and the end
 

@@ -3,9 +3,10 @@ its own communicator, fed with lines by the dealer (dealer.py) as its queue runs
 sent back as its requests finish; on the dealer's stop it ends after the step in flight and sends
 its generation in flight for the one in-flight save.
 
-One ask is out at a time, for what tops the queue up to the group's free slots and a few more
-(queue_target): a group keeps a short queue so that the input's last lines go to whichever group
-frees a slot first.
+One ask is out at a time, for what tops its queue up to the look-ahead a job of one group keeps
+(lookahead: enough waiting prompts for shared prefixes to be found among them); the dealer caps
+each deal at the group's fair share of the work left (dealer.Dealer.share), so the input's end is
+shared out evenly.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class GroupRunner(LineServer):
 
     def _ask(self) -> None:
         eng = self.engine
-        waiting, target = len(eng.scheduler.waiting), queue_target(eng, margin=max(eng.args.max_batch // 8, 2))
+        waiting, target = len(eng.scheduler.waiting), lookahead(eng.args.max_batch)
         if self.asked or self.exhausted or waiting >= target or eng.pinned_bytes >= self.inflight_mem:
             return
         self.outbox.send(("want", target - waiting, self.status()), 0)
@@ -131,6 +132,7 @@ def run_group(args, comm, leaders) -> int:
     R-workers end), exit 0 (rank 0 reports the job)."""
     from fastdecode.batch.schema import limits_from
     from fastdecode.engine_options import engine_args
+    from fastdecode.tp.engines import s_worker_engine      # torch loads while rank 0 reads the output
     from fastdecode.tp.steps import stop_group
     from rworker.host.wait import wait_message
     wait_message(leaders, 0, TAG_DEAL, "sleep", who="rank 0 (the dealer)")   # it reads the output first
@@ -138,7 +140,6 @@ def run_group(args, comm, leaders) -> int:
     if word[0] == "skip":
         stop_group(comm, args.tensor_parallel_size)
         return 0
-    from fastdecode.tp.engines import s_worker_engine
     engine = s_worker_engine(engine_args(args), comm)
     try:
         runner = GroupRunner(engine, leaders, limits_from(args).max_inflight_mem, args.timeout)
@@ -148,7 +149,6 @@ def run_group(args, comm, leaders) -> int:
     return 0
 
 
-def queue_target(engine, margin: int) -> int:
-    """Lines a group keeps queued: its free slots (what admission can start next), and `margin`
-    more to cover the wait for the next deal; few enough that the input's end is shared out evenly."""
-    return max(engine.args.max_batch - len(engine.scheduler.running), 0) + margin
+def lookahead(max_batch: int) -> int:
+    """Lines an engine keeps waiting beyond its running ones (a job's, or a group's)."""
+    return max(2 * max_batch, 64)

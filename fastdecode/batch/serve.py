@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fastdecode.batch import inflight
-from fastdecode.batch.group_runner import queue_target
+from fastdecode.batch.group_runner import lookahead as group_lookahead
 from fastdecode.batch.interrupt import StopRequest
 from fastdecode.batch.jsonl import BatchLine, read_lines
 from fastdecode.batch.line_server import LineServer
@@ -33,7 +33,7 @@ class BatchRunner(LineServer):
         self.writer, self.index, self.stop, self.dealer = writer, index, stop, dealer
         if index.model is None:
             index.model = engine.served.reported
-        self.lookahead = lookahead or max(2 * engine.args.max_batch, 64)
+        self.lookahead = lookahead or group_lookahead(engine.args.max_batch)
         self.inflight_mem = limits.max_inflight_mem
         self.lines = read_lines(input_path, limits, engine.served)
         self.exhausted = False
@@ -88,8 +88,11 @@ class BatchRunner(LineServer):
         if self.dealer is not None:          # the other groups' rows in, and their asks answered first
             self.dealer.poll(self)
         sched = self.engine.scheduler
-        # with other groups, a short queue of its own: the input's end goes to whoever frees a slot
-        lookahead = self.lookahead if self.dealer is None else queue_target(self.engine, margin=1)
+        # with other groups, at most its fair share of the work left: the input's end is shared out
+        lookahead = self.lookahead
+        share = self.dealer.share(self, 0) if self.dealer is not None else None
+        if share is not None:
+            lookahead = min(lookahead, len(sched.waiting) + share)
         while (not self.exhausted and len(sched.waiting) < lookahead and not self._stopping()
                and self.engine.pinned_bytes < self.inflight_mem):
             line = self._next_line()
