@@ -190,7 +190,8 @@ def run_job(args, validate, s_worker_main) -> int:
     if rank == 0 and error is None:
         error = validation_error(args, validate)      # (it loads torch: the model's config is checked)
     elif error is None and rank in roles.leaders():
-        import fastdecode.tp.engines  # noqa: F401  another group's S-worker loads torch as rank 0 does, not after
+        import importlib           # another group's S-worker loads torch as rank 0 does, not after it
+        importlib.import_module("fastdecode.tp.engines")
     if size <= 1 and error:                              # a singleton: stop before MPI starts
         print(f"fastdecode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
