@@ -1,7 +1,8 @@
 """Data-parallel groups, the dealer's side (group 0's S-worker, world rank 0): the job's one
 reader and one writer. The other groups' S-workers ask for lines when their queues run low
-(`want`), so no group holds more than a short queue and a slow group never holds the job's end
-beyond its queue; the dealer claims each line in the resume index as it deals it, writes every
+(`want`); every deal, group 0's own queue included, is capped at the group's fair share of the
+work left (share), so the input's end is shared out and a slow group never holds the job's end
+beyond its share. The dealer claims each line in the resume index as it deals it, writes every
 group's rows into the one output, and relays a stop to every group, whose generation in flight
 comes back for the one in-flight save.
 

@@ -93,10 +93,10 @@ def build(args: EngineArgs, comm=None, parallel: TensorParallel | None = None, l
     del weights
     parts = Parts(args, source, config, max_model_len, layout, tp, device, dtype, kv_dtype, fmt, kv_bytes_per_token,
                   s_cores, node_cpus, tier, model)
-    if not quiet:
-        say_fp8(fmt, model)
-        if tp is not None:
-            parallel.say(parts)
+    if say:
+        say_fp8(fmt, model)                   # even with --quiet: what fp8 does to the weights
+    if tp is not None and not quiet:
+        parallel.say(parts)
     parts.backend, parts.variants, parts.tier = rpart_setup.make_backend(parts, comm, parallel)
     return parts
 
