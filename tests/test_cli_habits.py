@@ -70,8 +70,9 @@ def test_plan_help_states_the_real_defaults():
                        ("--pipeline-depth", "pipeline_depth"), ("--kv-reserve", "kv_reserve")):
         value = getattr(defaults, dest)
         assert value is not None and f"(default: {value})" in text, (flag, value)
-    from fastdecode.sizing.plan import STATED_CPU_MEM_GB, STATED_LINK_BW_GBPS
-    assert f"stated hardware: {STATED_CPU_MEM_GB:g})" in text and f"stated hardware: {STATED_LINK_BW_GBPS:g})" in text
+    from fastdecode.sizing.hardware_options import STATED_CPU_MEM_GB, STATED_LINK_BW_GBPS
+    assert f"stated hardware: {STATED_CPU_MEM_GB:g} GB less 10%)" in text
+    assert f"stated hardware: {STATED_LINK_BW_GBPS:g})" in text
 
 
 # ---------------------------------------------------------------------------- FASTDECODE_* values

@@ -191,7 +191,7 @@ def test_bad_flags_exit_2_with_one_line_before_the_model_loads(tmp_path):
 def test_plans_hardware_numbers_must_be_finite(flag, value):
     """--cpu-eff inf was a ZeroDivisionError; nan passed the checks of the latencies."""
     from fastdecode.sizing.plan import PlanError, check_hardware
-    args = argparse.Namespace(cpu_bw=100.0, cpu_mem=None, link_bw=None, cpu_eff=0.66, link_latency=None,
+    args = argparse.Namespace(cpu_bw=100.0, rworker_mem=None, link_bw=None, cpu_eff=0.66, link_latency=None,
                               rworker_overhead_us=None, shared_cost_ratio=None, device_kv=True,
                               device_kv_memory=None, device_kv_gbps=None)
     setattr(args, flag, value)

@@ -207,6 +207,7 @@ def test_plan_flags_state_replace_or_drop_the_tier(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--no-device-kv", "--device-kv-memory", "5G"], "--no-device-kv with"),
     (["--device-kv-gb", "5"], "--device-kv-gb is now --device-kv-memory SIZE (40G"),
+    (["--cpu-mem", "256"], "--cpu-mem is now --rworker-mem SIZE (215G: the KV memory of one R-worker"),
     (["--device-kv-gbps", "0"], "--device-kv-gbps must be a finite number > 0"),
     (["--no-device-kv", "--rworkers", "0"], "at least one R-worker"),
     (["--rworkers", "-1"], "--rworkers must be >= 0"),
@@ -215,6 +216,19 @@ def test_plan_tier_flags_bad_input_is_one_line_and_exit_2(argv, message):
     code, out, err = run_plan("--gpu-profile", "a10", "--model", "llama-7b", "--cpu-bw", "150", "--batch", "64",
                               *argv)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_rworker_mem_is_generates_flag_in_bytes(tmp_path):
+    """plan's --rworker-mem is an R-worker's KV memory as generate's is (binary units, no reserve
+    taken off); without it stated hardware has 256 GB less 10%."""
+    common = ["--gpu-profile", "a10", "--model", "llama-7b", "--cpu-bw", "150", "--no-device-kv", "--batch", "64",
+              "--context", "1024", "--rworkers", "1", "--json"]
+    code, out, _ = run_plan(*common, "--rworker-mem", "100G")
+    code_default, out_default, _ = run_plan(*common)
+    assert code == code_default == 0
+    token_bytes = 2 * 32 * 32 * 128 * 2                  # llama-7b's bf16 K and V over 32 layers
+    assert json.loads(out)["kv_tokens_capacity"] == pytest.approx(100 * 2**30 / token_bytes, rel=0.02)
+    assert json.loads(out_default)["kv_tokens_capacity"] == pytest.approx(256e9 * 0.9 / token_bytes, rel=0.02)
 
 
 def test_an_old_profile_needs_both_figures_for_a_tier(tmp_path):

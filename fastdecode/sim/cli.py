@@ -15,7 +15,8 @@ import json
 import sys
 
 from fastdecode.engine_options import kv_dtype_or_model
-from fastdecode.sizing.plan import PlanError, add_hardware_options, build_profile, check_hardware
+from fastdecode.sizing.hardware_options import add_hardware_options
+from fastdecode.sizing.plan import PlanError, build_profile, check_hardware
 
 
 def _nonneg_int(text: str) -> int:

@@ -1,7 +1,7 @@
 """`fastdecode plan`: R-workers needed, step latency, tokens/s and the bounding side, before a job.
 
 From a measured profile (`--profile profile.json`) or stated hardware (`--gpu-profile`,
-`--cpu-bw`, `--cpu-mem`, `--link-bw`, `--model`, `--device-kv-memory`, `--device-kv-gbps`); stated
+`--cpu-bw`, `--rworker-mem`, `--link-bw`, `--model`, `--device-kv-memory`, `--device-kv-gbps`); stated
 flags given with a profile replace those parts of it (what-if). With the S-worker's own KV tier
 (the profile's, a stated GPU's by default, or stated) it says how the batch splits between the tier
 and the R-workers; `--rworkers 0` plans a GPU-only engine. What runs of a batch follows the
@@ -18,15 +18,21 @@ import json
 import os
 import sys
 
-from fastdecode.engine_options import Renamed, bytes_arg, kv_dtype_or_model
+from fastdecode.engine_options import kv_dtype_or_model
 from fastdecode.model.hf_cache import looks_like_repo_id
 from fastdecode.sched.placement import RESERVE_POLICIES as KV_RESERVE
 from fastdecode.sizing import plan_text as text
 from fastdecode.sizing.balance import Workload, best_depth, best_per_sockets, sweep_batches
 from fastdecode.sizing.fidelity import fidelity, fidelity_line
+from fastdecode.sizing.hardware_options import (
+    STATED_LINK_BW_GBPS,
+    STATED_LINK_LATENCY_US,
+    STATED_OVERHEAD_US,
+    add_hardware_options,
+    stated_memory,
+)
 from fastdecode.sizing.hardware import (
     GPU_PRESETS,
-    TIER_ATTN_EFF,
     GpuSpec,
     s_worker_from_spec,
     stated_profile,
@@ -37,7 +43,6 @@ from fastdecode.sizing.model import Prediction, predict_run
 from fastdecode.sizing.plan_sockets import report_sockets
 from fastdecode.sizing.schema import MODEL_PRESETS, ModelDims, Profile, from_known_keys
 from fastdecode.sizing.split import Split
-from fastdecode.sizing.tensor_parallel import add_options as add_tp_options
 from fastdecode.sizing.tensor_parallel import (
     sizing_from_args,
     stated_tier_over,
@@ -49,8 +54,6 @@ AUTO_DEPTH = "auto"         # --pipeline-depth: the better of 1 and 2 at each ba
 ENGINE_DEPTH = 2            # generate's default --pipeline-depth: where the knee is counted under auto
 
 
-# stated hardware where a flag is not given (a measured profile's own values win over these)
-STATED_CPU_MEM_GB, STATED_LINK_BW_GBPS, STATED_LINK_LATENCY_US, STATED_OVERHEAD_US = 256.0, 12.5, 10.0, 20.0
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -102,48 +105,6 @@ def _depth(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a count or {AUTO_DEPTH!r}, got {text!r}") from None
-
-
-def add_hardware_options(p: argparse.ArgumentParser):
-    """The hardware and model flags (a profile, stated hardware, or both): plan's and simulate's."""
-    measured = "the profile's measurement; stated hardware: "
-    src = p.add_argument_group("hardware and model")
-    src.add_argument("--profile", help="profile JSON written by `fastdecode profile` (default: none: stated "
-                                       "hardware)")
-    src.add_argument("--gpu-profile", help=f"GPU preset ({', '.join(GPU_PRESETS)}) or a JSON file "
-                     "with name, peak_tflops, mem_bw_GBps, mem_GB (default: the profile's S-worker)")
-    src.add_argument("--model", help=f"model preset ({', '.join(MODEL_PRESETS)}), an HF config.json or model "
-                                     "directory, or an org/name in the local HF cache (default: the profile's model)")
-    src.add_argument("--cpu-bw", type=float, help="read bandwidth of one R-worker (CPU socket), GB/s "
-                                                  "(default: the profile's measurement; needed without one)")
-    src.add_argument("--cpu-mem", type=float, help=f"memory of one R-worker, GB (default: {measured}"
-                                                   f"{STATED_CPU_MEM_GB:g})")
-    src.add_argument("--cpu-eff", type=float, default=0.66,
-                     help="fraction of --cpu-bw the attention kernel reaches (default: %(default)s)")
-    src.add_argument("--rworker-overhead-us", type=float,
-                     help=f"fixed cost per attention call, us (default: {measured}{STATED_OVERHEAD_US:g})")
-    src.add_argument("--shared-cost-ratio", type=float, metavar="X",
-                     help=f"what a member-token of shared prefix costs an R-worker against a streamed KV "
-                          f"token, in (0, 1] (default: {measured}1, as streamed)")
-    src.add_argument("--link-bw", type=float,
-                     help=f"S<->R link bandwidth, GB/s (default: {measured}{STATED_LINK_BW_GBPS:g})")
-    src.add_argument("--link-latency", type=float,
-                     help=f"S<->R one-way latency, us (default: {measured}{STATED_LINK_LATENCY_US:g})")
-    src.add_argument("--device-kv", action=argparse.BooleanOptionalAction, default=True,
-                     help="the S-worker's own KV tier, as generate's flag: the profile's, or on a stated GPU "
-                          "what its memory holds beside the weights (default); --no-device-kv plans all KV on "
-                          "the R-workers")
-    src.add_argument("--device-kv-memory", type=bytes_arg, metavar="SIZE",
-                     help="KV memory of the S-worker's own tier, as generate's flag (40G; bytes without a unit; "
-                          "default: the profile's measurement; a stated GPU: 0.9 of its memory less the weights "
-                          "and the activations' reserve, generate's default)")
-    src.add_argument("--device-kv-gb", action=Renamed, nargs="?", help=argparse.SUPPRESS,
-                     new="--device-kv-memory SIZE (40G: binary units, as generate's)")
-    src.add_argument("--device-kv-gbps", type=float, metavar="GB/S",
-                     help="KV read rate of the tier's attention, GB/s (default: the profile's measurement; a "
-                          f"stated GPU: {TIER_ATTN_EFF:g} of its memory bandwidth)")
-    add_tp_options(p)
-    return src
 
 
 class PlanError(ValueError):
@@ -199,11 +160,12 @@ def build_profile(args) -> Profile:
             raise PlanError(f"give --profile, or stated hardware (missing {' '.join(missing)})")
         model, gpu, tp = _model(args.model), _gpu(args.gpu_profile), sizing_from_args(args)
         tier = _stated_tier(gpu, model, tp, args) if args.device_kv else None
+        mem_gb, reserve = stated_memory(args)
         if args.cpu_bw is None and tier is None:
             raise PlanError(f"{model.name}'s weights leave no room for a KV tier on {gpu.name}: give --cpu-bw "
                             f"(R-workers) or --device-kv-memory")
         return with_tensor_parallel(
-            stated_profile(gpu, model, args.cpu_bw, args.cpu_mem or STATED_CPU_MEM_GB, cpu_attn_eff=args.cpu_eff,
+            stated_profile(gpu, model, args.cpu_bw, mem_gb, mem_reserve=reserve, cpu_attn_eff=args.cpu_eff,
                            call_overhead_us=overhead,
                            kv_dtype_bytes=kv_elem_bytes(args.kv_dtype, model.head_dim) if args.kv_dtype else None,
                            shared_cost_ratio=args.shared_cost_ratio or 1.0, device_tier=tier, **stated_link),
@@ -224,8 +186,8 @@ def build_profile(args) -> Profile:
         if args.cpu_bw is not None:
             w.seconds_per_kv_byte = 1.0 / (args.cpu_bw * 1e9 * args.cpu_eff)
             w.kernel_seconds_per_kv_byte = 0.0      # the stated rate replaces the measured kernel's too
-        if args.cpu_mem is not None:
-            w.capacity_bytes = args.cpu_mem * 1e9 * 0.9
+        if args.rworker_mem is not None:
+            w.capacity_bytes = args.rworker_mem
         if args.rworker_overhead_us is not None:
             w.call_overhead_s = overhead * 1e-6
         if args.shared_cost_ratio is not None:
@@ -321,7 +283,7 @@ def check_hardware(args) -> None:
     """The hardware flags' values (add_hardware_options)."""
     if getattr(args, "renamed_flag", None):
         raise PlanError(args.renamed_flag)
-    for flag, v in (("--cpu-bw", args.cpu_bw), ("--cpu-mem", args.cpu_mem), ("--link-bw", args.link_bw),
+    for flag, v in (("--cpu-bw", args.cpu_bw), ("--rworker-mem", args.rworker_mem), ("--link-bw", args.link_bw),
                     ("--cpu-eff", args.cpu_eff), ("--device-kv-gbps", args.device_kv_gbps)):
         if v is not None and not 0 < v < float("inf"):
             raise PlanError(f"{flag} must be a finite number > 0 (got {v})")
