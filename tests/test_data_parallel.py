@@ -212,3 +212,16 @@ def test_two_tensor_parallel_groups_give_one_rank_s_greedy_text(tmp_path_factory
     assert texts_by_id(read_output(tmp_path / "dp.jsonl")) == texts_by_id(read_output(tmp_path / "one.jsonl"))
     groups = json.loads((tmp_path / "dp.jsonl.summary.json").read_text())["this_run"]["data_parallel_groups"]
     assert all(g["requests"] > 0 for g in groups), groups
+
+
+def test_a_silent_rworker_of_group_1_is_named_by_its_world_rank(tmp_path):
+    """Ranks inside a group are numbered as in a job of its own; what the job says names world ranks:
+    group 1's R-worker (rank 3 of -n 4) hangs at its first decode, found silent within --timeout."""
+    if MPIEXEC is None:
+        pytest.skip("no MPI launcher")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(inp)
+    proc = run_fastdecode(["generate", "-i", str(inp), "-o", str(out), "-dp", "2", *FLAGS, "--timeout", "5"], ranks=4,
+                          timeout=600, env={"FASTDECODE_INJECT_FAULT": "3:decode:hang"})
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "rank 3 (R-worker of group 1" in proc.stderr, proc.stderr[-3000:]

@@ -14,28 +14,12 @@ output for all.
 Imports nothing of fastdecode, so the supervisor, the MPI set-up and the reports can all ask."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
-SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+from rworker.host.launcher_env import RANK_VARS, SIZE_VARS, launched_rank, launched_size
 
-
-def launched_rank() -> int:
-    """This process's rank as the launcher's environment tells it, before MPI starts (0 if none)."""
-    for var in RANK_VARS:
-        if var in os.environ:
-            return int(os.environ[var])
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return int(os.environ["SLURM_PROCID"])
-    return 0
-
-
-def launched_size() -> int:
-    for var in SIZE_VARS:
-        if var in os.environ:
-            return int(os.environ[var])
-    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+__all__ = ["RANK_VARS", "SIZE_VARS", "Roles", "launched_rank", "launched_roles", "launched_size", "role_name",
+           "set_group", "set_groups", "set_s_ranks", "world_rank"]
 
 
 _s_ranks = 1              # the S-worker's ranks (0..T-1): --tensor-parallel-size, once parsed

@@ -164,7 +164,8 @@ def check_kv_import(backend: RBackend, worker: int, seq_ids: list[int], blobs: l
 
 
 def _where(w: WorkerInfo) -> str:
-    return w.tier or f"rank {w.rank} on {w.host}"
+    from fastdecode.launch.ranks import world_rank
+    return w.tier or f"rank {world_rank(w.rank)} on {w.host}"
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

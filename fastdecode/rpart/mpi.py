@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from fastdecode.launch.ranks import role_name, world_rank
 from fastdecode.model.config import ModelConfig
 from fastdecode.rpart.base import PrefillTimes, RBackend, StepStats, WorkerInfo, check_kv_import, check_kv_lists
 from fastdecode.rpart.kv_transfer import check_answer, receive_answer, receive_exports, send_imports
@@ -78,7 +79,7 @@ class MPIBackend(RBackend):
         for r in self.ranks:
             comm.Send([hello, MPI.INT64_T], dest=r, tag=P.TAG_CTRL)
         self.workers = [self._recv_info(r) for r in self.ranks]
-        self._names = [f"rank {w.rank} (R-worker on {w.host})" for w in self.workers]
+        self._names = [f"{self._who(w.rank)[:-1]} on {w.host})" for w in self.workers]
         self.bytes_sent = 0          # activation payload bytes, S -> R (decode q/k/v and prefill k/v)
         self.bytes_received = 0      # attention outputs, R -> S
         self.step = 0
@@ -97,7 +98,7 @@ class MPIBackend(RBackend):
         self._links = open_links(self, link_rows, self.act_dtype.itemsize, self.device)
 
     def _who(self, r: int) -> str:
-        return f"rank {r} (R-worker)"
+        return f"rank {world_rank(r)} ({role_name(world_rank(r))})"
 
     def _recv_json(self, r: int, timeout: float | None) -> dict:
         status = wait_message(self.comm, r, P.TAG_INFO, self.policy, timeout, who=self._who(r))
@@ -108,7 +109,7 @@ class MPIBackend(RBackend):
     def _recv_info(self, r: int) -> WorkerInfo:
         info = self._recv_json(r, self.timeout)
         if info.get("protocol") != P.VERSION:
-            raise P.ProtocolError(f"rank {r} (R-worker on {info.get('host', '?')}) speaks fastdecode protocol "
+            raise P.ProtocolError(f"{self._who(r)[:-1]} on {info.get('host', '?')}) speaks fastdecode protocol "
                                   f"version {info.get('protocol', 'unknown')}, rank 0 (S-worker) version "
                                   f"{P.VERSION}: run the same fastdecode installation on every rank")
         return WorkerInfo(rank=r, host=info["host"], threads=info["threads"], isa=info["isa"],

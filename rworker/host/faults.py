@@ -1,4 +1,5 @@
-"""Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>[:<how>[:<nth>]]".
+"""Fault injection for tests: FASTDECODE_INJECT_FAULT="<rank>:<point>[:<how>[:<nth>]]" (the world rank
+under a launcher, as the job's messages name it).
 
 Points: hello, prefill, decode, kv_export, kv_import (R-workers, on that control message; every
 control kind's name is one), prefill-stream (an R-worker, after a prefill's first layer of K/V is
@@ -28,11 +29,14 @@ _reached: dict[str, int] = {}     # point -> times reached in this process
 
 
 def check(rank: int, point: str) -> None:
+    """`rank`: this process's rank in its communicator; under a launcher the world rank counts (a
+    data-parallel group's ranks are numbered within the group)."""
     spec = os.environ.get("FASTDECODE_INJECT_FAULT")
     if not spec:
         return
+    from rworker.host.launcher_env import world_rank_or
     parts = spec.split(":")
-    if parts[:2] != [str(rank), point]:
+    if parts[:2] != [str(world_rank_or(rank)), point]:
         return
     how = parts[2] if len(parts) > 2 and parts[2] else "raise"
     _reached[point] = _reached.get(point, 0) + 1

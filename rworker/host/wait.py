@@ -100,7 +100,8 @@ def end_job_on_error(comm, e: BaseException, role: str, end_notice_to: dict | No
     report) and abort every rank. A PeerTimeout means this rank waited on rank 0 in vain: rank 0
     is the silent one, exit 75 (requeue: the outputs are saved)."""
     from rworker.host import end_notice
-    rank, host = comm.Get_rank(), socket.gethostname()
+    from rworker.host.launcher_env import world_rank_or
+    rank, host = world_rank_or(comm.Get_rank()), socket.gethostname()
     if isinstance(e, PeerTimeout):
         culprit, code = 0, 75
         text = f"rank 0 (S-worker) is silent: {e} (seen by rank {rank}, {role} on {host})"
