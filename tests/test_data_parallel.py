@@ -104,12 +104,17 @@ def test_two_groups_serve_one_input_into_one_output_with_hf_greedy_text(tmp_path
     assert sum(g["output_tokens"] for g in groups) == run["output_tokens"] == MAX_TOKENS * len(prompts)
 
 
-def test_a_stop_reaches_both_groups_and_the_rerun_continues_them(tmp_path, hf_texts):
+def two_group_job(tmp_path) -> tuple[list[str], object, list[str]]:
+    """A 24-line input for two groups: (its prompts by line, the output's path, generate's argv)."""
     if MPIEXEC is None:
         pytest.skip("no MPI launcher")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompts = write_input(inp, copies=3)
-    flags = ["generate", "-i", str(inp), "-o", str(out), "-dp", "2", *FLAGS]
+    return prompts, out, ["generate", "-i", str(inp), "-o", str(out), "-dp", "2", *FLAGS]
+
+
+def test_a_stop_reaches_both_groups_and_the_rerun_continues_them(tmp_path, hf_texts):
+    prompts, out, flags = two_group_job(tmp_path)
     code, err = stop_after_rows(flags, 4, out, 3)       # rank 0 relays the stop to group 1
     assert code == 75, err[-3000:]
     assert "sequence(s) in flight" in err, err[-3000:]
@@ -123,11 +128,7 @@ def test_a_stop_reaches_both_groups_and_the_rerun_continues_them(tmp_path, hf_te
 
 
 def test_a_group_killed_mid_job_loses_no_row_and_the_rerun_completes(tmp_path, hf_texts):
-    if MPIEXEC is None:
-        pytest.skip("no MPI launcher")
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    prompts = write_input(inp, copies=3)
-    flags = ["generate", "-i", str(inp), "-o", str(out), "-dp", "2", *FLAGS]
+    prompts, out, flags = two_group_job(tmp_path)
     killed = run_fastdecode(flags, ranks=4, timeout=600, env={"FASTDECODE_INJECT_FAULT": "1:step:kill:40"})
     assert killed.returncode != 0, killed.stderr[-3000:]
     assert "rank 1 (S-worker of group 1" in killed.stderr, killed.stderr[-3000:]

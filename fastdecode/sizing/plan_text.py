@@ -116,8 +116,8 @@ def groups_fields(r: dict, groups: int) -> dict:
 def groups_line(r: dict, groups: int) -> str:
     f = groups_fields(r, groups)
     return (f"with --data-parallel-size {groups}: {groups} groups of this plan, {f['job_tokens_per_s']:,.0f} tokens/s "
-            f"and {f['job_rworkers']} R-workers in all (rank 0 also deals the input and writes every group's rows, "
-            f"about 20 us a row: docs/cluster.md)")
+            f"and {f['job_rworkers']} R-workers in all (rank 0 also deals the input and writes every group's rows: "
+            f"docs/cluster.md)")
 
 
 def best_line(r: dict) -> str:
