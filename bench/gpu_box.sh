@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The GPU-box benchmarks in one go (the lent GPU box: 1 H100 or H200, 16 cores, its own Open MPI).
-#   bench/gpu_box.sh STAGE...     stages: setup balance cpuspart cpuprompt dpgroups pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
+#   bench/gpu_box.sh STAGE...     stages: setup amxpv balance cpuspart cpuprompt dpgroups pagedattn tiertests tiers tiers8k fp8layer fp8e2e70b families gpuonly linkfid linkfid2 tests prefix int8 prefill prefillmix kernel vtile pageruns roofline amx soverhead e2e7b e2e8b fidelity
 # Each stage has its own time limit; results go to the results/ folder of the bench's area
 # (bench/<area>/results/) and, after every stage, all of them into $OUT/results.tar.gz (when $OUT
 # is set) so that a cut run still returns what it finished.
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so a session runs a few of them, newest need first.
 # The queue, newest need first:
+#   call -2: setup amxpv (~9 min, issue 51): the AMX tiles for PV as well as the scores (V in token
+#           pairs), a shared-prefix block's members stacked up to 16 rows a tile product, the tune
+#           timing the tiles: first the tests on the instructions ("+amxhw" ids), then on 16 threads
+#           pairs on the tiles against pairs on AVX-512 and against the default token-major AVX-512
+#           (targets: bf16 >= 90% of the read at GQA shapes), then the prefix bench with the tiles
+#           (target: R-time >= 5x less than copies at groups of 64 and 256); results
+#           kernel_ab_$BOX-amx-pv*.json, prefix_$BOX-16core-amx-pv.json.
 #   call -1: setup balance (~10 min, issue 49): the card alone against the card with 1, 2 and 14
 #           R-workers under the balance rule, 512 and 4,096-token prompts (target: every count >= 0.98x
 #           the best smaller one, 1 R-worker >= the card alone); results tiers_$BOX-balance-*.json.
@@ -138,6 +145,15 @@ amx)         # issue 3: scores as AMX tile products (csrc/avx512/amx.h, FASTDECO
         --label $BOX-1core-l2-amx --contexts 1024 --dtypes bf16 --rounds 6
     stage amx16 150 $PY bench/kernel/kernel_ab.py --amx off,on --isa avx512 --label $BOX-amx \
         --contexts 128,1024,4096 --dtypes bf16 --min-mb 512 --rounds 6 ;;
+amxpv)       # issue 51: PV on the tiles (V pairs), a block's members stacked, the tune's AMX candidates
+    stage amxpvtests 200 $PY -m pytest -q -p no:cacheprovider tests/test_v_pairs.py tests/test_prefix_store.py \
+        tests/test_kvstore_limits.py tests/test_attn_variants.py tests/test_kernel_tune.py -k "amx or tune"
+    stage amxpv16 150 $PY bench/kernel/kernel_ab.py --v-tiles=-2,-2 --amx off,on --isa avx512 --label $BOX-amx-pv \
+        --contexts 1024,4096,16384 --dtypes bf16 --min-mb 512 --rounds 5
+    stage amxpvdefault 150 $PY bench/kernel/kernel_ab.py --v-tiles=0,-2 --amx off,on --isa avx512 \
+        --label $BOX-amx-pv-vs-default --contexts 1024,4096,16384 --dtypes bf16 --min-mb 512 --rounds 5
+    stage prefixamxpv 150 env FASTDECODE_AMX=1 FASTDECODE_VTILE=-2 $PY bench/kernel/prefix_bench.py \
+        --label $BOX-16core-amx-pv --threads 16 --rounds 5 --dtypes bf16 ;;
 families)    # issue 33: the S-part per layer of each family (dense, MoE, Gemma, Phi-3) against its pure GEMMs
     stage families 240 $PY bench/gpu/families_bench.py --label $BOX --device cuda --dtype bfloat16 \
         --batches 1024 8192 ;;

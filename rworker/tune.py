@@ -17,6 +17,13 @@ times the candidates on its own cores before it builds its store: one probe stor
 a working set past the caches, the candidates interleaved over several rounds, and it keeps the
 fastest unless that is within `margin` of the default (noise must not move it).
 
+Where the CPU has AMX-BF16 and the kernel grants this process the tile state, the AMX tiles
+(csrc/avx512/amx.h) join as candidates for bf16 KV at GQA shapes with head dims in 32-dim steps:
+the scores on the tiles with token-major V, and with V in token pairs (when the job allows bf16
+probabilities) PV on the tiles too. They give other bits than the AVX-512 paths (the order of fp32
+sums: within the same bound of the float64 reference), and run by default wherever they measured
+faster. FASTDECODE_AMX=0/1 forces them off/on instead (the tune then leaves them out).
+
 FASTDECODE_KERNEL_TUNE=0 skips the tune (the build's default, or FASTDECODE_VTILE /
 FASTDECODE_PREFETCH where set). numpy only, no torch.
 """
@@ -46,25 +53,45 @@ class KernelChoice:
     gbps: dict[str, float] = field(default_factory=dict)   # candidate -> median GB/s over the rounds
     working_set_bytes: int = 0
     seconds: float = 0.0
+    amx: str = "off"                  # the AMX tiles (KVStore.amx) the tune picked: off / on (emulate: tests)
+    amx_note: str = ""                # why the tiles were not timed on a CPU that has them (amx_here)
 
     def describe(self) -> str:
-        what = f"v_tile {self.v_tile}, prefetch {self.prefetch}"
+        what = f"v_tile {self.v_tile}, prefetch {self.prefetch}" + (f", AMX tiles {self.amx}" if self.amx != "off" else "")
+        note = f"; {self.amx_note}" if self.amx_note else ""
         if not self.tuned:
-            return what + " (untuned)"
+            return what + " (untuned)" + note
         rates = ", ".join(f"{k} {v:.1f}" for k, v in self.gbps.items())
-        return f"{what} (tuned in {self.seconds:.1f} s on {self.working_set_bytes >> 20} MiB: {rates} GB/s)"
+        return f"{what} (tuned in {self.seconds:.1f} s on {self.working_set_bytes >> 20} MiB: {rates} GB/s){note}"
 
     def as_dict(self) -> dict:
-        return {"v_tile": self.v_tile, "prefetch": self.prefetch, "tuned": self.tuned, "gbps": self.gbps,
-                "working_set_bytes": self.working_set_bytes, "seconds": round(self.seconds, 3)}
+        return {"v_tile": self.v_tile, "prefetch": self.prefetch, "amx": self.amx, "tuned": self.tuned,
+                "gbps": self.gbps, "working_set_bytes": self.working_set_bytes, "seconds": round(self.seconds, 3),
+                **({"amx_note": self.amx_note} if self.amx_note else {})}
 
 
 PF_LABEL = {"on": "pf", "off": "nopf", "scattered": "scattered"}
 
 
-def label(v_tile: int, prefetch: str) -> str:
+def label(v_tile: int, prefetch: str, amx: str = "off") -> str:
     layout = "token-major" if v_tile == 0 else "pairs" if v_tile == V_PAIRS else f"tiles{v_tile}"
-    return f"{layout}/{PF_LABEL[prefetch]}"
+    return f"{layout}/{PF_LABEL[prefetch]}" + ("" if amx == "off" else "/amx" if amx == "on" else f"/amx-{amx}")
+
+
+def amx_here(isa: str | None = None) -> tuple[str, str]:
+    """("on", "") where this build, CPU and kernel run the AMX tiles and the tune may time them;
+    else ("off", why) where the CPU has AMX-BF16 but they cannot or may not run (the kernel
+    refused the tile state, FASTDECODE_AMX forces a mode), ("off", "") on a CPU without AMX."""
+    env = os.environ.get("FASTDECODE_AMX", "").strip()
+    if "amx-bf16" not in _isa.cpu_features():
+        return "off", ""
+    if env:
+        return "off", f"AMX tiles forced by FASTDECODE_AMX={env}, not timed"
+    try:
+        KVStore(1, 1, 32, "bf16", threads=1, isa=isa, amx="on")
+    except ValueError as e:
+        return "off", f"AMX tiles not usable ({e}): AVX-512 kept"
+    return "on", ""
 
 
 def pairs_allowed(isa: str | None, kv_dtype: str, bf16_probs: bool) -> bool:
@@ -90,6 +117,21 @@ def candidates(isa: str | None = None, kv_dtype: str = "fp32", bf16_probs: bool 
     if pairs_allowed(isa, kv_dtype, bf16_probs):
         cands += [(V_PAIRS, "scattered"), (V_PAIRS, "on")]
     return cands
+
+
+def tune_candidates(num_heads: int, num_kv_heads: int, head_dim: int, isa: str | None = None,
+                    kv_dtype: str = "fp32", bf16_probs: bool = False, amx: str = "off") -> list[tuple[int, str, str]]:
+    """What tune_kernel times: candidates() with the AMX tiles off, then, with `amx` a mode
+    (amx_here's "on"; "emulate" in tests) for bf16 KV at a GQA shape (2 query heads or more per
+    KV head) with head dims in 32-dim steps, the tiles with token-major V (the scores) and with V
+    in token pairs where allowed (the scores and PV)."""
+    out = [(vt, pf, "off") for vt, pf in candidates(isa, kv_dtype, bf16_probs)]
+    padded = -(-head_dim // 16) * 16
+    if amx != "off" and kv_dtype == "bf16" and num_heads // num_kv_heads >= 2 and padded % 32 == 0:
+        out.append((0, "on", amx))
+        if pairs_allowed(isa, kv_dtype, bf16_probs):
+            out.append((V_PAIRS, "on", amx))
+    return out
 
 
 def tune_enabled() -> bool:
@@ -120,7 +162,7 @@ def _fill(store: KVStore, num_kv_heads: int, head_dim: int, kv_dtype: str, seqs:
         store.append(0, ids, slab[: n * CONTEXT], slab[: n * CONTEXT])
 
 
-def pick(rates: dict[tuple[int, str], float], cands: list[tuple[int, str]], margin: float) -> tuple[int, str]:
+def pick(rates: dict[tuple, float], cands: list[tuple], margin: float) -> tuple:
     """The fastest candidate by rate (GB/s), or cands[0] (the default) unless the fastest beats it
     by more than `margin` (a fraction): a near-tie on a noisy host keeps the default."""
     best = max(cands, key=lambda c: rates[c])
@@ -129,17 +171,19 @@ def pick(rates: dict[tuple[int, str], float], cands: list[tuple[int, str]], marg
 
 def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None = None,
                 isa: str | None = None, working_set_bytes: int = 0, rounds: int = 3, margin: float = 0.02,
-                seed: int = 0, bf16_probs: bool = False) -> KernelChoice:
-    """Time every candidate of candidates(isa) on a decode batch of this shape and return the
+                seed: int = 0, bf16_probs: bool = False, amx: str | None = None) -> KernelChoice:
+    """Time every candidate of tune_candidates on a decode batch of this shape and return the
     fastest (median over `rounds` interleaved rounds of each candidate's best of 2 calls), or the
     default unless the fastest beats it by more than `margin`. working_set_bytes 0: 3x the largest
-    cache (rworker.bench.default_target_bytes), at most MAX_WORKING_SET, per probe store."""
+    cache (rworker.bench.default_target_bytes), at most MAX_WORKING_SET, per probe store. amx: the
+    AMX mode to time (None: amx_here's)."""
     if num_heads % num_kv_heads or rounds < 1:
         raise ValueError(f"tune_kernel: num_heads {num_heads} must be a multiple of num_kv_heads "
                          f"{num_kv_heads}, rounds {rounds} >= 1")
-    cands = candidates(isa, kv_dtype, bf16_probs)
+    amx, amx_note = (amx, "") if amx is not None else amx_here(isa)
+    cands = tune_candidates(num_heads, num_kv_heads, head_dim, isa, kv_dtype, bf16_probs, amx)
     if len(cands) == 1:
-        return KernelChoice(cands[0][0], cands[0][1], tuned=False)
+        return KernelChoice(cands[0][0], cands[0][1], tuned=False, amx_note=amx_note)
     t_start = time.perf_counter()
     rng = np.random.default_rng(seed)
     token_bytes = kv_token_bytes(kv_dtype, num_kv_heads, head_dim)            # K and V, one layer
@@ -148,7 +192,7 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
     nbytes = seqs * CONTEXT * token_bytes
 
     stores = {}
-    for v_tile in dict.fromkeys(v for v, _ in cands):                    # one probe store per V layout
+    for v_tile in dict.fromkeys(v for v, *_ in cands):                   # one probe store per V layout
         st = KVStore(1, num_kv_heads, head_dim, kv_dtype, threads=threads, isa=isa, v_tile=v_tile)
         _fill(st, num_kv_heads, head_dim, kv_dtype, seqs, rng)
         stores[v_tile] = st
@@ -158,9 +202,9 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
     out = np.empty((seqs, num_heads, head_dim), np.float32)
     ids = np.arange(seqs, dtype=np.int64)
 
-    def timed(c: tuple[int, str]) -> float:
+    def timed(c: tuple[int, str, str]) -> float:
         st = stores[c[0]]
-        st.prefetch = c[1]
+        st.prefetch, st.amx = c[1], c[2]
         best = float("inf")
         for _ in range(2):
             t = time.perf_counter()
@@ -170,16 +214,17 @@ def tune_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
 
     for c in cands:                                                       # warm pages, threads, caches
         timed(c)
-    rates: dict[tuple[int, str], list[float]] = {c: [] for c in cands}
+    rates: dict[tuple[int, str, str], list[float]] = {c: [] for c in cands}
     for r in range(rounds):
         for j in range(len(cands)):                                       # rotate the order each round
             c = cands[(j + r) % len(cands)]
             rates[c].append(timed(c))
-    del stores
+    stores.clear()                                                        # the probe stores freed before the real one
     med = {c: float(np.median(v)) for c, v in rates.items()}
     best = pick(med, cands, margin)
     return KernelChoice(best[0], best[1], tuned=True, gbps={label(*c): med[c] for c in cands},
-                        working_set_bytes=int(nbytes), seconds=time.perf_counter() - t_start)
+                        working_set_bytes=int(nbytes), seconds=time.perf_counter() - t_start, amx=best[2],
+                        amx_note=amx_note)
 
 
 def choose_kernel(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None = None,
@@ -215,7 +260,8 @@ def open_tuned_store(num_layers: int, num_heads: int, num_kv_heads: int, head_di
     if softcap:
         variants["softcap"] = float(softcap)
     store = KVStore(num_layers, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, scale=scale,
-                    capacity_bytes=capacity_bytes, v_tile=kernel.v_tile, prefetch=kernel.prefetch, **variants)
+                    capacity_bytes=capacity_bytes, v_tile=kernel.v_tile, prefetch=kernel.prefetch,
+                    amx=None if kernel.amx == "off" else kernel.amx, **variants)   # None: FASTDECODE_AMX decides
     if sinks is not None:
         for layer, row in enumerate(np.asarray(sinks, dtype=np.float32).reshape(num_layers, num_heads)):
             store.set_sinks(layer, row)

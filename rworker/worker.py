@@ -118,7 +118,8 @@ class RWorker:
         self.num_heads, self.num_kv_heads, self.head_dim = h.num_heads, h.num_kv_heads, h.head_dim
         self.num_layers = h.num_layers
         self.policy = choose_policy(self.ranks_here, r_here * self.store.threads)
-        amx = f", AMX scores {self.store.amx}" if self.store.amx != "off" else ""
+        forced = self.store.amx != "off" and kernel.amx == "off"      # FASTDECODE_AMX, not the tune
+        amx = f", AMX tiles {self.store.amx} (FASTDECODE_AMX)" if forced else ""
         self.send_json({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpus": cpus,
                         "protocol": P.VERSION, "threads": self.store.threads, "isa": self.store.isa,
                         "capacity_bytes": capacity, "page_tokens": int(self.store.page_tokens),

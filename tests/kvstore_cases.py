@@ -34,7 +34,8 @@ def open_store(*args, isa: str, **kw) -> KVStore:
     name, _, amx = isa.partition("+amx")        # "avx512+amxhw" -> "avx512", "hw"
     name, _, vt = name.partition("+vt")
     amx_mode = None if "+amx" not in isa else "on" if amx == "hw" else "emulate"
-    return KVStore(*args, isa=name, v_tile=int(vt) if vt else None, amx=amx_mode, **kw)
+    kw.setdefault("v_tile", int(vt) if vt else None)
+    return KVStore(*args, isa=name, amx=amx_mode, **kw)
 
 
 def rand(rng, shape, scale=1.0):

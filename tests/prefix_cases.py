@@ -34,7 +34,7 @@ from int8_ref import check_seq  # noqa: E402
 from kernel_ref import UNIT_ROUNDOFF, as_f32, attention_ref, f32_to_bf16_bits, fp32_tolerance, quantize  # noqa: E402
 from kvstore_cases import ISAS, check, open_store, rand  # noqa: E402
 
-from rworker.kvstore import V_PAIRS, KVStore  # noqa: E402
+from rworker.kvstore import V_PAIRS  # noqa: E402
 
 PT = 32                    # tokens per page (paging.h)
 ROWS_PER_ITEM = 64         # query rows of one shared-page item: blocks of 64 // g members (attention.h)
@@ -48,13 +48,16 @@ FAST = [p for p in ISAS if not p.startswith("avx512emu")]
 EMU = [p for p in ISAS if p.startswith("avx512emu")]
 PAIRS = [f"{i}+pairs" for i in ("avx512", "avx512emu") if i in ISAS
          and open_store(1, 1, 64, "bf16", threads=1, isa=i).has_v_pairs]
+# V pairs under the AMX tiles (scores and PV): emulated, and on the instructions where they run
+PAIRS += [f"{p}+pairs" for p in ISAS if "+amx" in p and f"{p.split('+')[0]}+pairs" in PAIRS]
 FAST_PAIRS = [p for p in PAIRS if not p.startswith("avx512emu")]
 
 
 def open_path(L, Hkv, D, kv_dtype, path, **kw):
-    """A store on one path of FAST/EMU/PAIRS ("avx512+pairs": bf16 V in token pairs)."""
+    """A store on one path of FAST/EMU/PAIRS ("avx512+pairs": bf16 V in token pairs; "avx512+amx+pairs":
+    the same under the emulated AMX tiles)."""
     if path.endswith("+pairs"):
-        return KVStore(L, Hkv, D, kv_dtype, isa=path[:-len("+pairs")], v_tile=V_PAIRS, **kw)
+        return open_store(L, Hkv, D, kv_dtype, isa=path[:-len("+pairs")], v_tile=V_PAIRS, **kw)
     return open_store(L, Hkv, D, kv_dtype, isa=path, **kw)
 
 

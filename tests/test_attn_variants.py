@@ -125,7 +125,7 @@ def attend_all(st, rng, data, layers, qdt=np.float32, g=G):
 def float_cases():
     """(path, kv dtype): every path on the float dtypes it runs; AMX and V pairs on bf16 only."""
     out = [(p, dt) for p in ISAS for dt in ("fp32", "bf16", "fp16") if "+amx" not in p or dt == "bf16"]
-    return out + [(f"{p}+pairs", "bf16") for p in PAIR_ISAS]
+    return out + [(f"{p}+pairs", "bf16") for p in PAIR_ISAS + [p for p in ISAS if "+amx" in p and p.split("+")[0] in PAIR_ISAS]]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -137,7 +137,7 @@ def test_variants_match_the_reference(path, kv_dtype, variant):
     name, pairs = path.removesuffix("+pairs"), path.endswith("+pairs")
     L = len(WINDOWS)
     kw = {"threads": 2, "windows": win, "softcap": cap}
-    st = KVStore(L, HKV, D, kv_dtype, isa=name, v_tile=V_PAIRS, **kw) if pairs else open_store(L, HKV, D, kv_dtype, isa=name, **kw)
+    st = open_store(L, HKV, D, kv_dtype, isa=name, **({"v_tile": V_PAIRS} if pairs else {}), **kw)
     if sinks is not None:
         for layer in range(L):
             st.set_sinks(layer, sinks)

@@ -28,7 +28,7 @@ from rworker import KVStore  # noqa: E402
 
 PT = 32                    # tokens per page (paging.h)
 L, HKV, G, D = 2, 2, 2, 80     # D = 80: padded to 80, the last V tile of 32-dim tiles narrower
-PATHS = [p for p in ISAS if "+amx" not in p] + PAIRS       # AMX changes the scores, not the pages
+PATHS = [p for p in ISAS + PAIRS if "+amx" not in p]       # AMX changes the products, not the pages
 CASES = [(p, kv) for p in PATHS for kv in ("fp32", "bf16", "fp16", "int8") if ok_for(p, kv)]
 
 

@@ -149,11 +149,12 @@ def test_v_tile_must_be_a_layout_of_the_build(monkeypatch):
 
 @pytest.mark.parametrize("isa", [i for i in ISAS if i.endswith("+amx")])
 @pytest.mark.parametrize("g,D,takes_amx", [(4, 128, True), (3, 64, True), (16, 96, True), (2, 64, True),
-                                           (1, 128, False), (4, 80, False), (20, 64, False)])
+                                           (20, 64, True), (1, 128, False), (4, 80, False)])
 def test_amx_scores_where_they_apply(isa, g, D, takes_amx):
-    """The AMX path serves bf16 KV with bf16 queries for GQA ratios 2..16 and Dp % 32 == 0 (its
-    outputs then differ from the vdpbf16ps path in the order of fp32 sums, within the fp32 bound
-    against the reference); every other call keeps the vdpbf16ps path to the bit."""
+    """The AMX path serves bf16 KV with bf16 queries wherever an item has two query rows or more
+    (GQA ratios past 16 in several tile products) and Dp % 32 == 0 (its outputs then differ from the
+    vdpbf16ps path in the order of fp32 sums, within the fp32 bound against the reference); every
+    other call (MHA rows alone, other head dims, fp32 queries) keeps the vdpbf16ps path to the bit."""
     rng = np.random.default_rng(g * 100 + D)
     Hkv = 2
     stores = [open_store(1, Hkv, D, "bf16", threads=2, isa=i) for i in (isa.split("+")[0], isa)]

@@ -126,16 +126,17 @@ def test_the_tolerance_sees_one_token():
 # groups: member blocks, several groups, a member alone, nested forks
 
 
-GROUP_CASES = ([(p, g) for p in FAST if "+" not in p or "+amx" in p for g in (1, 3, 8) if g > 1 or "+amx" not in p]
-               + [(p, 8) for p in EMU[:1]])
+GROUP_CASES = ([(p, g) for p in FAST if "+" not in p or "+amx" in p for g in (1, 3, 8)]
+               + [(p, g) for p in FAST_PAIRS if "+amx" in p for g in (1, 3)] + [(p, 8) for p in EMU[:1]])
 
 
 @pytest.mark.parametrize("path,g", GROUP_CASES, ids=[f"{p}-g{g}" for p, g in GROUP_CASES])
 def test_groups_of_several_member_blocks(path, g):
     """A group of 2 * (64 // g) + 3 members (three blocks, the last of 3 rows), a second group of
     one block + 1 (its shared part two chunks), a third of two, unshared rows, one member's id
-    twice: ids interleaved at random. AMX: bf16 K and queries (its tiles serve one-row items)."""
-    kv_dtype = "bf16" if "+amx" in path else "fp32"
+    twice: ids interleaved at random. AMX: bf16 K and queries, a block's members stacked in tile
+    products of up to 16 rows (MHA members too: g = 1); with V pairs PV on the tiles as well."""
+    kv_dtype = "bf16" if "+amx" in path or "+pairs" in path else "fp32"
     tw = Twin(path, 1, 2, 64, kv_dtype, seed=g)
     block = max(1, ROWS_PER_ITEM // g)
     big = tw.family(0, range(1, 2 * block + 4), 300, 288, tw.rng.integers(0, 40, 2 * block + 3))

@@ -19,10 +19,12 @@ and/or with and without the software prefetch (FASTDECODE_PREFETCH, read by each
 
     python3 bench/kernel/kernel_ab.py --v-tiles 0,32 --prefetch 0,1 --isa avx512 --label NAME
 
-and/or with the scores as AMX tile products on one side (csrc/avx512/amx.h; bf16 KV with bf16
-queries, GQA 2..16; an AMX CPU for "on", any AVX512-BF16 one for "emulate", which only checks):
+and/or with the AMX tiles on one side (csrc/avx512/amx.h; bf16 KV with bf16 queries, items of 2
+query rows or more: the scores, and with V in token pairs PV as well; an AMX CPU for "on", any
+AVX512-BF16 one for "emulate", which only checks):
 
     python3 bench/kernel/kernel_ab.py --amx off,on --isa avx512 --dtypes bf16 --label NAME
+    python3 bench/kernel/kernel_ab.py --v-tiles=-2,-2 --amx off,on --isa avx512 --dtypes bf16 --label NAME
 
 `--v-tiles 0,-2` puts token-major V against V in token pairs (bf16 probabilities, other bits
 by design: the rows then carry `max_abs_diff` between the two outputs instead of a bitwise match).

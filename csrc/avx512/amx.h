@@ -1,29 +1,42 @@
-// AMX scores: bf16 K with bf16 queries as tile products (Intel AMX-BF16: Sapphire Rapids and later).
+// AMX attention: bf16 K with bf16 queries as tile products for the scores, and bf16 probabilities
+// with V in token pairs for PV (Intel AMX-BF16: Sapphire Rapids and later).
 //
-// The K run's word rows are already the layout of an AMX B tile: word w of token t holds dims
-// (2w, 2w+1), a word row holds PT = 32 tokens at a 128-byte stride, so 16 word rows x the first
-// (or last) 16 tokens is a 16-row x 64-byte B tile straight from the page. The g query heads of a
-// KV group are the A tile (g rows x 32 dims of bf16), and one tdpbf16ps adds 32 dims of all g x 16
-// scores. A page's scores take 2 * Dp / 32 tile products instead of g * Dp vdpbf16ps, and they run
-// on the tile unit, leaving the vector pipes to the V pass (PV, softmax). Products of bf16 values
-// are exact in fp32, so the result differs from the vdpbf16ps path only in the order of the fp32
-// sums (and denormal products flushed to zero, as vdpbf16ps does too).
+// Scores. The K run's word rows are already the layout of an AMX B tile: word w of token t holds
+// dims (2w, 2w+1), a word row holds PT = 32 tokens at a 128-byte stride, so 16 word rows x the
+// first (or last) 16 tokens is a 16-row x 64-byte B tile straight from the page. The query rows of
+// a work item (the g heads of a KV group, or of every member of a shared-prefix block stacked:
+// members x g rows) are the A tile, up to 16 rows a tile product, and one tdpbf16ps adds 32 dims of
+// all rows x 16 scores. Products of bf16 values are exact in fp32, so the result differs from the
+// vdpbf16ps path only in the order of the fp32 sums (and denormal products flushed to zero, as
+// vdpbf16ps does too). A row's scores never depend on the other rows of its tile.
 //
-// Tiles (a fixed configuration per GQA ratio g, loaded at the start of each work item):
-//   tmm0 A  q        [g][32 dims] bf16     64 B per row, row stride Dp * 2 bytes
+// PV. V in token pairs (V_PAIRS, simd_avx512.h: word (s, d) = (V[2s][d], V[2s+1][d]), tiles of 64
+// dims) is the layout of a B tile too: 16 pair rows x 16 dims, 64 bytes a row at the tile's width
+// stride. The probabilities rounded to bf16 (as the AVX-512 pairs pass rounds them) are the A tile
+// (rows x 32 tokens), the accumulators the C tiles (rows x 16 dims, loaded from and stored to acc,
+// which the online softmax rescales between pages). Whole pages only: a page's last pair rows past
+// its tokens may hold a reused page's old values, which a tile product would multiply by p = 0
+// (NaN for an old inf), so a partial last page takes the AVX-512 pairs pass.
+//
+// Tiles (a fixed configuration per row count R <= 16, loaded at the start of each work item):
+//   tmm0 A  q        [R][32 dims] bf16     64 B per row, row stride Dp * 2 bytes
 //   tmm1 B  K words  [16 rows][16 tokens]  tokens 0-15 of 16 word rows, row stride PT * 4 bytes
 //   tmm2 B  K words  [16 rows][16 tokens]  tokens 16-31
-//   tmm3 C  scores   [g][16] fp32          tokens 0-15
-//   tmm4 C  scores   [g][16] fp32          tokens 16-31
+//   tmm3 C  scores / acc [R][16] fp32      tokens 0-15, or dims d..d+15
+//   tmm4 C  scores / acc [R][16] fp32      tokens 16-31, or dims d+16..d+31
+//   tmm5 A  p        [R][32 tokens] bf16   64 B per row
+//   tmm6 B  V pairs  [16 pairs][16 dims]   dims d..d+15, row stride the pair tile's width * 4 bytes
+//   tmm7 B  V pairs  [16 pairs][16 dims]   dims d+16..d+31
 //
 // Two implementations of the same tile operations, each one instruction (the addressing is
-// shared, in scores_page_tiles, so the emulation tests it for both):
+// shared, in scores_page_tiles and pv_page_tiles, so the emulation tests it for both):
 //   AmxHw   the instructions (needs cpuid AMX-TILE + AMX-BF16, the OS's tile state in XCR0, and
 //           Linux's per-process permission: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA))
 //   AmxEmu  plain C++ over thread-local tile registers, following the instructions' definition:
 //           the test suite runs the AMX path's addressing on CPUs without AMX (FASTDECODE_AMX=emulate)
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -47,10 +60,11 @@ struct alignas(64) TileConfig {
 static_assert(sizeof(TileConfig) == 64 && offsetof(TileConfig, colsb) == 16 && offsetof(TileConfig, rows) == 48,
               "ldtilecfg reads palette at byte 0, colsb at 16, rows at 48");
 
-static inline TileConfig scores_tile_config(int g) {
+// R query rows a tile product (1..16): the A and C tiles R rows, the B tiles 16
+static inline TileConfig attention_tile_config(int R) {
     TileConfig c;
-    const uint8_t r[5] = {(uint8_t)g, 16, 16, (uint8_t)g, (uint8_t)g};
-    for (int i = 0; i < 5; ++i) {
+    const uint8_t r[8] = {(uint8_t)R, 16, 16, (uint8_t)R, (uint8_t)R, (uint8_t)R, 16, 16};
+    for (int i = 0; i < 8; ++i) {
         c.rows[i] = r[i];
         c.colsb[i] = 64;
     }
@@ -81,6 +95,15 @@ struct AmxHw {
     }
     FD_TARGET_AMX static void store_c0(void* p, size_t stride) { _tile_stored(3, p, stride); }
     FD_TARGET_AMX static void store_c1(void* p, size_t stride) { _tile_stored(4, p, stride); }
+    FD_TARGET_AMX static void load_c0(const void* p, size_t stride) { _tile_loadd(3, p, stride); }
+    FD_TARGET_AMX static void load_c1(const void* p, size_t stride) { _tile_loadd(4, p, stride); }
+    FD_TARGET_AMX static void load_p(const void* p, size_t stride) { _tile_loadd(5, p, stride); }
+    FD_TARGET_AMX static void load_v0(const void* p, size_t stride) { _tile_loadd(6, p, stride); }
+    FD_TARGET_AMX static void load_v1(const void* p, size_t stride) { _tile_loadd(7, p, stride); }
+    FD_TARGET_AMX static void dot_pv() {   // C0 += P . V0, C1 += P . V1
+        _tile_dpbf16ps(3, 5, 6);
+        _tile_dpbf16ps(4, 5, 7);
+    }
 };
 
 // Linux hands out the 8 KB tile state only on request, once per process (kernel 5.16+); a tile
@@ -165,14 +188,23 @@ struct AmxEmu {
     }
     static void store_c0(void* p, size_t stride) { store(3, p, stride); }
     static void store_c1(void* p, size_t stride) { store(4, p, stride); }
+    static void load_c0(const void* p, size_t stride) { load(3, p, stride); }
+    static void load_c1(const void* p, size_t stride) { load(4, p, stride); }
+    static void load_p(const void* p, size_t stride) { load(5, p, stride); }
+    static void load_v0(const void* p, size_t stride) { load(6, p, stride); }
+    static void load_v1(const void* p, size_t stride) { load(7, p, stride); }
+    static void dot_pv() {
+        dpbf16(3, 5, 6);
+        dpbf16(4, 5, 7);
+    }
 };
 
 // ============================================================================
-// scores of one page for all g heads of a group (g <= 16, Dp % 32 == 0)
+// scores of one page for R query rows (R <= 16, Dp % 32 == 0)
 // ============================================================================
 
-// the tile operations of Tiles (AmxHw or AmxEmu) configured for g rows by the caller;
-// qw [g][Dp/2] words: the group's queries as bf16 pairs; S [g][PT] gets scores * sc;
+// the tile operations of Tiles (AmxHw or AmxEmu) configured for g = R rows by the caller;
+// qw [g][Dp/2] words: the rows' queries as bf16 pairs; S [g][PT] gets scores * sc;
 // pf: the next page, whose K run is prefetched a share per 32 dims
 template <class Tiles>
 static void scores_page_tiles(const char* K, int Dp, const uint32_t* qw, float sc, int g, float* S, const char* pf) {
@@ -199,16 +231,41 @@ static void scores_page_tiles(const char* K, int Dp, const uint32_t* qw, float s
 }
 
 // ============================================================================
+// PV of one whole page for R query rows, V in token pairs (R <= 16, Dp % 32 == 0)
+// ============================================================================
+
+// acc [R][Dp] += p V: p16 [R][PT] the rows' probabilities as bf16 (a row of PT = one A tile row),
+// V the page's V run in pair tiles; pf: the next page's V run, prefetched a share per 32 dims
+template <class Tiles>
+static void pv_page_tiles(const char* V, int Dp, const uint16_t* p16, float* acc, const char* pf, int pf_lines) {
+    const int steps = Dp / 32;
+    const size_t arow = (size_t)Dp * 4;                 // bytes from one accumulator row to the next
+    Tiles::load_p(p16, PT * 2);
+    for (int s = 0; s < steps; ++s) {
+        if (pf) prefetch_share(pf, pf_lines, s, steps);
+        const int d = 32 * s;                           // dims d .. d+31: one pair tile's width apart
+        const size_t vrow = (size_t)std::min(PAIR_TILE, Dp - d / PAIR_TILE * PAIR_TILE) * 4;
+        Tiles::load_c0(acc + d, arow);
+        Tiles::load_c1(acc + d + 16, arow);
+        Tiles::load_v0(V + pair_word(0, d, Dp) * 4, vrow);
+        Tiles::load_v1(V + pair_word(0, d + 16, Dp) * 4, vrow);
+        Tiles::dot_pv();
+        Tiles::store_c0(acc + d, arow);
+        Tiles::store_c1(acc + d + 16, arow);
+    }
+}
+
+// ============================================================================
 // by mode (AMX_HW, AMX_EMU): what a work item of the attention driver calls
 // ============================================================================
 
-// the calling thread's tiles for g heads, before the item's first page (another library in the
-// process may have configured them otherwise since the last item)
-static inline void amx_begin(int mode, int g) {
+// the calling thread's tiles for R rows a tile product, before the item's first page (another
+// library in the process may have configured them otherwise since the last item)
+static inline void amx_begin(int mode, int R) {
 #if defined(FD_HAVE_AMX_HW)
-    if (mode == AMX_HW) return AmxHw::config(scores_tile_config(g));
+    if (mode == AMX_HW) return AmxHw::config(attention_tile_config(R));
 #endif
-    AmxEmu::config(scores_tile_config(g));
+    AmxEmu::config(attention_tile_config(R));
 }
 
 // after the item's last page: tile state back to init (cheaper context switches)
@@ -225,6 +282,24 @@ static inline void scores_page_amx(int mode, const char* K, int Dp, const uint32
     if (mode == AMX_HW) return scores_page_tiles<AmxHw>(K, Dp, qw, sc, g, S, pf);
 #endif
     scores_page_tiles<AmxEmu>(K, Dp, qw, sc, g, S, pf);
+}
+
+// p16 [R][PT] <- the first `rows` rows of S [rows][PT] rounded to bf16 (as the AVX-512 pairs pass
+// rounds them), the rows after them zero (a block's padding: its products add nothing)
+static inline void probs_bf16(const float* S, int rows, int R, uint16_t* p16) {
+    for (int j = 0; j < rows; ++j)
+        for (int h = 0; h < PT; h += 16)
+            _mm256_storeu_si256((__m256i*)(p16 + (size_t)j * PT + h),
+                                _mm512_cvtepi32_epi16(bf16_rne_bits(_mm512_loadu_ps(S + (size_t)j * PT + h))));
+    std::memset(p16 + (size_t)rows * PT, 0, sizeof(uint16_t) * PT * (R - rows));
+}
+
+static inline void pv_page_amx(int mode, const char* V, int Dp, const uint16_t* p16, float* acc, const char* pf,
+                               int pf_lines) {
+#if defined(FD_HAVE_AMX_HW)
+    if (mode == AMX_HW) return pv_page_tiles<AmxHw>(V, Dp, p16, acc, pf, pf_lines);
+#endif
+    pv_page_tiles<AmxEmu>(V, Dp, p16, acc, pf, pf_lines);
 }
 
 }  // namespace FD_NS

@@ -57,7 +57,7 @@ namespace FD_NS {
 // run lost a little there, as if it kept the hardware from training on it (bench/kernel/CHANGELOG.md, 15)
 enum { PF_OFF = 0, PF_ALL = 1, PF_SCATTERED = 2 };
 
-// an AMX A tile holds up to 16 query heads (amx.h)
+// an AMX A tile holds up to 16 query rows (amx.h): more take several tile products
 constexpr int AMX_ROWS_MAX = 16;
 
 // FASTDECODE_PREFETCH: 0 / off, 1 / on (the default), scattered
@@ -170,9 +170,9 @@ public:
         if (n == 0) return;
         const int g = Hq / Hkv_;
         const bool dp = use_dp_ && dt_ == BF16 && qdt == BF16;
-        // AMX where the tiles fit: 32-dim steps, 2..16 heads per group (one head would fill 1/16
-        // of every tile product, for the cost of a full one: MHA stays on vdpbf16ps)
-        const int amx = dp && Dp_ % 32 == 0 && g >= 2 && g <= AMX_ROWS_MAX ? amx_ : AMX_OFF;
+        // AMX where the tiles fit: 32-dim steps (each item then takes it when it has 2 query rows or
+        // more: one row would fill 1/16 of every tile product, for the cost of a full one)
+        const int amx = dp && Dp_ % 32 == 0 ? amx_ : AMX_OFF;
         const int32_t W = win_[layer];
         Call C{layer, g, Hq, dp, amx, sinks_[layer].empty() ? nullptr : sinks_[layer].data(), q, qdt, out, odt, {}};
         C.seqs.resize(n);
@@ -262,7 +262,8 @@ private:
     struct Call {
         int layer, g, Hq;
         bool dp;          // bf16 dot-product path (bf16 q, bf16 K, CPU has AVX512-BF16)
-        int amx;          // scores as AMX tile products (AMX_HW / AMX_EMU, amx.h) or AMX_OFF
+        int amx;          // AMX tile products (AMX_HW / AMX_EMU, amx.h) or AMX_OFF: the scores, and
+                          // PV where V is in token pairs
         const float* sinks;   // [Hq] the layer's sinks in log2 units, or nullptr
         const void* q;
         int qdt;
@@ -282,27 +283,40 @@ private:
         return (i + 1) * Hkv_ >= pl.size() || pl[(i + 1) * Hkv_ + h] != p + page_bytes_;
     }
 
+    // the AMX tiles where the call has them and the item 2 query rows or more; the AVX-512 passes
+    // as their own instantiation (the tiles' blocking and padding compiled out of it)
     void run_item(const Call& C, const Item& it, const Item* next) const {
+        if (C.amx != AMX_OFF && it.nr * C.g >= 2) run_item_as<true>(C, it, next);
+        else run_item_as<false>(C, it, next);
+    }
+
+    template <bool AMX>
+    void run_item_as(const Call& C, const Item& it, const Item* next) const {
         const int g = C.g, G = it.nr * g, Dp = Dp_, D = D_;   // G query rows: nr rows x g heads
         const Seq& s = *C.seqs[rows_[it.r0]];
         const int32_t t0 = it.t0, t1 = it.t1;
         const int32_t lo = (int32_t)window_start(C.layer, s.len[C.layer]);   // tokens before it are masked
+        // AMX: the G rows (a shared-prefix block's members stacked) in nb tile products of R rows,
+        // padded to Gp = nb * R rows of zero queries and probabilities
+        [[maybe_unused]] const int amx = AMX ? C.amx : AMX_OFF;
+        const int nb = AMX ? (G + AMX_ROWS_MAX - 1) / AMX_ROWS_MAX : 1, R = AMX ? (G + nb - 1) / nb : G, Gp = nb * R;
 
-        // scratch: qf [G][Dp] | acc [G][Dp] | S [G][PT] | m [G] | l [G][L_LANES] | qw [G][Dp/2] words
-        //          | qs [G] | qz [G][2] (int8: qw holds the query's hi parts [G][Dp/4] then its lo parts,
-        //          qs their scales, qz their bias sums: quant.h)
+        // scratch: qf [Gp][Dp] | acc [Gp][Dp] | S [Gp][PT] | m [Gp] | l [Gp][L_LANES] | qw [Gp][Dp/2]
+        //          words | qs [Gp] | qz [Gp][2] | p16 [R][PT] bf16 (int8: qw holds the query's hi parts
+        //          [G][Dp/4] then its lo parts, qs their scales, qz their bias sums: quant.h)
         thread_local AlignedBuf buf;
-        float* qf = buf.get((size_t)2 * G * Dp + (size_t)G * PT + (size_t)G * (4 + L_LANES) + (size_t)G * Dp / 2 + 64);
-        float* acc = qf + (size_t)G * Dp;
-        float* S = acc + (size_t)G * Dp;
-        float* m = S + (size_t)G * PT;
-        float* l = m + G;
-        uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)G * L_LANES);
-        float* qs = reinterpret_cast<float*>(qw + (size_t)G * Dp / 2);
-        int32_t* qz = reinterpret_cast<int32_t*>(qs + G);
+        float* qf = buf.get((size_t)2 * Gp * Dp + (size_t)Gp * PT + (size_t)Gp * (4 + L_LANES) + (size_t)Gp * Dp / 2 +
+                            (size_t)R * PT / 2 + 64);
+        float* acc = qf + (size_t)Gp * Dp;
+        float* S = acc + (size_t)Gp * Dp;
+        float* m = S + (size_t)Gp * PT;
+        float* l = m + Gp;
+        uint32_t* qw = reinterpret_cast<uint32_t*>(l + (size_t)Gp * L_LANES);
+        float* qs = reinterpret_cast<float*>(qw + (size_t)Gp * Dp / 2);
+        int32_t* qz = reinterpret_cast<int32_t*>(qs + Gp);
+        [[maybe_unused]] uint16_t* p16 = reinterpret_cast<uint16_t*>(qz + 2 * (size_t)Gp);
         auto l_of = [&](int j) { return l + (size_t)j * L_LANES; };   // row j's lane sums
         const bool i8 = dt_ == I8;
-        [[maybe_unused]] const int amx = C.amx;   // AMX tiles: configured for the g heads of one row
 
         // 1. queries of these rows' head group: fp32 pre-scaled so scores are in log2 units, or
         //    (bf16 q and bf16 K on a CPU with AVX512-BF16) the raw bf16 pairs, scaled after the dot
@@ -328,10 +342,14 @@ private:
             m[j] = -INFINITY;
             std::fill(l_of(j), l_of(j + 1), 0.f);
         }
+        for (int j = G; j < Gp; ++j) {     // AMX padding rows: zero queries, accumulators written, never read
+            std::memset(qw + (size_t)j * Dp / 2, 0, sizeof(uint32_t) * Dp / 2);
+            std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
+        }
 
-        // 2. stream the chunk page by page (AMX: this thread's tiles configured for g rows first)
+        // 2. stream the chunk page by page (AMX: this thread's tiles configured for R rows first)
 #if defined(FD_HAVE_DPBF16)
-        if (amx) amx_begin(amx, g);
+        if constexpr (AMX) amx_begin(amx, R);
 #endif
         const int pf_mode = prefetch_.load(std::memory_order_relaxed);
         const auto& pages = s.pages[C.layer];
@@ -357,9 +375,9 @@ private:
             if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qw + (size_t)G * Dp / 4, qs, qz, G, S, pf);
             else
 #if defined(FD_HAVE_DPBF16)
-            if (amx) {
-                for (int r = 0; r < it.nr; ++r)    // one row's g heads per tile product (K's tiles from L1)
-                    scores_page_amx(amx, kr, Dp, qw + (size_t)r * g * Dp / 2, sc, g, S + (size_t)r * g * PT, r ? nullptr : pf);
+            if (AMX) {
+                for (int b = 0; b < nb; ++b)      // R rows per tile product (K's tiles from L1 after the first)
+                    scores_page_amx(amx, kr, Dp, qw + (size_t)b * R * Dp / 2, sc, R, S + (size_t)b * R * PT, b ? nullptr : pf);
             }
             else if (C.dp) scores_page_dp(kr, Dp, qw, sc, G, S, pf);
             else
@@ -374,18 +392,25 @@ private:
                 float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l_of(j));
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
-            // 2e. acc += p V: one pass over the V run
+            // 2e. acc += p V: one pass over the V run (AMX: whole pages of V in token pairs, amx.h)
             if (i8) pv_page_i8(use_vnni_, vr, nvalid, Dp, S, G, acc, pf, page_bytes_);
             else
 #if defined(FD_HAVE_DPBF16)
-            if (vtile_ == V_PAIRS) pv_page_pairs(vr, nvalid, Dp, S, G, acc, pf, page_bytes_);
+            if (AMX && vtile_ == V_PAIRS && nvalid == P) {
+                for (int b = 0; b < nb; ++b) {
+                    probs_bf16(S + (size_t)b * R * PT, std::min(R, G - b * R), R, p16);
+                    pv_page_amx(amx, vr, Dp, p16, acc + (size_t)b * R * Dp, pf && !b ? pf + half_bytes_ : nullptr,
+                                (int)(half_bytes_ / 64));
+                }
+            }
+            else if (vtile_ == V_PAIRS) pv_page_pairs(vr, nvalid, Dp, S, G, acc, pf, page_bytes_);
             else
 #endif
                 pv_page(dt_, vr, nvalid, Dp, S, G, acc, pf, page_bytes_, vtile_);
         }
 
 #if defined(FD_HAVE_DPBF16)
-        if (amx) amx_end(amx);
+        if constexpr (AMX) amx_end(amx);
 #endif
 
         // 3. a row's only chunk: normalise and write; else publish each row's partial, and the

@@ -29,9 +29,11 @@ def collect() -> dict:
         info["kernel_candidates"] = " ".join(tune.label(*c) for c in tune.candidates())
         info["kernel_v_pairs"] = ("yes: --attn-probs bf16 (bf16 KV) adds V token pairs to the tune"
                                   if tune.pairs_allowed(None, "bf16", True) else "no (needs AVX512-BF16)")
-        info["kernel_amx"] = ("AMX-BF16 present: FASTDECODE_AMX=1 puts the scores (bf16 KV and queries, GQA 2..16) "
-                              "on the tiles; off by default until measured here" if "amx-bf16" in feats
-                              else "no (needs AMX-BF16: Xeon Sapphire Rapids or later)")
+        amx, why = tune.amx_here()
+        info["kernel_amx"] = ("AMX-BF16 usable: the R-worker's start-up tune times the tiles (bf16 KV at GQA shapes: "
+                              "the scores, and PV with --attn-probs bf16) against AVX-512 and keeps the faster; "
+                              "FASTDECODE_AMX=0/1 forces" if amx == "on"
+                              else why or "no (needs AMX-BF16: Xeon Sapphire Rapids or later)")
         info["kernel_int8"] = int8_path(feats)
         info["kv_bytes_per_token"] = kv_bytes_line()
         info["kernel_tune"] = ("at R-worker start (FASTDECODE_KERNEL_TUNE=0: off)" if tune.tune_enabled()
