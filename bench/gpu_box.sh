@@ -7,13 +7,15 @@
 # A lent session has 15 minutes of device time (start-up included) and 10 per call: not enough for
 # every stage, so a session runs a few of them, newest need first.
 # The queue, newest need first:
-#   call -2: setup amxpv (~9 min, issue 51): the AMX tiles for PV as well as the scores (V in token
-#           pairs), a shared-prefix block's members stacked up to 16 rows a tile product, the tune
-#           timing the tiles: first the tests on the instructions ("+amxhw" ids), then on 16 threads
-#           pairs on the tiles against pairs on AVX-512 and against the default token-major AVX-512
-#           (targets: bf16 >= 90% of the read at GQA shapes), then the prefix bench with the tiles
-#           (target: R-time >= 5x less than copies at groups of 64 and 256); results
-#           kernel_ab_$BOX-amx-pv*.json, prefix_$BOX-16core-amx-pv.json.
+#   call -2: setup amxpv (~10 min, issue 51): the AMX tiles for PV and int8 as well as the bf16
+#           scores, a shared-prefix block's members stacked up to 16 rows a tile product, the tune
+#           timing the tiles: first the tests on the instructions ("+amxhw" ids, int8 "on"), then on
+#           16 threads bf16 pairs on the tiles against pairs on AVX-512 and against the default
+#           token-major AVX-512 (target: bf16 >= 90% of the read at GQA shapes), int8 on the tiles
+#           against int8 on AVX-512 and bf16 on the tiles (targets: >= 85% of the read, >= 1.8x bf16),
+#           then the prefix bench with the tiles (target: R-time >= 5x less than copies at groups of
+#           64 and 256); results kernel_ab_$BOX-amx-pv*.json, kernel_ab_$BOX-amx-int8.json,
+#           int8_$BOX-16core-amx.json, prefix_$BOX-16core-amx-pv.json.
 #   call -1: setup balance (~10 min, issue 49): the card alone against the card with 1, 2 and 14
 #           R-workers under the balance rule, 512 and 4,096-token prompts (target: every count >= 0.98x
 #           the best smaller one, 1 R-worker >= the card alone); results tiers_$BOX-balance-*.json.
@@ -152,8 +154,12 @@ amxpv)       # issue 51: PV on the tiles (V pairs), a block's members stacked, t
         --contexts 1024,4096,16384 --dtypes bf16 --min-mb 512 --rounds 5
     stage amxpvdefault 150 $PY bench/kernel/kernel_ab.py --v-tiles=0,-2 --amx off,on --isa avx512 \
         --label $BOX-amx-pv-vs-default --contexts 1024,4096,16384 --dtypes bf16 --min-mb 512 --rounds 5
+    stage amxint8 120 $PY bench/kernel/kernel_ab.py --amx off,on --isa avx512 --label $BOX-amx-int8 \
+        --contexts 1024,4096,16384 --dtypes int8 --min-mb 512 --rounds 5
+    stage int8amx 200 env FASTDECODE_AMX=1 $PY bench/kernel/int8_bench.py --label $BOX-16core-amx --threads 16 \
+        --sides int8,bf16 --rounds 5
     stage prefixamxpv 150 env FASTDECODE_AMX=1 FASTDECODE_VTILE=-2 $PY bench/kernel/prefix_bench.py \
-        --label $BOX-16core-amx-pv --threads 16 --rounds 5 --dtypes bf16 ;;
+        --label $BOX-16core-amx-pv --threads 16 --rounds 5 ;;
 families)    # issue 33: the S-part per layer of each family (dense, MoE, Gemma, Phi-3) against its pure GEMMs
     stage families 240 $PY bench/gpu/families_bench.py --label $BOX --device cuda --dtype bfloat16 \
         --batches 1024 8192 ;;

@@ -340,12 +340,15 @@ class KVStore:
 
     @property
     def amx(self) -> str:
-        """The scores as AMX tile products (csrc/avx512/amx.h): "off" (the default), "on" (the
-        AMX-BF16 instructions: Sapphire Rapids and later, Linux >= 5.16) or "emulate" (the same
-        tile addressing in plain C++, for tests on any CPU). They replace the AVX512-BF16 scores, so
-        they serve bf16 KV with bf16 queries, GQA ratios 2..16 and head dims padded to a multiple of
-        32; other calls keep their path. Outputs differ from the vdpbf16ps path only in the order
-        of fp32 sums. Setting a mode this store cannot run raises ValueError."""
+        """Attention on the AMX tiles (csrc/avx512/amx.h, amx_i8.h): "off" (the default, unless
+        FASTDECODE_AMX or the R-worker's tune says otherwise), "on" (the AMX instructions: Sapphire
+        Rapids and later, Linux >= 5.16) or "emulate" (the same tile addressing in plain C++, for
+        tests on any CPU with AVX512-BF16). They serve work items of 2 query rows or more (GQA
+        groups, a shared prefix's members stacked): bf16 KV with bf16 queries and head dims padded
+        to a multiple of 32 (the scores, and PV where V is in token pairs), outputs differing from
+        the AVX-512 path only in the order of fp32 sums; int8 KV with head dims padded to a multiple
+        of 64 (the scores and PV, on AMX-INT8), outputs equal to the AVX-512 int8 path's bit for
+        bit. Other calls keep their path. Setting a mode this store cannot run raises ValueError."""
         return AMX_MODES[self._st.amx] if hasattr(self._st, "amx") else "off"
 
     @amx.setter

@@ -62,10 +62,10 @@ def open_path(L, Hkv, D, kv_dtype, path, **kw):
 
 
 def ok_for(path, kv_dtype):
-    """Paths that mean something for this KV dtype: int8 ignores V layouts and has no AMX scores,
-    AMX needs bf16 KV, V pairs need bf16 KV."""
+    """Paths that mean something for this KV dtype: int8 ignores V layouts and runs the AMX tiles
+    (amx_i8.h), the rest of AMX needs bf16 KV, V pairs need bf16 KV."""
     if kv_dtype == "int8":
-        return "+" not in path
+        return "+" not in path or ("+amx" in path and "+pairs" not in path)
     return ("+amx" not in path and "+pairs" not in path) or kv_dtype == "bf16"
 
 

@@ -33,7 +33,9 @@ from int8_cases import (  # noqa: E402
     run_case,
 )
 from int8_ref import F32, PT, Q_PARTS, QSTEP, W_PARTS, WSTEP, check_seq, hadamard, report  # noqa: E402
-from kvstore_cases import BASE_ISAS  # noqa: E402
+from kvstore_cases import BASE_ISAS, BF16_DOT_ISAS  # noqa: E402
+
+from rworker import isa as isa_mod  # noqa: E402
 
 CH = 512                   # tokens per split-KV chunk (attention.h)
 
@@ -145,15 +147,48 @@ def test_vnni_on_and_off_give_the_same_bits(monkeypatch, isa, D):
     data = {s: make_kv(rng, T, Hkv, D, "outliers") for s, T in enumerate(lengths)}
     ids = np.arange(len(lengths), dtype=np.int64)
     q = (rng.standard_normal((len(ids), Hkv * g, D)) * 2).astype(F32)
+    stores = [open_i8(monkeypatch, (isa, vnni), 1, Hkv, D) for vnni in (True, False)]
+    assert_same_bits(stores, data, ids, q, f"{isa} D={D}")
+
+
+def assert_same_bits(stores, data, ids, q, label):
+    """The same ragged appends into each store: one call's outputs equal to the bit, finite, and
+    within int8_ref's bounds."""
     outs = []
-    for vnni in (True, False):
-        st = open_i8(monkeypatch, (isa, vnni), 1, Hkv, D)
+    for st in stores:
         append_ragged(st, 0, data, np.random.default_rng(1), 50)
         outs.append(st.attend(0, ids, q))
-    assert np.isfinite(outs[0]).all()
-    assert np.array_equal(outs[0], outs[1]), f"max diff {np.abs(outs[0] - outs[1]).max():.3g}"
+    assert np.isfinite(outs[-1]).all()
+    for o in outs[:-1]:
+        assert np.array_equal(o, outs[-1]), f"{label}: max diff {np.abs(o - outs[-1]).max():.3g}"
     for i in ids:
-        check_seq(outs[0][i], q[i], *data[i], st, f"{isa} D={D} T={lengths[i]}")
+        check_seq(outs[-1][i], q[i], *data[i], stores[-1], f"{label} T={len(data[i][0])}")
+
+
+AMX_ISAS = BF16_DOT_ISAS               # where a store takes the AMX modes (the emulation on any of them)
+AMX_MODES = ["emulate"] + (["on"] if "amx-int8" in isa_mod.cpu_features() else [])
+
+
+@pytest.mark.parametrize("mode", AMX_MODES)
+@pytest.mark.parametrize("Hkv,g,D", [(2, 4, 64), (1, 3, 128), (1, 20, 64), (2, 1, 64), (2, 4, 80)],
+                         ids=["gqa4-D64", "gqa3-D128", "gqa20-D64", "mha-D64", "gqa4-D80"])
+@pytest.mark.parametrize("isa", AMX_ISAS)
+def test_amx_tiles_give_the_avx512_int8_bits(monkeypatch, isa, Hkv, g, D, mode):
+    """The int8 passes on the AMX tiles (csrc/avx512/amx_i8.h: tdpbsud for the scores, tdpbusd for
+    PV, rows stacked up to 16 a product, GQA 20 in two) compute the AVX-512 passes' integers and
+    their fp32 epilogues: the outputs equal the AVX-512 int8 path's to the bit, on ragged lengths,
+    partial pages (old bytes past the tokens, weighed 0) and split-KV chunks. MHA rows alone and
+    head dims off 64-dim steps (80) keep the AVX-512 passes."""
+    if isa == "avx512emu" and (D > 64 or g > 4):
+        pytest.skip("the SIMDe build under the AMX emulation: the small shapes are enough")
+    rng = np.random.default_rng([D, g, Hkv])
+    lengths = [1, 33, 200] if isa == "avx512emu" else [1, 5, 33, 200, 600, 1100]
+    data = {s: make_kv(rng, T, Hkv, D, "outliers") for s, T in enumerate(lengths)}
+    ids = np.arange(len(lengths), dtype=np.int64)
+    q = (rng.standard_normal((len(ids), Hkv * g, D)) * 2).astype(F32)
+    stores = [open_i8(monkeypatch, (isa, HAS_VNNI or isa == "avx512emu"), 1, Hkv, D) for _ in range(2)]
+    stores[1].amx = mode
+    assert_same_bits(stores, data, ids, q, f"{isa} amx={mode} D={D}")
 
 
 @pytest.mark.parametrize("path", ALL_PATHS, ids=path_id)

@@ -186,7 +186,9 @@ def test_amx_candidates_only_where_the_tiles_serve_the_shape():
     assert with_amx == plain + [(0, "on", "emulate")]
     with_pairs = tune.tune_candidates(9, 3, 64, isa, "bf16", bf16_probs=True, amx="emulate")
     assert with_pairs[-2:] == [(0, "on", "emulate"), (tune.V_PAIRS, "on", "emulate")]
-    for shape, dtype in (((9, 3, 64), "fp32"), ((9, 3, 64), "int8"), ((4, 4, 64), "bf16"), ((9, 3, 80), "bf16")):
+    int8 = tune.tune_candidates(9, 3, 64, isa, "int8", amx="emulate")
+    assert int8 == tune.tune_candidates(9, 3, 64, isa, "int8") + [(int8[0][0], "on", "emulate")]
+    for shape, dtype in (((9, 3, 64), "fp32"), ((4, 4, 64), "bf16"), ((9, 3, 80), "bf16"), ((9, 3, 96), "int8")):
         assert tune.tune_candidates(*shape, isa, dtype, amx="emulate") == tune.tune_candidates(*shape, isa, dtype), shape
     assert tune.label(0, "on", "on") == "token-major/pf/amx" and tune.label(0, "on", "emulate") == "token-major/pf/amx-emulate"
 

@@ -55,7 +55,7 @@ def three_families(tw, small=False):
 def _cases():
     """(path, kv dtype, shape, bf16 queries): the ISA builds on every shape and dtype, bf16 queries
     on two shapes; the second V layouts and V pairs on two shapes; AMX where it runs (bf16 K and
-    queries, GQA 2..16, head dims of 32-multiples)."""
+    queries, or int8 K, on two GQA shapes)."""
     out = []
     for path in FAST + [p for p in PAIRS if p in FAST_PAIRS]:
         for kv in DTYPES:

@@ -78,6 +78,7 @@ static inline TileConfig attention_tile_config(int R) {
 #if defined(FD_AVX512) && !defined(FD_SIMDE_AVX512)
 #define FD_HAVE_AMX_HW 1
 #define FD_TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#define FD_TARGET_AMX8 __attribute__((target("amx-tile,amx-int8")))
 
 struct AmxHw {
     FD_TARGET_AMX static void config(const TileConfig& c) { _tile_loadconfig(&c); }
@@ -104,6 +105,30 @@ struct AmxHw {
         _tile_dpbf16ps(3, 5, 6);
         _tile_dpbf16ps(4, 5, 7);
     }
+    // any tile by number (amx_i8.h); GCC's tile intrinsics spell the register from the literal
+    // argument, hence one branch per tile
+#define FD_TILE_BY_NUMBER(T, OP) \
+    if constexpr (T == 0) { OP(0); } else if constexpr (T == 1) { OP(1); } else if constexpr (T == 2) { OP(2); } \
+    else if constexpr (T == 3) { OP(3); } else if constexpr (T == 4) { OP(4); } else if constexpr (T == 5) { OP(5); } \
+    else if constexpr (T == 6) { OP(6); } else { static_assert(T == 7, "tiles 0..7"); OP(7); }
+#define FD_TILE_LOAD(i) _tile_loadd(i, p, stride)
+#define FD_TILE_STORE(i) _tile_stored(i, p, stride)
+#define FD_TILE_ZERO(i) _tile_zero(i)
+    template <int T> FD_TARGET_AMX8 static void load_t(const void* p, size_t stride) { FD_TILE_BY_NUMBER(T, FD_TILE_LOAD) }
+    template <int T> FD_TARGET_AMX8 static void store_t(void* p, size_t stride) { FD_TILE_BY_NUMBER(T, FD_TILE_STORE) }
+    template <int T> FD_TARGET_AMX8 static void zero_t() { FD_TILE_BY_NUMBER(T, FD_TILE_ZERO) }
+#undef FD_TILE_LOAD
+#undef FD_TILE_STORE
+#undef FD_TILE_ZERO
+#undef FD_TILE_BY_NUMBER
+    FD_TARGET_AMX8 static void dot_k8() {   // int8 scores: hi += qh . K, lo += ql . K (signed q, unsigned K)
+        _tile_dpbsud(3, 0, 2);
+        _tile_dpbsud(4, 1, 2);
+    }
+    FD_TARGET_AMX8 static void dot_pv8() {  // int8 PV: hi += wh . V, lo += wl . V (unsigned w, signed V)
+        _tile_dpbusd(3, 5, 7);
+        _tile_dpbusd(4, 6, 7);
+    }
 };
 
 // Linux hands out the 8 KB tile state only on request, once per process (kernel 5.16+); a tile
@@ -121,8 +146,14 @@ static inline bool amx_usable() {
     }();
     return ok;
 }
+// and AMX-INT8 for the int8 KV passes (every AMX CPU so far has it beside AMX-BF16)
+static inline bool amx_int8_usable() {
+    static const bool ok = amx_usable() && cpu_has("amx-int8");
+    return ok;
+}
 #else
 static inline bool amx_usable() { return false; }
+static inline bool amx_int8_usable() { return false; }
 #endif
 
 // ============================================================================
@@ -196,6 +227,31 @@ struct AmxEmu {
     static void dot_pv() {
         dpbf16(3, 5, 6);
         dpbf16(4, 5, 7);
+    }
+    template <int T> static void load_t(const void* p, size_t stride) { load(T, p, stride); }
+    template <int T> static void store_t(void* p, size_t stride) { store(T, p, stride); }
+    template <int T> static void zero_t() { std::memset(regs().t[T], 0, sizeof(regs().t[T])); }
+    // tdpb[s|u][s|u]d c += a . b: c[m][n] += sum_i a[m][4k+i] b[k][4n+i] over k along a's row, int32
+    template <bool A_SIGNED, bool B_SIGNED>
+    static void dp_i8(int ci, int ai, int bi) {
+        auto& r = regs();
+        auto at = [](const uint8_t* row, int i, bool sgn) { return sgn ? (int32_t)(int8_t)row[i] : (int32_t)row[i]; };
+        for (int m = 0; m < r.cfg.rows[ci]; ++m) {
+            int32_t c[16];
+            std::memcpy(c, r.t[ci][m], 64);
+            for (int k = 0; k < r.cfg.colsb[ai] / 4; ++k)
+                for (int n = 0; n < r.cfg.colsb[ci] / 4; ++n)
+                    for (int i = 0; i < 4; ++i) c[n] += at(r.t[ai][m], 4 * k + i, A_SIGNED) * at(r.t[bi][k], 4 * n + i, B_SIGNED);
+            std::memcpy(r.t[ci][m], c, 64);
+        }
+    }
+    static void dot_k8() {
+        dp_i8<true, false>(3, 0, 2);
+        dp_i8<true, false>(4, 1, 2);
+    }
+    static void dot_pv8() {
+        dp_i8<false, true>(3, 5, 7);
+        dp_i8<false, true>(4, 6, 7);
     }
 };
 

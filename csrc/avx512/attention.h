@@ -47,6 +47,7 @@
 #include "simd.h"
 #if defined(FD_HAVE_DPBF16)
 #include "amx.h"
+#include "amx_i8.h"
 #endif
 
 namespace FD_NS {
@@ -170,9 +171,15 @@ public:
         if (n == 0) return;
         const int g = Hq / Hkv_;
         const bool dp = use_dp_ && dt_ == BF16 && qdt == BF16;
-        // AMX where the tiles fit: 32-dim steps (each item then takes it when it has 2 query rows or
-        // more: one row would fill 1/16 of every tile product, for the cost of a full one)
-        const int amx = dp && Dp_ % 32 == 0 ? amx_ : AMX_OFF;
+        // AMX where the tiles fit: bf16 in 32-dim steps, int8 in 64-dim steps on AMX-INT8 (each item
+        // then takes it when it has 2 query rows or more: one row would fill 1/16 of every tile
+        // product, for the cost of a full one)
+#if defined(FD_HAVE_DPBF16)
+        const bool i8_tiles = Dp_ % 64 == 0 && (amx_ == AMX_EMU || amx_int8_usable());
+        const int amx = (dt_ == I8 ? i8_tiles : dp && Dp_ % 32 == 0) ? amx_ : AMX_OFF;
+#else
+        const int amx = AMX_OFF;
+#endif
         const int32_t W = win_[layer];
         Call C{layer, g, Hq, dp, amx, sinks_[layer].empty() ? nullptr : sinks_[layer].data(), q, qdt, out, odt, {}};
         C.seqs.resize(n);
@@ -302,11 +309,12 @@ private:
         const int nb = AMX ? (G + AMX_ROWS_MAX - 1) / AMX_ROWS_MAX : 1, R = AMX ? (G + nb - 1) / nb : G, Gp = nb * R;
 
         // scratch: qf [Gp][Dp] | acc [Gp][Dp] | S [Gp][PT] | m [Gp] | l [Gp][L_LANES] | qw [Gp][Dp/2]
-        //          words | qs [Gp] | qz [Gp][2] | p16 [R][PT] bf16 (int8: qw holds the query's hi parts
-        //          [G][Dp/4] then its lo parts, qs their scales, qz their bias sums: quant.h)
+        //          words | qs [Gp] | qz [Gp][2] | p16 [R][PT] bf16 | i32 [R][PT] (int8: qw holds the
+        //          query's hi parts [Gp][Dp/4] then its lo parts, qs their scales, qz their bias sums:
+        //          quant.h; on the tiles p16 holds the page weights' parts, i32 the tiles' sums)
         thread_local AlignedBuf buf;
         float* qf = buf.get((size_t)2 * Gp * Dp + (size_t)Gp * PT + (size_t)Gp * (4 + L_LANES) + (size_t)Gp * Dp / 2 +
-                            (size_t)R * PT / 2 + 64);
+                            (size_t)R * PT / 2 + (AMX ? (size_t)R * PT : 0) + 64);
         float* acc = qf + (size_t)Gp * Dp;
         float* S = acc + (size_t)Gp * Dp;
         float* m = S + (size_t)Gp * PT;
@@ -315,6 +323,8 @@ private:
         float* qs = reinterpret_cast<float*>(qw + (size_t)Gp * Dp / 2);
         int32_t* qz = reinterpret_cast<int32_t*>(qs + Gp);
         [[maybe_unused]] uint16_t* p16 = reinterpret_cast<uint16_t*>(qz + 2 * (size_t)Gp);
+        [[maybe_unused]] int32_t* i32 = reinterpret_cast<int32_t*>(p16 + (size_t)R * PT);
+        const size_t lo_words = (size_t)Gp * Dp / 4;     // int8: where the query's lo parts start in qw
         auto l_of = [&](int j) { return l + (size_t)j * L_LANES; };   // row j's lane sums
         const bool i8 = dt_ == I8;
 
@@ -328,7 +338,7 @@ private:
             const char* qj = static_cast<const char*>(C.q) + ((size_t)row * C.Hq + (size_t)it.h * g + j % g) * D * qisz;
             if (i8) {
                 quant_query(qj, C.qdt, D, Dp, reinterpret_cast<int8_t*>(qw + (size_t)j * Dp / 4),
-                            reinterpret_cast<int8_t*>(qw + (size_t)(G + j) * Dp / 4), qs[j], qz + 2 * j,
+                            reinterpret_cast<int8_t*>(qw + lo_words + (size_t)j * Dp / 4), qs[j], qz + 2 * j,
                             acc + (size_t)j * Dp);       // the accumulator row as scratch (zeroed below)
                 qs[j] *= sc;
             } else if (C.dp) {
@@ -343,13 +353,18 @@ private:
             std::fill(l_of(j), l_of(j + 1), 0.f);
         }
         for (int j = G; j < Gp; ++j) {     // AMX padding rows: zero queries, accumulators written, never read
-            std::memset(qw + (size_t)j * Dp / 2, 0, sizeof(uint32_t) * Dp / 2);
+            if (i8) {
+                std::memset(qw + (size_t)j * Dp / 4, 0, Dp);
+                std::memset(qw + lo_words + (size_t)j * Dp / 4, 0, Dp);
+            } else {
+                std::memset(qw + (size_t)j * Dp / 2, 0, sizeof(uint32_t) * Dp / 2);
+            }
             std::memset(acc + (size_t)j * Dp, 0, sizeof(float) * Dp);
         }
 
         // 2. stream the chunk page by page (AMX: this thread's tiles configured for R rows first)
 #if defined(FD_HAVE_DPBF16)
-        if constexpr (AMX) amx_begin(amx, R);
+        if constexpr (AMX) i8 ? amx_begin_i8(amx, R) : amx_begin(amx, R);
 #endif
         const int pf_mode = prefetch_.load(std::memory_order_relaxed);
         const auto& pages = s.pages[C.layer];
@@ -372,7 +387,17 @@ private:
             }
             // 2b. scores of every query row: one pass over the K run (read from memory once; the
             //     passes take the rows in register blocks, the run staying in L1 between them)
-            if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qw + (size_t)G * Dp / 4, qs, qz, G, S, pf);
+#if defined(FD_HAVE_DPBF16)
+            if (AMX && i8) {
+                const int8_t* qb = reinterpret_cast<const int8_t*>(qw);
+                for (int b = 0; b < nb; ++b)      // R rows per tile product (K's tiles from L1 after the first)
+                    scores_page_i8_amx(amx, kr, Dp, qb + (size_t)b * R * Dp, qb + lo_words * 4 + (size_t)b * R * Dp,
+                                       qs + b * R, qz + 2 * b * R, std::min(R, G - b * R), S + (size_t)b * R * PT, i32,
+                                       b ? nullptr : pf);
+            }
+            else
+#endif
+            if (i8) scores_page_i8(use_vnni_, kr, Dp, qw, qw + lo_words, qs, qz, G, S, pf);
             else
 #if defined(FD_HAVE_DPBF16)
             if (AMX) {
@@ -392,7 +417,16 @@ private:
                 float alpha = softmax_page(S + (size_t)j * PT, nvalid, m[j], l_of(j));
                 if (alpha != 1.f) scale_row(acc + (size_t)j * Dp, alpha, Dp);
             }
-            // 2e. acc += p V: one pass over the V run (AMX: whole pages of V in token pairs, amx.h)
+            // 2e. acc += p V: one pass over the V run (AMX: int8 pages, whole pages of V in token pairs)
+#if defined(FD_HAVE_DPBF16)
+            if (AMX && i8) {
+                for (int b = 0; b < nb; ++b)
+                    pv_page_i8_amx(amx, vr, nvalid, Dp, S + (size_t)b * R * PT, std::min(R, G - b * R), R,
+                                   acc + (size_t)b * R * Dp, reinterpret_cast<uint8_t*>(p16), i32,
+                                   pf && !b ? pf + half_bytes_ : nullptr, (int)(half_bytes_ / 64));
+            }
+            else
+#endif
             if (i8) pv_page_i8(use_vnni_, vr, nvalid, Dp, S, G, acc, pf, page_bytes_);
             else
 #if defined(FD_HAVE_DPBF16)

@@ -61,6 +61,7 @@ std::vector<std::string> cpu_features() {
         if ((xcr0 & (3ull << 17)) == (3ull << 17)) {   // the OS saves tile config + data
             if (d7 >> 24 & 1) f.push_back("amx-tile");
             if (d7 >> 22 & 1) f.push_back("amx-bf16");
+            if (d7 >> 25 & 1) f.push_back("amx-int8");
         }
     }
 #endif
