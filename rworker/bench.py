@@ -59,10 +59,10 @@ def _median_time(fn, repeats: int) -> float:
 
 def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, threads: int | None,
                       seqs: int = 64, target_bytes: int = 0, repeats: int = 5, seed: int = 0,
-                      v_tile: int | None = None, prefetch: bool | str | None = None) -> dict:
+                      v_tile: int | None = None, prefetch: bool | str | None = None, amx: str | None = None) -> dict:
     """Seconds per KV byte and fixed seconds per call of `attend` on this machine
     (target_bytes 0: default_target_bytes()), with the kernel choice the worker's store runs
-    (v_tile, prefetch: rworker.tune). Where the store can fork (shared prefixes) and `seqs` >= 2,
+    (v_tile, prefetch, amx: rworker.tune; amx None: FASTDECODE_AMX decides, as for any store). Where the store can fork (shared prefixes) and `seqs` >= 2,
     also the shared prefix's cost (measure_shared_attention's keys): the callers (the worker's
     profile reply, the local backend) pass this dict on whole, so old stores simply lack them."""
     rng = np.random.default_rng(seed)
@@ -72,7 +72,7 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype
     points = []
     for length in (32, long_len):
         store = KVStore(1, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, v_tile=v_tile,
-                        prefetch=prefetch)
+                        prefetch=prefetch, amx=amx)
         _append_random(store, rng, np.repeat(np.arange(seqs, dtype=np.int64), length))
         t = _time_attend(store, rng, np.arange(seqs, dtype=np.int64), num_heads, repeats)
         points.append((seqs * length * token_bytes, t))
@@ -85,7 +85,7 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype
     if hasattr(KVStore, "fork") and seqs >= 2:
         result.update(measure_shared_attention(
             num_heads, num_kv_heads, head_dim, kv_dtype, threads, seqs, min(SHARED_PREFIX_TOKENS, long_len),
-            per_byte, result["call_overhead_s"], repeats, rng, v_tile, prefetch))
+            per_byte, result["call_overhead_s"], repeats, rng, v_tile, prefetch, amx))
     return result
 
 
@@ -95,7 +95,7 @@ SHARED_PREFIX_TOKENS = 1024     # the shared-prefix timing's prefix at most: a s
 def measure_shared_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
                              threads: int | None, members: int, prefix_tokens: int, seconds_per_kv_byte: float,
                              call_overhead_s: float, repeats: int, rng: np.random.Generator,
-                             v_tile: int | None = None, prefetch: bool | str | None = None) -> dict:
+                             v_tile: int | None = None, prefetch: bool | str | None = None, amx: str | None = None) -> dict:
     """What a member-token of shared prefix costs against a streamed (unshared) KV token.
 
     One donor holds `prefix_tokens` (whole pages), `members` sequences fork it and add one page
@@ -112,9 +112,9 @@ def measure_shared_attention(num_heads: int, num_kv_heads: int, head_dim: int, k
     32-token runs per sequence stream slower than long ones, and the shared part came out ~1.4x
     too cheap.)"""
     store = KVStore(1, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, v_tile=v_tile,
-                    prefetch=prefetch)
+                    prefetch=prefetch, amx=amx)
     own = KVStore(1, num_kv_heads, head_dim, kv_dtype=kv_dtype, threads=threads, v_tile=v_tile,
-                  prefetch=prefetch)
+                  prefetch=prefetch, amx=amx)
     page = max(int(store.page_tokens), 1)
     prefix = max(page, prefix_tokens // page * page)
     donor = members

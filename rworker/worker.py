@@ -150,7 +150,7 @@ class RWorker:
         from rworker.bench import measure_attention
         result = measure_attention(self.num_heads, self.num_kv_heads, self.head_dim, self.store.kv_dtype,
                                    self.store.threads, seqs=int(hdr[0]), target_bytes=int(hdr[1]),
-                                   v_tile=self.store.v_tile, prefetch=self.store.prefetch)
+                                   v_tile=self.store.v_tile, prefetch=self.store.prefetch, amx=self.store.amx)
         result.update(rank=self.rank, host=socket.gethostname(), capacity_bytes=self.store.capacity_bytes)
         self.send_json(result)
 

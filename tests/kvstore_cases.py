@@ -17,8 +17,9 @@ from rworker import isa as isa_mod  # noqa: E402
 # (rworker.isa.EMULATED: the AVX-512 branch's logic is then tested on CPUs without AVX-512 too)
 # A build with a second V layout under measurement (V_TILE_ALT, simd.h) is tested in both:
 # "<isa>+vt<N>" opens its stores with v_tile=N.
-# The AMX scores (csrc/avx512/amx.h) replace the AVX512-BF16 ones: "<isa>+amx" opens its stores
-# with amx="emulate" wherever that path runs, "<isa>+amxhw" with the instructions on an AMX CPU.
+# The AMX tiles (csrc/avx512/amx.h, amx_i8.h: bf16 scores, PV with V pairs, int8): "<isa>+amx" opens
+# its stores with amx="emulate" wherever the AVX512-BF16 scores run, "<isa>+amxhw" with the
+# instructions on an AMX CPU.
 BASE_ISAS = [i for i in isa_mod.available_isas() if i in ("portable", "avx2", "avx512")] + isa_mod.emulated_isas()
 BF16_DOT_ISAS = [i for i in BASE_ISAS if i == "avx512emu" or (i == "avx512" and "avx512bf16" in isa_mod.cpu_features())]
 ISAS = (BASE_ISAS + [f"{i}+vt{isa_mod.load(i).V_TILE_ALT}" for i in BASE_ISAS

@@ -178,6 +178,22 @@ def test_measure_attention_prices_a_shared_prefix_on_a_tiny_store():
     json.dumps(r)                                   # the worker sends it as JSON
 
 
+def test_measure_attention_times_the_kernel_the_store_runs(monkeypatch):
+    """The profile prices the path the R-worker's tune chose: its V layout, prefetch and AMX tiles
+    reach every timing store (the streamed and the shared-prefix ones)."""
+    import rworker.bench as bench
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append({k: kw.get(k) for k in ("v_tile", "prefetch", "amx")})
+        return KVStore(*a, **{**kw, "amx": None})       # the tiles themselves need an AMX CPU
+    monkeypatch.setattr(bench, "KVStore", spy)
+    monkeypatch.setattr(bench.KVStore, "fork", KVStore.fork, raising=False)
+    measure_attention(9, 3, 64, "bf16", 1, seqs=4, target_bytes=1 << 20, repeats=1, v_tile=0, prefetch="scattered",
+                      amx="on")
+    assert len(seen) == 4 and all(s == {"v_tile": 0, "prefetch": "scattered", "amx": "on"} for s in seen), seen
+
+
 def test_measure_attention_without_fork_keeps_its_old_keys(monkeypatch):
     monkeypatch.delattr(KVStore, "fork")
     r = measure_attention(9, 3, 64, "bf16", 1, seqs=4, target_bytes=1 << 20, repeats=1)

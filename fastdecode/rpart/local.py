@@ -179,7 +179,8 @@ class LocalBackend(RBackend):
         from rworker.bench import measure_attention
         s = self.store
         result = measure_attention(self.num_heads, s.num_kv_heads, s.head_dim, s.kv_dtype, s.threads,
-                                   seqs=seqs, target_bytes=target_bytes, v_tile=s.v_tile, prefetch=s.prefetch)
+                                   seqs=seqs, target_bytes=target_bytes, v_tile=s.v_tile, prefetch=s.prefetch,
+                                   amx=s.amx)
         result.update(rank=0, host=self.workers[0].host, capacity_bytes=self.workers[0].capacity_bytes)
         return [result]
 
