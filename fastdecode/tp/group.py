@@ -26,6 +26,11 @@ from rworker.host.wait import PeerTimeout
 
 LOST_PEER_GRACE_S = 10.0      # a collective broke: the dead peer's supervisor aborts the job within this
 DEFAULT_TIMEOUT_S = 900.0     # rank 0's wait on the other S-ranks without --timeout (MPIBackend's first)
+# gloo's worker thread drops the last reference to a finished collective's tensors itself, and
+# needs the interpreter lock for it; a rank that holds the lock from its last collective to its exit
+# (MPI waits keep it) leaves that thread asking at finalization, where Python ends the thread and
+# gloo's loop calls std::terminate (SIGABRT). Ending the group sleeps this long first: the lock free
+GLOO_SETTLE_S = 0.05
 
 
 class PeerLost(RuntimeError):
@@ -143,4 +148,5 @@ class TPGroup:
 
     def close(self) -> None:
         if dist.is_initialized() and not self.broken:   # a broken group's threads may still wait on a peer
+            time.sleep(GLOO_SETTLE_S)
             dist.destroy_process_group()
