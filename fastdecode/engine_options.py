@@ -140,9 +140,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "not served)")
     p.add_argument("--attn-probs", default="fp32", choices=["fp32", "bf16"],
                    help="precision of the attention probabilities in the R-workers' PV product: bf16 (with bf16 KV) "
-                        "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products where its "
-                        "start-up tune finds that faster (as FlashAttention rounds P; outputs within a bf16 bound, "
-                        "not bit-equal; default fp32)")
+                        "lets an R-worker with AVX512-BF16 store V in token pairs and use bf16 dot products, and one "
+                        "with AMX run the scores and PV on its tiles, where its start-up tune finds that faster (as "
+                        "FlashAttention rounds P; outputs within a bf16 bound, not bit-equal; default fp32)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="prompt tokens prefilled per step (default 8192; on CUDA up to 32768 as memory allows)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,

@@ -18,12 +18,14 @@ a working set past the caches, the candidates interleaved over several rounds, a
 fastest unless that is within `margin` of the default (noise must not move it).
 
 Where the CPU has AMX-BF16 and the kernel grants this process the tile state, the AMX tiles
-(csrc/avx512/amx.h, amx_i8.h) join as candidates at GQA shapes: for bf16 KV (head dims in 32-dim
-steps) the scores on the tiles with token-major V, and with V in token pairs (when the job allows
-bf16 probabilities) PV on the tiles too, which give other bits than the AVX-512 paths (the order
-of fp32 sums: within the same bound of the float64 reference); for int8 KV (64-dim steps, AMX-INT8)
-both passes on the tiles, with the AVX-512 passes' bits. They run by default wherever they
-measured faster. FASTDECODE_AMX=0/1 forces them off/on instead (the tune then leaves them out).
+(csrc/avx512/amx.h, amx_i8.h) join as candidates at GQA shapes. For int8 KV (64-dim steps,
+AMX-INT8) both passes on the tiles, with the AVX-512 passes' bits: timed in every job. For bf16 KV
+(32-dim steps) the scores on the tiles with token-major V, and PV too with V in token pairs: these
+give other bits than the AVX-512 paths (the order of fp32 sums, within the same bound of the
+float64 reference), so, like V pairs, only a job that allows other bits times them (--attn-probs
+bf16): a tune that picked by timing among candidates of different bits could make a rerun (a
+resumed job) decode other tokens than the first run. FASTDECODE_AMX=0/1 forces the tiles off/on on
+every store instead (the same bits run to run; the tune then leaves them out).
 
 FASTDECODE_KERNEL_TUNE=0 skips the tune (the build's default, or FASTDECODE_VTILE /
 FASTDECODE_PREFETCH where set). numpy only, no torch.
@@ -124,14 +126,15 @@ def tune_candidates(num_heads: int, num_kv_heads: int, head_dim: int, isa: str |
                     kv_dtype: str = "fp32", bf16_probs: bool = False, amx: str = "off") -> list[tuple[int, str, str]]:
     """What tune_kernel times: candidates() with the AMX tiles off, then, with `amx` a mode
     (amx_here's "on"; "emulate" in tests) at a GQA shape (2 query heads or more per KV head): for
-    bf16 KV with head dims in 32-dim steps the tiles with token-major V (the scores) and with V in
-    token pairs where allowed (the scores and PV); for int8 KV with head dims in 64-dim steps, on
-    AMX-INT8, the int8 passes on the tiles (the same bits as AVX-512's)."""
+    int8 KV with head dims in 64-dim steps, on AMX-INT8, the int8 passes on the tiles (the same bits
+    as AVX-512's); for bf16 KV with head dims in 32-dim steps, where the job allows other bits
+    (bf16_probs: --attn-probs bf16), the tiles with token-major V (the scores) and with V in token
+    pairs (the scores and PV)."""
     out = [(vt, pf, "off") for vt, pf in candidates(isa, kv_dtype, bf16_probs)]
     padded = -(-head_dim // 16) * 16
     if amx == "off" or num_heads // num_kv_heads < 2:
         return out
-    if kv_dtype == "bf16" and padded % 32 == 0:
+    if kv_dtype == "bf16" and padded % 32 == 0 and bf16_probs:
         out.append((0, "on", amx))
         if pairs_allowed(isa, kv_dtype, bf16_probs):
             out.append((V_PAIRS, "on", amx))

@@ -30,9 +30,9 @@ def collect() -> dict:
         info["kernel_v_pairs"] = ("yes: --attn-probs bf16 (bf16 KV) adds V token pairs to the tune"
                                   if tune.pairs_allowed(None, "bf16", True) else "no (needs AVX512-BF16)")
         amx, why = tune.amx_here()
-        info["kernel_amx"] = ("AMX usable: the R-worker's start-up tune times the tiles at GQA shapes (bf16 KV: the "
-                              "scores, and PV with --attn-probs bf16; int8 KV on AMX-INT8) against AVX-512 and keeps "
-                              "the faster; FASTDECODE_AMX=0/1 forces" if amx == "on"
+        info["kernel_amx"] = ("AMX usable: the R-worker's start-up tune times the tiles at GQA shapes (int8 KV on AMX-INT8; "
+                              "bf16 KV with --attn-probs bf16: the scores, and PV) against AVX-512 and keeps the "
+                              "faster; FASTDECODE_AMX=0/1 forces" if amx == "on"
                               else why or "no (needs AMX-BF16: Xeon Sapphire Rapids or later)")
         info["kernel_int8"] = int8_path(feats)
         info["kv_bytes_per_token"] = kv_bytes_line()
