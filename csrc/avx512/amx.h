@@ -79,34 +79,21 @@ static inline TileConfig attention_tile_config(int R) {
 #define FD_HAVE_AMX_HW 1
 #define FD_TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 #define FD_TARGET_AMX8 __attribute__((target("amx-tile,amx-int8")))
+#define FD_TARGET_TILE __attribute__((target("amx-tile")))
 
 struct AmxHw {
     FD_TARGET_AMX static void config(const TileConfig& c) { _tile_loadconfig(&c); }
     FD_TARGET_AMX static void release() { _tile_release(); }
-    FD_TARGET_AMX static void zero_c() {
-        _tile_zero(3);
-        _tile_zero(4);
-    }
-    FD_TARGET_AMX static void load_a(const void* p, size_t stride) { _tile_loadd(0, p, stride); }
-    FD_TARGET_AMX static void load_b0(const void* p, size_t stride) { _tile_loadd(1, p, stride); }
-    FD_TARGET_AMX static void load_b1(const void* p, size_t stride) { _tile_loadd(2, p, stride); }
     FD_TARGET_AMX static void dot() {   // C0 += A . B0, C1 += A . B1
         _tile_dpbf16ps(3, 0, 1);
         _tile_dpbf16ps(4, 0, 2);
     }
-    FD_TARGET_AMX static void store_c0(void* p, size_t stride) { _tile_stored(3, p, stride); }
-    FD_TARGET_AMX static void store_c1(void* p, size_t stride) { _tile_stored(4, p, stride); }
-    FD_TARGET_AMX static void load_c0(const void* p, size_t stride) { _tile_loadd(3, p, stride); }
-    FD_TARGET_AMX static void load_c1(const void* p, size_t stride) { _tile_loadd(4, p, stride); }
-    FD_TARGET_AMX static void load_p(const void* p, size_t stride) { _tile_loadd(5, p, stride); }
-    FD_TARGET_AMX static void load_v0(const void* p, size_t stride) { _tile_loadd(6, p, stride); }
-    FD_TARGET_AMX static void load_v1(const void* p, size_t stride) { _tile_loadd(7, p, stride); }
     FD_TARGET_AMX static void dot_pv() {   // C0 += P . V0, C1 += P . V1
         _tile_dpbf16ps(3, 5, 6);
         _tile_dpbf16ps(4, 5, 7);
     }
-    // any tile by number (amx_i8.h); GCC's tile intrinsics spell the register from the literal
-    // argument, hence one branch per tile
+    // a tile's load, store and zero by number; GCC's tile intrinsics spell the register from the
+    // literal argument, hence one branch per tile
 #define FD_TILE_BY_NUMBER(T, OP) \
     if constexpr (T == 0) { OP(0); } else if constexpr (T == 1) { OP(1); } else if constexpr (T == 2) { OP(2); } \
     else if constexpr (T == 3) { OP(3); } else if constexpr (T == 4) { OP(4); } else if constexpr (T == 5) { OP(5); } \
@@ -114,9 +101,9 @@ struct AmxHw {
 #define FD_TILE_LOAD(i) _tile_loadd(i, p, stride)
 #define FD_TILE_STORE(i) _tile_stored(i, p, stride)
 #define FD_TILE_ZERO(i) _tile_zero(i)
-    template <int T> FD_TARGET_AMX8 static void load_t(const void* p, size_t stride) { FD_TILE_BY_NUMBER(T, FD_TILE_LOAD) }
-    template <int T> FD_TARGET_AMX8 static void store_t(void* p, size_t stride) { FD_TILE_BY_NUMBER(T, FD_TILE_STORE) }
-    template <int T> FD_TARGET_AMX8 static void zero_t() { FD_TILE_BY_NUMBER(T, FD_TILE_ZERO) }
+    template <int T> FD_TARGET_TILE static void load_t(const void* p, size_t stride) { FD_TILE_BY_NUMBER(T, FD_TILE_LOAD) }
+    template <int T> FD_TARGET_TILE static void store_t(void* p, size_t stride) { FD_TILE_BY_NUMBER(T, FD_TILE_STORE) }
+    template <int T> FD_TARGET_TILE static void zero_t() { FD_TILE_BY_NUMBER(T, FD_TILE_ZERO) }
 #undef FD_TILE_LOAD
 #undef FD_TILE_STORE
 #undef FD_TILE_ZERO
@@ -206,24 +193,10 @@ struct AmxEmu {
             std::memcpy(r.t[ci][m], c, 64);
         }
     }
-    static void zero_c() {
-        std::memset(regs().t[3], 0, sizeof(regs().t[3]));
-        std::memset(regs().t[4], 0, sizeof(regs().t[4]));
-    }
-    static void load_a(const void* p, size_t stride) { load(0, p, stride); }
-    static void load_b0(const void* p, size_t stride) { load(1, p, stride); }
-    static void load_b1(const void* p, size_t stride) { load(2, p, stride); }
     static void dot() {
         dpbf16(3, 0, 1);
         dpbf16(4, 0, 2);
     }
-    static void store_c0(void* p, size_t stride) { store(3, p, stride); }
-    static void store_c1(void* p, size_t stride) { store(4, p, stride); }
-    static void load_c0(const void* p, size_t stride) { load(3, p, stride); }
-    static void load_c1(const void* p, size_t stride) { load(4, p, stride); }
-    static void load_p(const void* p, size_t stride) { load(5, p, stride); }
-    static void load_v0(const void* p, size_t stride) { load(6, p, stride); }
-    static void load_v1(const void* p, size_t stride) { load(7, p, stride); }
     static void dot_pv() {
         dpbf16(3, 5, 6);
         dpbf16(4, 5, 7);
@@ -267,17 +240,18 @@ static void scores_page_tiles(const char* K, int Dp, const uint32_t* qw, float s
     const int steps = Dp / 32;                       // 32 dims = 16 word rows per tile product
     const int lines = k_run_lines(BF16, Dp);
     constexpr size_t krow = PT * 4;                  // bytes from one K word row to the next
-    Tiles::zero_c();
+    Tiles::template zero_t<3>();
+    Tiles::template zero_t<4>();
     for (int s = 0; s < steps; ++s) {
         if (pf) prefetch_share(pf, lines, s, steps);
         const char* k = K + (size_t)s * 16 * krow;      // word rows 16s .. 16s+15
-        Tiles::load_a(qw + (size_t)s * 16, (size_t)Dp * 2);   // g query rows, dims 32s .. 32s+31
-        Tiles::load_b0(k, krow);                        // tokens 0-15
-        Tiles::load_b1(k + 64, krow);                   // tokens 16-31
+        Tiles::template load_t<0>(qw + (size_t)s * 16, (size_t)Dp * 2);   // g query rows, dims 32s .. 32s+31
+        Tiles::template load_t<1>(k, krow);                              // tokens 0-15
+        Tiles::template load_t<2>(k + 64, krow);                         // tokens 16-31
         Tiles::dot();
     }
-    Tiles::store_c0(S, krow);                           // S [g][PT]: a row of PT floats = krow bytes
-    Tiles::store_c1(S + 16, krow);
+    Tiles::template store_t<3>(S, krow);                // S [g][PT]: a row of PT floats = krow bytes
+    Tiles::template store_t<4>(S + 16, krow);
     const __m512 vs = _mm512_set1_ps(sc);
     for (int j = 0; j < g; ++j) {
         float* Sj = S + (size_t)j * PT;
@@ -296,18 +270,18 @@ template <class Tiles>
 static void pv_page_tiles(const char* V, int Dp, const uint16_t* p16, float* acc, const char* pf, int pf_lines) {
     const int steps = Dp / 32;
     const size_t arow = (size_t)Dp * 4;                 // bytes from one accumulator row to the next
-    Tiles::load_p(p16, PT * 2);
+    Tiles::template load_t<5>(p16, PT * 2);
     for (int s = 0; s < steps; ++s) {
         if (pf) prefetch_share(pf, pf_lines, s, steps);
         const int d = 32 * s;                           // dims d .. d+31: one pair tile's width apart
         const size_t vrow = (size_t)std::min(PAIR_TILE, Dp - d / PAIR_TILE * PAIR_TILE) * 4;
-        Tiles::load_c0(acc + d, arow);
-        Tiles::load_c1(acc + d + 16, arow);
-        Tiles::load_v0(V + pair_word(0, d, Dp) * 4, vrow);
-        Tiles::load_v1(V + pair_word(0, d + 16, Dp) * 4, vrow);
+        Tiles::template load_t<3>(acc + d, arow);
+        Tiles::template load_t<4>(acc + d + 16, arow);
+        Tiles::template load_t<6>(V + pair_word(0, d, Dp) * 4, vrow);
+        Tiles::template load_t<7>(V + pair_word(0, d + 16, Dp) * 4, vrow);
         Tiles::dot_pv();
-        Tiles::store_c0(acc + d, arow);
-        Tiles::store_c1(acc + d + 16, arow);
+        Tiles::template store_t<3>(acc + d, arow);
+        Tiles::template store_t<4>(acc + d + 16, arow);
     }
 }
 
@@ -338,16 +312,6 @@ static inline void scores_page_amx(int mode, const char* K, int Dp, const uint32
     if (mode == AMX_HW) return scores_page_tiles<AmxHw>(K, Dp, qw, sc, g, S, pf);
 #endif
     scores_page_tiles<AmxEmu>(K, Dp, qw, sc, g, S, pf);
-}
-
-// p16 [R][PT] <- the first `rows` rows of S [rows][PT] rounded to bf16 (as the AVX-512 pairs pass
-// rounds them), the rows after them zero (a block's padding: its products add nothing)
-static inline void probs_bf16(const float* S, int rows, int R, uint16_t* p16) {
-    for (int j = 0; j < rows; ++j)
-        for (int h = 0; h < PT; h += 16)
-            _mm256_storeu_si256((__m256i*)(p16 + (size_t)j * PT + h),
-                                _mm512_cvtepi32_epi16(bf16_rne_bits(_mm512_loadu_ps(S + (size_t)j * PT + h))));
-    std::memset(p16 + (size_t)rows * PT, 0, sizeof(uint16_t) * PT * (R - rows));
 }
 
 static inline void pv_page_amx(int mode, const char* V, int Dp, const uint16_t* p16, float* acc, const char* pf,

@@ -278,6 +278,16 @@ static inline __m512i bf16_rne_bits(__m512 x) {
     return _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
 }
 
+// p16 [R][PT] <- the first `rows` rows of S [rows][PT] rounded to bf16 (nearest even), the rows
+// after them zero (an AMX block's padding, amx.h: its products add nothing)
+static inline void probs_bf16(const float* S, int rows, int R, uint16_t* p16) {
+    for (int j = 0; j < rows; ++j)
+        for (int h = 0; h < PT; h += 16)
+            _mm256_storeu_si256((__m256i*)(p16 + (size_t)j * PT + h),
+                                _mm512_cvtepi32_epi16(bf16_rne_bits(_mm512_loadu_ps(S + (size_t)j * PT + h))));
+    std::memset(p16 + (size_t)rows * PT, 0, sizeof(uint16_t) * PT * (R - rows));
+}
+
 // a[j][c] += the products of one pair's 16*TC dims (row) with head j's pair word pw[j * PT/2]
 template <int GH, int TC>
 FD_TARGET_BF16 static inline void pairs_step(const char* row, const uint32_t* pw, __m512 (&a)[GH][TC]) {
@@ -333,10 +343,7 @@ static inline void pv_pairs_group(const char* V, int nvalid, int Dp, const float
     constexpr int U = GH <= 2 ? 2 : 1;                   // chains GH*TC*U: 8-16
     // 1. p (zero past nvalid: softmax_page) -> bf16, 32 per head = 16 pair words
     alignas(64) uint16_t p16[GH][PT];
-#pragma GCC unroll 8
-    for (int j = 0; j < GH; ++j)
-        for (int h = 0; h < PT; h += 16)
-            _mm256_storeu_si256((__m256i*)&p16[j][h], _mm512_cvtepi32_epi16(bf16_rne_bits(_mm512_loadu_ps(S + (size_t)j * PT + h))));
+    probs_bf16(S, GH, GH, &p16[0][0]);
     const uint32_t* pw = reinterpret_cast<const uint32_t*>(&p16[0][0]);
     const int npairs = (nvalid + 1) / 2;
     // 2. passes over whole tiles (16*TC dims), then 16 dims at a time in the narrower last tile;
